@@ -1,0 +1,141 @@
+"""Model configuration and layer ranges.
+
+``ModelConfig`` uses the Hugging Face field names (``hidden_size``,
+``num_key_value_heads``, ``rope_theta`` ...) whichever file format it was read from.
+``LayerRange`` is the one type for a span of decoder layers: half-open ``[start, stop)``
+inside the code, inclusive ``a-b`` on the command line.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import LayerRangeError
+
+#: Architectures the Llama-family decoder in ``meshinfer.models.llama`` covers.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder.
+
+    Attributes:
+        architecture: ``"llama"`` or ``"qwen2"`` (GGUF ``general.architecture``).
+        vocab_size: V, rows of the token embedding.
+        hidden_size: C, width of the residual stream.
+        intermediate_size: width of the SwiGLU MLP.
+        num_hidden_layers: number of decoder blocks L.
+        num_attention_heads: H, query heads.
+        num_key_value_heads: Hkv, key/value heads (grouped-query attention when < H).
+        rms_norm_eps: epsilon inside RMSNorm (Zhang & Sennrich 2019).
+        rope_theta: RoPE base frequency (Su et al. 2021, "RoFormer").
+        max_position_embeddings: context length in tokens.
+        attention_bias: True when q/k/v projections carry a bias (Qwen2).
+        tie_word_embeddings: True when the output projection reuses the token embedding.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    attention_bias: bool
+    tie_word_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        """D = hidden_size / num_attention_heads."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_bytes_per_token_per_layer_f32(self) -> int:
+        """Bytes one token's K and V take in one layer at float32: ``2 * Hkv * D * 4``."""
+        return 2 * self.num_key_value_heads * self.head_dim * 4
+
+    def validate(self) -> "ModelConfig":
+        """Check internal consistency; raise ``ValueError`` naming the field at fault."""
+        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model config field {name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
+                             f"num_attention_heads {self.num_attention_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        return self
+
+
+_CLI_RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$|^\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True, order=True)
+class LayerRange:
+    """A half-open span ``[start, stop)`` of decoder layers.
+
+    Raises:
+        LayerRangeError: when ``start < 0`` or ``stop <= start``.
+    """
+
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.start, int) or not isinstance(self.stop, int):
+            raise LayerRangeError(f"layer range bounds must be integers, got {self.start!r}, {self.stop!r}")
+        if self.start < 0:
+            raise LayerRangeError(f"layer range starts at {self.start}; layers are numbered from 0")
+        if self.stop <= self.start:
+            raise LayerRangeError(f"layer range [{self.start}, {self.stop}) is empty")
+
+    @classmethod
+    def parse(cls, text: str) -> "LayerRange":
+        """Parse the inclusive CLI form ``"0-11"`` (or ``"5"``) into ``[0, 12)``.
+
+        Raises:
+            LayerRangeError: on malformed text or an empty range such as ``"11-3"``.
+        """
+        m = _CLI_RANGE.match(text or "")
+        if not m:
+            raise LayerRangeError(f"layer range {text!r} is not of the form FIRST-LAST, e.g. 0-11")
+        if m.group(3) is not None:
+            first = last = int(m.group(3))
+        else:
+            first, last = int(m.group(1)), int(m.group(2))
+        if last < first:
+            raise LayerRangeError(f"layer range {text!r} is empty: last layer {last} < first layer {first}")
+        return cls(first, last + 1)
+
+    def check_within(self, num_layers: int) -> "LayerRange":
+        """Raise :class:`LayerRangeError` unless ``stop <= num_layers``; return self."""
+        if self.stop > num_layers:
+            raise LayerRangeError(
+                f"layer range {self.cli()} is outside the model: it has {num_layers} layers "
+                f"(0-{num_layers - 1})")
+        return self
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __contains__(self, layer: object) -> bool:
+        return isinstance(layer, int) and self.start <= layer < self.stop
+
+    def cli(self) -> str:
+        """Inclusive CLI form, e.g. ``"0-11"`` for ``[0, 12)``."""
+        return f"{self.start}-{self.stop - 1}"
+
+    def __str__(self) -> str:
+        return self.cli()
