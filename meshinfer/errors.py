@@ -107,3 +107,10 @@ class DeviceError(MeshError):
     """A compute device cannot be used; the message carries advice (driver, torch build)."""
 
     code = "device_error"
+
+
+class TemplateError(InvalidInput):
+    """A chat template cannot render the given messages (``raise_exception`` in the template,
+    an undefined variable, a sandbox violation) or the model has no chat template."""
+
+    code = "bad_template"

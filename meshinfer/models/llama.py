@@ -1,0 +1,200 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2) split into shards by layer range.
+
+Module names follow the Hugging Face checkpoints (``layers.3.self_attn.q_proj.weight``),
+with layer indices global to the whole model, so a shard over ``[12, 24)`` holds
+``layers.12`` .. ``layers.23``. The caller passes the KV cache in; the model never owns it.
+Pure torch: nothing here logs, prints, awaits or touches files.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import LayerRange, ModelConfig
+from ..errors import InvalidInput, PositionError, WeightsError
+from .common import LayerCache, RMSNorm, apply_rope, causal_attention, rope_cos_sin
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with optional q/k/v bias (Qwen2) and RoPE."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        C, H, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = H, Hkv, D
+        self.q_proj = nn.Linear(C, H * D, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(H * D, C, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+                cache: LayerCache | None, layer: int) -> torch.Tensor:
+        """``x`` ``(B, T, C)`` -> ``(B, T, C)``; ``cos/sin`` ``(T, D)``; ``start`` = first position."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, Hkv, S, D)
+        y = causal_attention(q, k, v, start)  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer: ``x + attn(norm(x))`` then ``h + mlp(norm(h))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, start, cache, layer):  # (B, T, C) -> (B, T, C)
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, start, cache, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Shard(nn.Module):
+    """Decoder layers ``[layers.start, layers.stop)``, plus the embedding on the first shard
+    and the final norm and output projection on the last.
+
+    Args:
+        cfg: the whole model's config.
+        layers: the half-open range this shard holds.
+
+    Raises:
+        LayerRangeError: when ``layers`` is outside ``[0, cfg.num_hidden_layers)``.
+    """
+
+    def __init__(self, cfg: ModelConfig, layers: LayerRange) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.range = layers.check_within(cfg.num_hidden_layers)
+        self.is_first = layers.start == 0
+        self.is_last = layers.stop == cfg.num_hidden_layers
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(layers.start, layers.stop)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype of the shard's weights."""
+        return next(iter(self.layers.values())).mlp.up_proj.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.layers.values())).mlp.up_proj.weight.device
+
+    @classmethod
+    def from_tensors(cls, cfg: ModelConfig, layers: LayerRange,
+                     tensors: Iterable[tuple[str, torch.Tensor]], *,
+                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "Shard":
+        """Build a shard on the meta device, then assign each tensor as it arrives.
+
+        No weight exists twice in memory: each float32 tensor from the reader is cast and
+        moved, then dropped (the gpt-fast pattern).
+
+        Raises:
+            WeightsError: a tensor whose shape differs from the model's, an unexpected tensor,
+                or a parameter no tensor filled.
+        """
+        with torch.device("meta"):
+            shard = cls(cfg, layers)
+        params = dict(shard.named_parameters())
+        filled = set()
+        for name, tensor in tensors:
+            param = params.get(name)
+            if param is None:
+                raise WeightsError(f"unexpected tensor {name!r} for layers {layers.cli()}")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise WeightsError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                   f"the model needs {tuple(param.shape)}")
+            owner, _, attr = name.rpartition(".")
+            value = tensor.to(device=device, dtype=dtype).contiguous()
+            setattr(shard.get_submodule(owner), attr, nn.Parameter(value, requires_grad=False))
+            filled.add(name)
+        missing = sorted(set(params) - filled)
+        if missing:
+            raise WeightsError(f"tensors missing for layers {layers.cli()}: {', '.join(missing[:5])}"
+                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        return shard.eval()
+
+    def _check_input(self, x: torch.Tensor, run: LayerRange) -> None:
+        if run.start == 0:
+            if x.dtype != torch.int64 or x.dim() != 2:
+                raise InvalidInput(f"the first shard takes token ids (B, T) int64, got {tuple(x.shape)} {x.dtype}")
+            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.cfg.vocab_size):
+                bad = int(x.max()) if int(x.max()) >= self.cfg.vocab_size else int(x.min())
+                raise InvalidInput(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        elif x.dim() != 3 or x.shape[-1] != self.cfg.hidden_size or not x.is_floating_point():
+            raise InvalidInput(f"layers {run.cli()} take hidden states (B, T, {self.cfg.hidden_size}) float, "
+                               f"got {tuple(x.shape)} {x.dtype}")
+        if x.shape[1] == 0:
+            raise InvalidInput("a step must carry at least one token")
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, start: int, cache: "LayerCache | None" = None, *,
+                run: LayerRange | None = None, logits: str = "last") -> torch.Tensor:
+        """Run layers ``run`` (default: all of this shard's) over ``T`` new tokens.
+
+        Args:
+            x: token ids ``(B, T)`` int64 when ``run.start == 0``, else hidden states ``(B, T, C)``.
+            start: position of the first new token. With a cache it must equal the cache's length.
+            cache: the conversation's KV cache for these layers, or None for a stateless pass.
+            run: a sub-range of this shard's layers to apply.
+            logits: on the last layer, ``"last"`` returns ``(B, 1, V)``, ``"all"`` ``(B, T, V)``.
+
+        Returns:
+            Hidden states ``(B, T, C)`` in the compute dtype, or float32 logits when ``run``
+            ends at the model's last layer.
+
+        Raises:
+            InvalidInput: wrong input kind or shape, a token id outside the vocabulary.
+            PositionError: ``start`` differs from the cache length, or exceeds the context.
+            LayerRangeError: ``run`` is not within this shard.
+        """
+        run = run or self.range
+        if run.start < self.range.start or run.stop > self.range.stop:
+            from ..errors import LayerRangeError
+            raise LayerRangeError(f"this shard holds layers {self.range.cli()}, asked for {run.cli()}")
+        self._check_input(x, run)
+        T = x.shape[1]
+        if start < 0 or start + T > self.cfg.max_position_embeddings:
+            raise PositionError(f"positions {start}..{start + T - 1} exceed the context of "
+                                f"{self.cfg.max_position_embeddings} tokens")
+        if cache is not None and getattr(cache, "length", start) != start:
+            raise PositionError(f"step starts at position {start} but the cache holds {cache.length} tokens")
+        if cache is not None:
+            cache.reserve(T)
+        h = self.embed_tokens(x) if run.start == 0 else x.to(self.dtype)  # (B, T, C)
+        positions = torch.arange(start, start + T, device=h.device)  # (T,)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        for i in range(run.start, run.stop):
+            h = self.layers[str(i)](h, cos, sin, start, cache, i)
+        if cache is not None:
+            cache.commit(T)
+        if run.stop < self.cfg.num_hidden_layers:
+            return h
+        if logits == "last":
+            h = h[:, -1:]  # (B, 1, C)
+        return self.lm_head(self.norm(h)).float()  # (B, T|1, V)

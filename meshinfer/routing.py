@@ -1,0 +1,522 @@
+"""Route planner: choose a chain of peers that runs every decoder layer exactly once.
+
+Pure code: no I/O, no asyncio, no logging. The input is a peer table
+(:class:`~meshinfer.protocol.PeerAdvert`), the client's measured round-trip times and
+the RTTs peers advertise to each other. The output is a :class:`Route`: hops in data-path
+order, each running a half-open sub-range of its peer's advertised layers, so that
+together they run ``[0, L)`` exactly once.
+
+Cost model, milliseconds per decoded token. It follows the data path: the client sends
+token ids to hop 1, each hop sends hidden states to the next, and the last hop sends the
+chosen token straight back to the client::
+
+    RTT(client, hop 1)/2 + sum of RTT(hop i, hop i+1)/2 + RTT(hop n, client)/2
+    + sum of compute_ms_per_token_i * k_i / n_i    (hop i runs k_i of its n_i layers)
+
+Search. Dijkstra over states ``(a, i)``: layers ``[0, a)`` are done, and peer ``i`` ran
+layer ``a - 1``. The state has to hold the last peer because the next link's cost depends
+on it. Each edge runs one layer. It either *continues* on peer ``i``, or *switches* to a
+peer ``j`` that holds layer ``a``, paying the link ``i -> j``. This is the same as allowing
+every hop ``(peer, a, b)`` with ``start <= a < b <= stop``, but it needs O(L * P^2) edges
+instead of O(L^2 * P^2). Split points are not limited to the peers' range boundaries.
+That limit would lose optima: a hop must run at least one layer, and a one-layer hop can
+be the best choice. For example, if the only peer near the client is slow, the best route
+may run layer 0 on it (a cheap client link) and layers 1..L-1 on a fast, distant peer.
+
+Rules:
+
+* Every hop has the same ``compat_key``: weights hash, precision, protocol version and L.
+  Each key group is planned separately, and the cheapest complete route wins.
+* Only ``"ready"`` peers are used. ``"joining"`` peers have nothing loaded yet. A
+  ``"draining"`` peer is about to leave: a new session on it would be cut short and
+  failover would replan anyway, so it is not kept as a last resort either.
+* A peer is not used when it is in ``exclude`` (a failed hop), when it has fewer than
+  ``min_free_kv_tokens`` free KV tokens, when it advertises layers beyond the model, or
+  when its compute time is not a finite number >= 0.
+* Unknown RTTs count as :data:`DEFAULT_UNKNOWN_RTT_MS`. The link RTT between peers ``a``
+  and ``b`` is ``a.rtts_ms[b]`` or ``b.rtts_ms[a]``, or the mean of the two when both exist.
+* By default a peer serves at most one hop, so that peers and sessions can key
+  per-conversation state by peer. With ``allow_revisit=True``, a slow peer holding every
+  layer may wrap a fast peer holding the middle ones, e.g. ``A[0-5] -> B[6-17] -> A[18-23]``.
+* Ties are broken in this order, so that every client picks the same route: lower cost,
+  then fewer hops, then hop by hop from the first, more free KV tokens, then lower
+  ``peer_id``, then an earlier start layer. The order is lexicographic and is kept when an
+  edge is appended, so Dijkstra finds the exact minimum under it. Costs are compared at
+  a 1e-9 ms resolution, so that float rounding does not break ties.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .config import LayerRange
+from .errors import NoRoute
+from .protocol import READY, PeerAdvert
+
+#: ``(weights_hash, precision, protocol_version, num_layers)``, see ``PeerAdvert.compat_key``.
+CompatKey = tuple[str, str, int, int]
+
+#: RTT assumed for a link nobody has measured, in milliseconds. 100 ms is a conservative
+#: round trip between distant sites on the public Internet (same-continent paths take
+#: 20-60 ms). It is high enough that a measured nearby peer wins, and low enough that an
+#: unmeasured peer is still used when nothing else covers its layers.
+DEFAULT_UNKNOWN_RTT_MS = 100.0
+
+#: Hex digits of the weights hash shown in messages. 12 digits (48 bits) tell any
+#: realistic set of models apart and still fit on one line.
+HASH_PREFIX_CHARS = 12
+
+#: Hex digits of a peer id shown in messages and :meth:`Route.describe`.
+PEER_ID_PREFIX_CHARS = 12
+
+#: Decimal digits of milliseconds kept in the search's running costs. The search adds
+#: costs one layer at a time, so two routes that cost the same on paper can differ in the
+#: last bits of a float. Rounding to 1e-9 ms makes them tie, and the documented
+#: tie-break decides between them. 1e-9 ms is far below any difference that matters.
+_COST_DIGITS = 9
+
+_NO_PEERS: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One link of a route: ``peer`` runs ``layers``, a sub-range of ``peer.layers``."""
+
+    peer: PeerAdvert
+    layers: LayerRange
+
+    @property
+    def peer_id(self) -> str:
+        return self.peer.peer_id
+
+    @property
+    def compute_ms(self) -> float:
+        """The peer's advertised per-token compute, scaled to this hop's share of its layers, ms."""
+        return self.peer.compute_ms_per_token * len(self.layers) / len(self.peer.layers)
+
+
+@dataclass(frozen=True)
+class Route:
+    """A chain of hops that runs layers ``[0, num_layers)`` exactly once, in order.
+
+    Attributes:
+        hops: the hops in data-path order. The first starts at layer 0 on a peer that holds
+            the embedding; the last ends at ``num_layers`` on a peer that holds the output head.
+        estimated_ms_per_token: the planner's cost (see the module docstring), milliseconds.
+        compat_key: ``(weights_hash, precision, protocol_version, num_layers)`` of every hop.
+    """
+
+    hops: tuple[Hop, ...]
+    estimated_ms_per_token: float
+    compat_key: CompatKey
+
+    @property
+    def num_layers(self) -> int:
+        return self.compat_key[3]
+
+    @property
+    def peer_ids(self) -> tuple[str, ...]:
+        return tuple(hop.peer_id for hop in self.hops)
+
+    def describe(self) -> str:
+        """One line for the CLI, e.g. ``"1f2e3d4c5b6a[0-11] -> 99aa...[12-23] (~41.5 ms/token)"``."""
+        chain = " -> ".join(f"{h.peer_id[:PEER_ID_PREFIX_CHARS]}[{h.layers.cli()}]" for h in self.hops)
+        return f"{chain} (~{self.estimated_ms_per_token:.1f} ms/token)"
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """Whether one compat-key group of the peer table can serve a whole model.
+
+    Attributes:
+        compat_key: the group's ``(weights_hash, precision, protocol_version, num_layers)``.
+        identity: the same key for people, e.g. ``"weights 1d9614638d18 f32"``.
+        num_peers: adverts in the group, any state.
+        num_usable: peers the planner may use (ready, not excluded, enough free KV).
+        route: the best complete route, or None.
+        missing: layer ranges no usable peer holds; empty when ``route`` is set.
+    """
+
+    compat_key: CompatKey
+    identity: str
+    num_peers: int
+    num_usable: int
+    route: Route | None
+    missing: tuple[LayerRange, ...]
+
+
+def plan_route(
+    peers: Iterable[PeerAdvert],
+    *,
+    client_rtts_ms: Mapping[str, float],
+    num_layers: int | None = None,
+    compat_key: CompatKey | None = None,
+    exclude: frozenset[str] | set[str] = frozenset(),
+    min_free_kv_tokens: int = 0,
+    allow_revisit: bool = False,
+) -> Route:
+    """Return the lowest-latency chain of compatible ready peers covering ``[0, L)``.
+
+    Args:
+        peers: the peer table. When a ``peer_id`` appears twice, the larger ``seq`` wins.
+        client_rtts_ms: the client's RTT to each peer, milliseconds. Missing peers count
+            as :data:`DEFAULT_UNKNOWN_RTT_MS`.
+        num_layers: L when known. Groups with a different L are ignored.
+        compat_key: plan only within this group (e.g. the one a session started on).
+        exclude: peer ids never to use (hops that failed, for failover).
+        min_free_kv_tokens: skip peers whose ``free_kv_tokens`` is below this; 0 skips none.
+        allow_revisit: let one peer serve two non-adjacent hops (see the module docstring).
+
+    Raises:
+        NoRoute: no group's usable peers cover every layer. The message names the missing
+            layers of the best group and, when several identities exist, what each serves.
+        ValueError: ``min_free_kv_tokens < 0``, ``num_layers < 1``, or ``num_layers``
+            disagrees with ``compat_key``.
+    """
+    _check_args(num_layers, compat_key, min_free_kv_tokens)
+    groups = _groups(peers, num_layers, compat_key)
+    if not groups:
+        raise NoRoute(_empty_table_message(num_layers, compat_key))
+    statuses = [
+        _plan_group(key, members, client_rtts_ms, exclude, min_free_kv_tokens, allow_revisit, groups)
+        for key, members in groups.items()
+    ]
+    routes = [s.route for s in statuses if s.route is not None]
+    if routes:
+        return min(routes, key=_route_order)
+    raise NoRoute(_no_route_message(statuses, groups, exclude, min_free_kv_tokens))
+
+
+def complete_routes_summary(
+    peers: Iterable[PeerAdvert],
+    *,
+    client_rtts_ms: Mapping[str, float] | None = None,
+    exclude: frozenset[str] | set[str] = frozenset(),
+    min_free_kv_tokens: int = 0,
+    allow_revisit: bool = False,
+) -> list[GroupStatus]:
+    """Per compat-key group: can a complete chain be built, and which is the best one?
+
+    For ``meshinfer status``. Groups that have a route come first, cheapest first. The
+    rest follow, the group missing the fewest layers first. Without ``client_rtts_ms``,
+    every client RTT counts as :data:`DEFAULT_UNKNOWN_RTT_MS`.
+
+    Raises:
+        ValueError: ``min_free_kv_tokens < 0``.
+    """
+    _check_args(None, None, min_free_kv_tokens)
+    groups = _groups(peers, None, None)
+    rtts = client_rtts_ms or {}
+    statuses = [
+        _plan_group(key, members, rtts, exclude, min_free_kv_tokens, allow_revisit, groups)
+        for key, members in groups.items()
+    ]
+
+    def order(s: GroupStatus) -> tuple:
+        if s.route is not None:
+            return (0, _route_order(s.route))
+        return (1, sum(len(r) for r in s.missing), s.compat_key)
+
+    return sorted(statuses, key=order)
+
+
+def estimate_ms_per_token(hops: Sequence[Hop], *, client_rtts_ms: Mapping[str, float]) -> float:
+    """Cost of a given chain of hops under the module's model, milliseconds per token.
+
+    Raises:
+        ValueError: ``hops`` is empty.
+    """
+    if not hops:
+        raise ValueError("a route needs at least one hop")
+    total = client_rtt_ms(hops[0].peer, client_rtts_ms) / 2 + client_rtt_ms(hops[-1].peer, client_rtts_ms) / 2
+    for prev, nxt in zip(hops, hops[1:]):
+        total += link_rtt_ms(prev.peer, nxt.peer) / 2
+    return total + sum(hop.compute_ms for hop in hops)
+
+
+def client_rtt_ms(peer: PeerAdvert, client_rtts_ms: Mapping[str, float]) -> float:
+    """The client's RTT to ``peer``, ms. If it is unknown or invalid, :data:`DEFAULT_UNKNOWN_RTT_MS`."""
+    rtt = client_rtts_ms.get(peer.peer_id)
+    return rtt if _valid_ms(rtt) else DEFAULT_UNKNOWN_RTT_MS
+
+
+def link_rtt_ms(a: PeerAdvert, b: PeerAdvert) -> float:
+    """RTT between two peers, ms: the mean of the valid values each side reports for the other.
+
+    If neither side reports a valid value, :data:`DEFAULT_UNKNOWN_RTT_MS`.
+    """
+    seen = [r for r in (a.rtts_ms.get(b.peer_id), b.rtts_ms.get(a.peer_id)) if _valid_ms(r)]
+    return sum(seen) / len(seen) if seen else DEFAULT_UNKNOWN_RTT_MS
+
+
+def identity(key: CompatKey, others: Iterable[CompatKey] = ()) -> str:
+    """Name a compat key for people: ``"weights 1d9614638d18 f32"``.
+
+    The protocol version and the layer count are added only when ``others`` differ in them.
+    """
+    weights_hash, precision, protocol, num_layers = key
+    text = f"weights {weights_hash[:HASH_PREFIX_CHARS]} {precision}"
+    others = list(others)
+    if any(k[2] != protocol for k in others):
+        text += f" protocol {protocol}"
+    if any(k[3] != num_layers for k in others):
+        text += f" ({num_layers} layers)"
+    return text
+
+
+# ---------------------------------------------------------------------------- peer table
+
+
+def _valid_ms(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
+def _check_args(num_layers: int | None, compat_key: CompatKey | None, min_free_kv_tokens: int) -> None:
+    if min_free_kv_tokens < 0:
+        raise ValueError(f"min_free_kv_tokens must be >= 0, got {min_free_kv_tokens}")
+    if num_layers is not None and num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    if num_layers is not None and compat_key is not None and compat_key[3] != num_layers:
+        raise ValueError(f"num_layers {num_layers} disagrees with compat_key, which says {compat_key[3]} layers")
+
+
+def _groups(
+    peers: Iterable[PeerAdvert], num_layers: int | None, compat_key: CompatKey | None
+) -> dict[CompatKey, list[PeerAdvert]]:
+    """Keep the newest advert per peer id and group them by compat key, each sorted by peer id."""
+    newest: dict[str, PeerAdvert] = {}
+    for p in peers:
+        if p.num_layers < 1:
+            continue  # malformed; the protocol layer rejects such adverts
+        if p.peer_id not in newest or p.seq > newest[p.peer_id].seq:
+            newest[p.peer_id] = p
+    groups: dict[CompatKey, list[PeerAdvert]] = {}
+    for p in sorted(newest.values(), key=lambda p: p.peer_id):
+        key = p.compat_key
+        if (compat_key is None or key == compat_key) and (num_layers is None or key[3] == num_layers):
+            groups.setdefault(key, []).append(p)
+    return dict(sorted(groups.items()))
+
+
+def _unusable_reason(p: PeerAdvert, exclude: frozenset[str] | set[str], min_free_kv_tokens: int) -> str | None:
+    """Why the planner skips ``p`` (a phrase after "peer X"), or None when it may use it."""
+    if p.peer_id in exclude:
+        return "is excluded"
+    if p.state != READY:
+        return f"is {p.state}"
+    if p.layers.stop > p.num_layers:
+        return f"advertises layers {p.layers.cli()} of a {p.num_layers}-layer model"
+    if not _valid_ms(p.compute_ms_per_token):
+        return f"advertises an invalid compute time {p.compute_ms_per_token!r} ms"
+    if min_free_kv_tokens and p.free_kv_tokens < min_free_kv_tokens:
+        return f"has {p.free_kv_tokens} free KV tokens, {min_free_kv_tokens} needed"
+    return None
+
+
+def _missing_layers(usable: Sequence[PeerAdvert], num_layers: int) -> tuple[LayerRange, ...]:
+    """Maximal runs of layers in ``[0, num_layers)`` that no peer in ``usable`` holds."""
+    covered = [False] * num_layers
+    for p in usable:
+        for layer in range(p.layers.start, min(p.layers.stop, num_layers)):
+            covered[layer] = True
+    runs, start = [], None
+    for layer, ok in enumerate(covered + [True]):
+        if not ok and start is None:
+            start = layer
+        elif ok and start is not None:
+            runs.append(LayerRange(start, layer))
+            start = None
+    return tuple(runs)
+
+
+def _plan_group(
+    key: CompatKey,
+    members: Sequence[PeerAdvert],
+    client_rtts_ms: Mapping[str, float],
+    exclude: frozenset[str] | set[str],
+    min_free_kv_tokens: int,
+    allow_revisit: bool,
+    groups: Mapping[CompatKey, object],
+) -> GroupStatus:
+    """Plan within one compat-key group. ``members`` are sorted by peer id."""
+    usable = [p for p in members if _unusable_reason(p, exclude, min_free_kv_tokens) is None]
+    missing = _missing_layers(usable, key[3])
+    route = None
+    if not missing:
+        graph = _build_graph(usable, key[3], client_rtts_ms)
+        found = _search(graph, no_revisit=False)
+        assert found is not None, "every layer is covered, so a chain exists"
+        if not allow_revisit and len({h[3] for h in found[1]}) < len(found[1]):
+            # The best chain re-enters a peer. Search again, remembering the peers left behind.
+            found = _search(graph, no_revisit=True)
+            assert found is not None, "every layer is covered, so a chain without revisits exists"
+        route = _to_route(graph, found[1], key, client_rtts_ms)
+    return GroupStatus(key, identity(key, groups), len(members), len(usable), route, missing)
+
+
+def _route_order(route: Route) -> tuple:
+    """The documented tie-break order, applied across groups."""
+    per_hop = tuple((-h.peer.free_kv_tokens, h.peer_id, h.layers.start) for h in route.hops)
+    return (route.estimated_ms_per_token, len(route.hops), per_hop, route.compat_key)
+
+
+# ---------------------------------------------------------------------------- search
+
+# A hop as the search records it: (-free_kv_tokens, peer_id, start layer, peer index).
+# Tuples of these compare in the documented tie-break order.
+_HopKey = tuple[int, str, int, int]
+
+
+@dataclass(frozen=True)
+class _Graph:
+    """Costs of one group's usable peers (sorted by peer id), indexed by position."""
+
+    peers: tuple[PeerAdvert, ...]
+    num_layers: int
+    client_half_ms: tuple[float, ...]              # client <-> peer i, one way
+    layer_ms: tuple[float, ...]                    # one layer's compute on peer i
+    link_half_ms: tuple[tuple[float, ...], ...]    # peer i -> peer j, one way
+    cover: tuple[tuple[int, ...], ...]             # cover[a]: peers holding layer a
+
+
+def _build_graph(peers: Sequence[PeerAdvert], num_layers: int, client_rtts_ms: Mapping[str, float]) -> _Graph:
+    n = len(peers)
+    return _Graph(
+        peers=tuple(peers),
+        num_layers=num_layers,
+        client_half_ms=tuple(client_rtt_ms(p, client_rtts_ms) / 2 for p in peers),
+        layer_ms=tuple(p.compute_ms_per_token / len(p.layers) for p in peers),
+        link_half_ms=tuple(tuple(link_rtt_ms(peers[i], peers[j]) / 2 for j in range(n)) for i in range(n)),
+        cover=tuple(tuple(i for i, p in enumerate(peers) if a in p.layers) for a in range(num_layers)),
+    )
+
+
+def _search(g: _Graph, *, no_revisit: bool) -> tuple[float, tuple[_HopKey, ...]] | None:
+    """Dijkstra from "no layer run" to "all layers run and the token back at the client".
+
+    A state is ``(a, i, left)``: layers ``[0, a)`` are done and peer ``i`` ran layer ``a - 1``.
+    With ``no_revisit``, ``left`` holds the peers already left behind that still hold a
+    layer ``>= a``, so they could otherwise be entered again. Without it, ``left`` is always
+    empty. ``a == L + 1`` (with ``i == -1``) is the goal. Labels are
+    ``(cost_ms, hops, hop keys)``. Returns the goal's cost and hop keys, or None.
+    """
+    L = g.num_layers
+    heap: list[tuple] = []
+    best: dict[tuple, tuple] = {}
+
+    def push(cost: float, hops: int, seq: tuple[_HopKey, ...], a: int, i: int, left: frozenset[int]) -> None:
+        cost = round(cost, _COST_DIGITS)
+        label, state = (cost, hops, seq), (a, i, left)
+        if state not in best or label < best[state]:
+            best[state] = label
+            heapq.heappush(heap, (cost, hops, seq, a, i, left))
+
+    for i in g.cover[0]:
+        push(g.client_half_ms[i] + g.layer_ms[i], 1, (_hop_key(g, i, 0),), 1, i, _NO_PEERS)
+    while heap:
+        cost, hops, seq, a, i, left = heapq.heappop(heap)
+        if best[(a, i, left)] != (cost, hops, seq):
+            continue  # a better label reached this state after this one was pushed
+        if a > L:
+            return cost, seq
+        if a == L:
+            push(cost + g.client_half_ms[i], hops, seq, L + 1, -1, _NO_PEERS)
+            continue
+        if a < g.peers[i].layers.stop:  # continue on peer i
+            push(cost + g.layer_ms[i], hops, seq, a + 1, i, _still_open(g, left, a + 1))
+        for j in g.cover[a]:  # switch to peer j, which runs layer a
+            if j == i or j in left:
+                continue
+            new_left = _still_open(g, left | {i}, a + 1) if no_revisit else _NO_PEERS
+            push(cost + g.link_half_ms[i][j] + g.layer_ms[j], hops + 1, seq + (_hop_key(g, j, a),),
+                 a + 1, j, new_left)
+    return None
+
+
+def _hop_key(g: _Graph, i: int, start: int) -> _HopKey:
+    p = g.peers[i]
+    return (-p.free_kv_tokens, p.peer_id, start, i)
+
+
+def _still_open(g: _Graph, left: frozenset[int], a: int) -> frozenset[int]:
+    """The peers of ``left`` that still hold a layer ``>= a``."""
+    if not left:
+        return left
+    return frozenset(k for k in left if g.peers[k].layers.stop > a)
+
+
+def _to_route(g: _Graph, seq: tuple[_HopKey, ...], key: CompatKey, client_rtts_ms: Mapping[str, float]) -> Route:
+    """Build the route. Its cost is recomputed hop by hop, so it does not carry per-layer rounding."""
+    starts = [h[2] for h in seq] + [g.num_layers]
+    hops = tuple(Hop(g.peers[h[3]], LayerRange(starts[k], starts[k + 1])) for k, h in enumerate(seq))
+    return Route(hops, estimate_ms_per_token(hops, client_rtts_ms=client_rtts_ms), key)
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+def _layers_text(ranges: Sequence[LayerRange]) -> str:
+    """``"layer 5"``, ``"layers 12-17"``, ``"layers 0-3 and 8-11"``, ``"layers 1, 3-4 and 9"``."""
+    parts = [r.cli() if len(r) > 1 else str(r.start) for r in ranges]
+    joined = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return ("layer " if _is_one_layer(ranges) else "layers ") + joined
+
+
+def _is_one_layer(ranges: Sequence[LayerRange]) -> bool:
+    return len(ranges) == 1 and len(ranges[0]) == 1
+
+
+def _gap_text(missing: Sequence[LayerRange]) -> str:
+    return f"{_layers_text(missing)} {'has' if _is_one_layer(missing) else 'have'} no ready peer"
+
+
+def _reasons_text(members: Sequence[PeerAdvert], missing: Sequence[LayerRange],
+                  exclude: frozenset[str] | set[str], min_free_kv_tokens: int) -> str:
+    """``" (peer ab12 is draining; peer cd34 is excluded)"``: why the peers holding the gap are skipped."""
+    reasons = []
+    for p in members:
+        if any(p.layers.start < r.stop and r.start < p.layers.stop for r in missing):
+            why = _unusable_reason(p, exclude, min_free_kv_tokens)
+            reasons.append(f"peer {p.peer_id[:PEER_ID_PREFIX_CHARS]} {why}")
+    return f" ({'; '.join(reasons)})" if reasons else ""
+
+
+def _no_route_message(statuses: Sequence[GroupStatus], groups: Mapping[CompatKey, Sequence[PeerAdvert]],
+                      exclude: frozenset[str] | set[str], min_free_kv_tokens: int) -> str:
+    """Name the best group's missing layers and, with several identities, what each one serves."""
+    best = min(statuses, key=lambda s: (sum(len(r) for r in s.missing), s.compat_key))
+    gap = _gap_text(best.missing) + _reasons_text(groups[best.compat_key], best.missing, exclude,
+                                                  min_free_kv_tokens)
+    if len(statuses) == 1:
+        return f"no route: {gap}"
+    served = []
+    for s in statuses:
+        usable = [p for p in groups[s.compat_key] if _unusable_reason(p, exclude, min_free_kv_tokens) is None]
+        held = _held_ranges(usable, s.compat_key[3])
+        if held:
+            served.append((held, s.identity))
+    if not served:
+        return f"no route: no ready peer in any of {len(statuses)} model identities; with {best.identity}, {gap}"
+    served.sort(key=lambda item: (item[0][0].start, item[1]))
+    (first, first_ident), rest = served[0], served[1:]
+    parts = [f"{_layers_text(first)} {'is' if _is_one_layer(first) else 'are'} served by {first_ident}"]
+    parts += [f"{_layers_text(held)} by {ident}" for held, ident in rest]
+    listing = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return f"no compatible chain: {listing}; with {best.identity}, {gap}"
+
+
+def _held_ranges(usable: Sequence[PeerAdvert], num_layers: int) -> tuple[LayerRange, ...]:
+    """Maximal runs of layers that some peer in ``usable`` holds (the complement of the gaps)."""
+    edges = [0] + [x for r in _missing_layers(usable, num_layers) for x in (r.start, r.stop)] + [num_layers]
+    return tuple(LayerRange(a, b) for a, b in zip(edges[::2], edges[1::2]) if b > a)
+
+
+def _empty_table_message(num_layers: int | None, compat_key: CompatKey | None) -> str:
+    if compat_key is not None:
+        return f"no route: no peer advertises {identity(compat_key)} (protocol {compat_key[2]}, {compat_key[3]} layers)"
+    if num_layers is not None:
+        return f"no route: no peer advertises a {num_layers}-layer model"
+    return "no route: the peer table is empty"

@@ -1,0 +1,128 @@
+"""Exactness on the real models: reference cases, splits, step-by-step decode, a long prompt."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import model_path
+from meshinfer.config import LayerRange
+from meshinfer.generate import greedy_generate, new_cache
+from meshinfer.models.llama import Shard
+from meshinfer.weights import open_weights
+
+pytestmark = pytest.mark.realmodel
+
+CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
+DEFAULT = "qwen2.5-coder-0.5b-instruct-q4_k_m"
+SMOL = "smollm2-135m-instruct-q4_1"
+
+
+@lru_cache(maxsize=2)
+def full_tensors(name: str) -> tuple:
+    """(config, {module name: f32 tensor}) of the whole model, dequantized once per session."""
+    src = open_weights(model_path(name))
+    everything = LayerRange(0, src.config.num_hidden_layers)
+    return src.config, dict(src.iter_shard_tensors(everything))
+
+
+def shard_of(name: str, start: int, stop: int) -> Shard:
+    """A shard built from the cached tensors: exactly the tensors a real load would read."""
+    cfg, tensors = full_tensors(name)
+    layers = LayerRange(start, stop)
+    wanted = [(n, t) for n, t in tensors.items()
+              if (n.startswith("layers.") and int(n.split(".")[1]) in layers)
+              or (n == "embed_tokens.weight" and start == 0)
+              or (n in ("norm.weight", "lm_head.weight") and stop == cfg.num_hidden_layers)]
+    return Shard.from_tensors(cfg, layers, wanted)
+
+
+def load_cases(name: str) -> dict:
+    return json.loads((CASES / f"{name}.json").read_text())
+
+
+def case_params():
+    return [(m, c) for m in (DEFAULT, SMOL) for c in load_cases(m)]
+
+
+@pytest.mark.parametrize("model,case", case_params())
+def test_teacher_forced_top8_logits_match_reference(model, case):
+    c = load_cases(model)[case]
+    shard = shard_of(model, 0, full_tensors(model)[0].num_hidden_layers)
+    ids = torch.tensor([c["prompt_ids"] + c["greedy_ids"]])
+    logits = shard(ids, 0, logits="all")[0]  # (T, V)
+    P = len(c["prompt_ids"])
+    for j, (top_ids, top_logits) in enumerate(zip(c["top8_ids"], c["top8_logits"])):
+        got = logits[P - 1 + j, torch.tensor(top_ids)]
+        err = (got - torch.tensor(top_logits)).abs().max().item()
+        assert err < 1e-2, f"{model}/{case} position {j}: top-8 logits differ by {err}"
+
+
+def first_near_tie(c: dict) -> int:
+    """Index of the first generated position whose reference top-1/top-2 gap is < 0.02."""
+    for j, top in enumerate(c["top8_logits"]):
+        if top[0] - top[1] < 0.02:
+            return j
+    return len(c["greedy_ids"])
+
+
+@pytest.mark.parametrize("model,case", case_params())
+def test_free_running_greedy_matches_reference(model, case):
+    c = load_cases(model)[case]
+    shard = shard_of(model, 0, full_tensors(model)[0].num_hidden_layers)
+    n = first_near_tie(c)
+    out = greedy_generate(shard, c["prompt_ids"], max_tokens=len(c["greedy_ids"]), eos_ids=())
+    assert out.token_ids[:n] == c["greedy_ids"][:n]
+
+
+def decode_through(shards: list[Shard], prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """Prefill then greedy decode through a chain of shards; return prefill logits and tokens."""
+    caches = [new_cache(s) for s in shards]
+
+    def chain(x, start):
+        for s, cache in zip(shards, caches):
+            x = s(x, start, cache, logits="all")
+        return x
+
+    prefill = chain(torch.tensor([prompt]), 0)[0]  # (T, V)
+    tokens = [int(prefill[-1].argmax())]
+    for _ in range(steps):
+        logits = chain(torch.tensor([[tokens[-1]]]), caches[0].length)
+        tokens.append(int(logits[0, -1].argmax()))
+    return prefill, tokens
+
+
+@pytest.mark.parametrize("cuts", [[12], [8, 16], list(range(1, 24))], ids=["2-shards", "3-shards", "24-shards"])
+def test_splits_equal_whole_model(cuts):
+    cfg, _ = full_tensors(DEFAULT)
+    prompt = load_cases(DEFAULT)["prime"]["prompt_ids"]
+    whole_logits, whole_tokens = decode_through([shard_of(DEFAULT, 0, 24)], prompt, 6)
+    bounds = [0, *cuts, cfg.num_hidden_layers]
+    shards = [shard_of(DEFAULT, a, b) for a, b in zip(bounds, bounds[1:])]
+    split_logits, split_tokens = decode_through(shards, prompt, 6)
+    rel = ((split_logits - whole_logits).abs().max() / whole_logits.abs().max()).item()
+    assert rel < 1e-4, f"split prefill logits differ by {rel} relative"
+    assert split_tokens == whole_tokens
+
+
+def test_step_by_step_decode_equals_full_forward():
+    shard = shard_of(SMOL, 0, 30)
+    ids = load_cases(SMOL)["prime"]["prompt_ids"]
+    full = shard(torch.tensor([ids]), 0, logits="all")[0]  # (T, V)
+    cache = new_cache(shard)
+    steps = torch.stack([shard(torch.tensor([[t]]), i, cache)[0, -1] for i, t in enumerate(ids)])
+    rel = ((steps - full).abs().max() / full.abs().max()).item()
+    assert rel < 1e-4, f"step-by-step logits differ by {rel} relative"
+
+
+def test_long_prompt_prefills_in_chunks():
+    shard = shard_of(DEFAULT, 0, 24)
+    prompt = (load_cases(DEFAULT)["prime"]["prompt_ids"][:-5] * 100)[:3000]
+    out = greedy_generate(shard, prompt, max_tokens=2)
+    assert len(out.prompt_ids) == 3000
+    assert len(out.token_ids) + (out.finish_reason == "stop") >= 1
+    assert all(0 <= t < shard.cfg.vocab_size for t in out.token_ids)
