@@ -1,19 +1,44 @@
-"""Wire types of the meshinfer protocol.
+"""The meshinfer wire protocol: typed, versioned messages in msgpack, validated in one place.
 
-(Work in progress: the message codec lands in this module too.)
+Every frame is one msgpack map ``{"v": PROTOCOL_VERSION, "t": TYPE, ...fields}``. Unknown
+fields are ignored, so newer peers can add fields without breaking older ones; a missing
+or mistyped field is a :class:`~meshinfer.errors.ProtocolError`. Tensors travel as
+``{"dtype": "f32", "shape": [B, T, C], "data": <raw little-endian bytes>}`` — never
+pickle, never JSON floats. The message catalogue is documented in ``docs/protocol.md``.
+
+Encoding and decoding happen only here: :func:`encode` and :func:`decode`.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
 
 from .config import LayerRange
+from .errors import ProtocolError, VersionMismatch
 
-#: Version of the wire protocol. Peers refuse a handshake whose major version differs.
+#: Version of the wire protocol. A handshake whose version differs is refused.
 PROTOCOL_VERSION = 1
 
 #: Peer states as advertised.
 JOINING, READY, DRAINING = "joining", "ready", "draining"
+PEER_STATES = (JOINING, READY, DRAINING)
+
+#: Wire dtype names -> (torch dtype, bytes per element).
+WIRE_DTYPES = {"f32": (torch.float32, 4), "bf16": (torch.bfloat16, 2), "f16": (torch.float16, 2)}
+
+#: Largest number of tensor dimensions accepted.
+MAX_TENSOR_DIMS = 4
+#: Most elements in one list field (token ids per step, adverts per gossip, trace entries).
+MAX_LIST_LEN = 1 << 16
+#: Longest string field (URLs, ids, error text) in characters.
+MAX_STR_LEN = 4096
 
 
 @dataclass(frozen=True)
@@ -58,3 +83,210 @@ class PeerAdvert:
     def compat_key(self) -> tuple[str, str, int, int]:
         """Peers may share a route only when this key is equal: (hash, precision, protocol, L)."""
         return (self.weights_hash, self.precision, self.protocol_version, self.num_layers)
+
+    def to_wire(self) -> dict:
+        """A msgpack-able dict; the layer range travels half-open as ``[start, stop]``."""
+        return {"peer_id": self.peer_id, "addrs": list(self.addrs), "protocol_version": self.protocol_version,
+                "weights_hash": self.weights_hash, "architecture": self.architecture,
+                "num_layers": self.num_layers, "layers": [self.layers.start, self.layers.stop],
+                "device": self.device, "precision": self.precision, "state": self.state,
+                "free_kv_tokens": self.free_kv_tokens, "compute_ms_per_token": self.compute_ms_per_token,
+                "rtts_ms": dict(self.rtts_ms), "seq": self.seq, "ttl_s": self.ttl_s}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "PeerAdvert":
+        """Validate and build an advert. Raises :class:`ProtocolError` naming the bad field."""
+        f = Fields(d, "advert")
+        num_layers = f.int("num_layers", lo=1, hi=1 << 16)
+        layers = f.layer_range("layers")
+        if layers.stop > num_layers:
+            raise ProtocolError(f"advert: layers {layers.cli()} exceed num_layers {num_layers}")
+        rtts = f.get("rtts_ms", dict, {})
+        if len(rtts) > MAX_LIST_LEN or not all(isinstance(k, str) and _finite(v) and v >= 0 for k, v in rtts.items()):
+            raise ProtocolError("advert: field 'rtts_ms' must map peer ids to non-negative numbers")
+        state = f.str("state")
+        if state not in PEER_STATES:
+            raise ProtocolError(f"advert: state {state!r} is not one of {', '.join(PEER_STATES)}")
+        return cls(peer_id=f.str("peer_id"), addrs=tuple(f.str_list("addrs")),
+                   protocol_version=f.int("protocol_version", lo=0, hi=1 << 16),
+                   weights_hash=f.str("weights_hash"), architecture=f.str("architecture"),
+                   num_layers=num_layers, layers=layers, device=f.str("device"),
+                   precision=f.str("precision"), state=state,
+                   free_kv_tokens=f.int("free_kv_tokens", lo=0, hi=1 << 40),
+                   compute_ms_per_token=f.float("compute_ms_per_token", lo=0.0),
+                   rtts_ms={k: float(v) for k, v in rtts.items()}, seq=f.int("seq", lo=0, hi=1 << 62),
+                   ttl_s=f.float("ttl_s", lo=0.0, hi=3600.0))
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+class Fields:
+    """Typed access to a decoded map; every failure is a :class:`ProtocolError` naming the field.
+
+    Methods ``str``, ``int``, ``float``, ``str_list``, ``layer_range`` and ``get`` take the
+    field name and an optional default (missing field -> ``ProtocolError`` unless given).
+    """
+
+    def __init__(self, d: Any, what: str) -> None:
+        if not isinstance(d, dict):
+            raise ProtocolError(f"{what}: expected a map, got {type(d).__name__}")
+        self.d, self.what = d, what
+
+    def get(self, key: str, kind: type | tuple, default: Any = ...) -> Any:
+        if key not in self.d or self.d[key] is None:
+            if default is ...:
+                raise ProtocolError(f"{self.what}: field {key!r} is missing")
+            return default
+        value = self.d[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise ProtocolError(f"{self.what}: field {key!r} has type {type(value).__name__}")
+        return value
+
+    def str(self, key: str, default: Any = ...) -> str:
+        value = self.get(key, str, default)
+        if isinstance(value, str) and len(value) > MAX_STR_LEN:
+            raise ProtocolError(f"{self.what}: field {key!r} is longer than {MAX_STR_LEN} characters")
+        return value
+
+    def int(self, key: str, *, lo: int, hi: int, default: Any = ...) -> int:
+        value = self.get(key, int, default)
+        if value is not None and not lo <= value <= hi:
+            raise ProtocolError(f"{self.what}: field {key!r} = {value} is outside [{lo}, {hi}]")
+        return value
+
+    def float(self, key: str, *, lo: float = -math.inf, hi: float = math.inf, default: Any = ...) -> float:
+        value = self.get(key, (int, float), default)
+        if value is not None and (not _finite(value) or not lo <= value <= hi):
+            raise ProtocolError(f"{self.what}: field {key!r} = {value} is not a finite number in [{lo}, {hi}]")
+        return None if value is None else float(value)
+
+    def str_list(self, key: str, default: Any = ...) -> list[str]:
+        value = self.get(key, list, default)
+        if len(value) > 64 or not all(isinstance(x, str) and len(x) <= MAX_STR_LEN for x in value):
+            raise ProtocolError(f"{self.what}: field {key!r} must be a list of at most 64 strings")
+        return value
+
+    def layer_range(self, key: str) -> LayerRange:
+        value = self.get(key, list)
+        if len(value) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            raise ProtocolError(f"{self.what}: field {key!r} must be [start, stop]")
+        if not 0 <= value[0] < value[1] <= 1 << 16:
+            raise ProtocolError(f"{self.what}: field {key!r} = {value} is not a valid half-open layer range")
+        return LayerRange(value[0], value[1])
+
+
+# --------------------------------------------------------------------------- tensors
+def tensor_to_wire(t: torch.Tensor, dtype: str = "f32") -> dict:
+    """Encode ``t`` (any shape, up to :data:`MAX_TENSOR_DIMS` dims) as dtype + shape + raw bytes.
+
+    The tensor is cast to ``dtype`` (``"f32"`` by default) and sent little-endian.
+    """
+    torch_dtype, _ = WIRE_DTYPES[dtype]
+    t = t.detach().to("cpu", torch_dtype).contiguous()
+    raw = t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+    if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+        raise RuntimeError("big-endian hosts are not supported")
+    return {"dtype": dtype, "shape": list(t.shape), "data": raw.numpy().tobytes()}
+
+
+def tensor_from_wire(d: Any, *, max_elements: int, width: int | None = None) -> torch.Tensor:
+    """Decode a wire tensor, trusting no number in it.
+
+    Args:
+        d: the decoded map.
+        max_elements: most elements accepted (the receiver's own limit, not the sender's).
+        width: when given, the last dimension must equal it (the model's hidden width C).
+
+    Returns:
+        A CPU tensor of the wire dtype viewing a copy of the payload.
+
+    Raises:
+        ProtocolError: unknown dtype; a shape with zero, negative or too many dimensions; more
+            than ``max_elements``; a payload whose length differs from shape x element size.
+    """
+    f = Fields(d, "tensor")
+    dtype = f.str("dtype")
+    if dtype not in WIRE_DTYPES:
+        raise ProtocolError(f"tensor: dtype {dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
+    shape = f.get("shape", list)
+    if not 1 <= len(shape) <= MAX_TENSOR_DIMS or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 < x <= max_elements for x in shape):
+        raise ProtocolError(f"tensor: shape {shape[:8]} must have 1-{MAX_TENSOR_DIMS} positive dimensions")
+    n = math.prod(shape)
+    if n > max_elements:
+        raise ProtocolError(f"tensor: {n} elements exceed the limit of {max_elements}")
+    if width is not None and shape[-1] != width:
+        raise ProtocolError(f"tensor: last dimension {shape[-1]} differs from the hidden width {width}")
+    data = f.get("data", bytes)
+    torch_dtype, size = WIRE_DTYPES[dtype]
+    if len(data) != n * size:
+        raise ProtocolError(f"tensor: shape {shape} of {dtype} needs {n * size} bytes, payload has {len(data)}")
+    flat = torch.frombuffer(bytearray(data), dtype=torch_dtype)  # copy: the frame buffer is read-only
+    return flat.view(shape)
+
+
+# --------------------------------------------------------------------------- messages
+#: Message types. Direction: C client, P peer. See docs/protocol.md.
+MESSAGE_TYPES = frozenset({
+    "hello",      # C/P -> P   first frame: role, peer id, version
+    "welcome",    # P -> C/P   reply to hello: the peer's advert
+    "get_peers",  # C/P -> P   ask for the peer table
+    "peers",      # P -> C/P   adverts
+    "gossip",     # P -> P     adverts pushed periodically
+    "ping",       # any        RTT probe, echoed as pong
+    "pong",
+    "get_tokenizer",  # C -> P
+    "tokenizer",      # P -> C   tokenizer bundle + weights hash
+    "open",       # C -> P     open a conversation on this hop
+    "opened",     # P -> C
+    "step",       # C -> P1 (token ids), Pi -> Pi+1 (hidden states)
+    "token",      # Plast -> C the chosen token of a step
+    "truncate",   # C -> P     drop cached positions >= length
+    "truncated",  # P -> C
+    "close",      # C -> P     end a conversation
+    "error",      # any        error reply; carries conv and seq when about a step
+})
+
+
+def encode(msg_type: str, **fields: Any) -> bytes:
+    """Encode one frame. ``fields`` must be msgpack-able (use :func:`tensor_to_wire` for tensors)."""
+    if msg_type not in MESSAGE_TYPES:
+        raise ValueError(f"unknown message type {msg_type!r}")
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": msg_type, **fields}, use_bin_type=True)
+
+
+def decode(frame: bytes | str, *, max_bytes: int) -> tuple[str, Fields]:
+    """Decode and check the envelope of one frame.
+
+    Args:
+        frame: the websocket message.
+        max_bytes: largest payload accepted; bounds every msgpack container and string.
+
+    Returns:
+        ``(type, fields)`` where ``fields`` gives typed access that raises ``ProtocolError``.
+
+    Raises:
+        ProtocolError: text frames, invalid msgpack, a non-map, unknown type.
+        VersionMismatch: a version other than :data:`PROTOCOL_VERSION`, naming both.
+    """
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError("frames must be binary msgpack, got a text frame")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=max_bytes,
+                              max_str_len=max_bytes, max_array_len=MAX_LIST_LEN, max_map_len=1024,
+                              max_ext_len=0)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
+        raise ProtocolError(f"frame is not valid msgpack: {exc}") from exc
+    f = Fields(obj, "message")
+    version = f.get("v", int)
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(f"protocol version {version} is not supported; this side speaks "
+                              f"version {PROTOCOL_VERSION}")
+    msg_type = f.str("t")
+    if msg_type not in MESSAGE_TYPES:
+        raise ProtocolError(f"unknown message type {msg_type[:64]!r}")
+    f.what = msg_type
+    return msg_type, f

@@ -19,10 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import mmap
 import operator
 import re
-import struct
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -34,10 +32,11 @@ import jinja2.ext
 import jinja2.sandbox
 import numpy as np
 import tokenizers
-from gguf import GGUFValueType, TokenType
+from gguf import TokenType
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from .errors import InvalidInput, TemplateError, WeightsError
+from .weights.gguf_file import GGUFFile, read_gguf_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -88,112 +87,6 @@ _PRE_TOKENIZERS = {
     "smollm": _smollm_pre_tokenizer,
     "gpt-2": _gpt2_pre_tokenizer,
 }
-
-# ---------------------------------------------------------------------------------------------
-# GGUF metadata (ggml docs/gguf.md). gguf.GGUFReader builds numpy views for every array element
-# and takes ~16 s on the 152k-token Qwen vocabulary; this reads the key/value section only.
-
-_GGUF_MAGIC = b"GGUF"
-_SCALAR_FORMATS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}
-
-
-class _MetadataReader:
-    """Sequential little-endian reader over a GGUF file's header and key/value section."""
-
-    def __init__(self, buf: mmap.mmap, path: Path) -> None:
-        self.buf, self.path, self.pos = buf, path, 0
-
-    def take(self, n: int) -> bytes:
-        end = self.pos + n
-        if n < 0 or end > len(self.buf):
-            raise WeightsError(
-                f"{self.path}: GGUF metadata truncated at byte {self.pos}: needs {n} bytes, "
-                f"file has {len(self.buf)}")
-        out, self.pos = self.buf[self.pos:end], end
-        return out
-
-    def scalar(self, vtype: int) -> Any:
-        fmt = _SCALAR_FORMATS[vtype]
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
-
-    def string(self) -> str:
-        raw = self.take(self.scalar(GGUFValueType.UINT64))
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise WeightsError(f"{self.path}: GGUF string at byte {self.pos} is not UTF-8") from exc
-
-    def strings(self, count: int) -> list[str]:
-        if count * 8 > len(self.buf) - self.pos:
-            raise WeightsError(f"{self.path}: GGUF string array of {count} items overruns the file")
-        buf, pos, out = self.buf, self.pos, []
-        try:
-            for _ in range(count):  # hot loop: 150k+ tokens and merges
-                n = int.from_bytes(buf[pos:pos + 8], "little")
-                out.append(buf[pos + 8:pos + 8 + n].decode("utf-8"))
-                pos += 8 + n
-        except UnicodeDecodeError as exc:
-            raise WeightsError(f"{self.path}: GGUF string near byte {pos} is not UTF-8") from exc
-        if pos > len(buf):
-            raise WeightsError(f"{self.path}: GGUF string array of {count} items overruns the file")
-        self.pos = pos
-        return out
-
-    def value(self, vtype: int) -> Any:
-        if vtype == GGUFValueType.STRING:
-            return self.string()
-        if vtype in _SCALAR_FORMATS:
-            return self.scalar(vtype)
-        if vtype != GGUFValueType.ARRAY:
-            raise WeightsError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos}")
-        etype = self.scalar(GGUFValueType.UINT32)
-        count = self.scalar(GGUFValueType.UINT64)
-        if etype == GGUFValueType.STRING:
-            return self.strings(count)
-        if etype in _SCALAR_FORMATS and etype != GGUFValueType.BOOL:
-            dtype = np.dtype(_SCALAR_FORMATS[etype])
-            return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype)
-        return [self.value(etype) for _ in range(count)]
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """Read the key/value metadata of a GGUF file (v2 or v3, little-endian), not its tensors.
-
-    Args:
-        path: the ``.gguf`` file.
-
-    Returns:
-        key -> value: ``str``, ``int``, ``float``, ``bool``, ``list[str]`` for string arrays and
-        a 1-D ``numpy.ndarray`` for numeric arrays.
-
-    Raises:
-        FileNotFoundError: no such file.
-        WeightsError: empty file, bad magic, unsupported version, truncated or non-UTF-8
-            metadata.
-    """
-    path = Path(path)
-    if path.stat().st_size < 24:
-        raise WeightsError(f"{path}: not a GGUF file ({path.stat().st_size} bytes)")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        reader = _MetadataReader(buf, path)
-        if reader.take(4) != _GGUF_MAGIC:
-            raise WeightsError(f"{path}: not a GGUF file (magic is not {_GGUF_MAGIC!r})")
-        version = reader.scalar(GGUFValueType.UINT32)
-        if version not in (2, 3):
-            raise WeightsError(f"{path}: GGUF version {version} is not supported (expected 2 or 3, "
-                               "little-endian)")
-        reader.scalar(GGUFValueType.UINT64)  # tensor count
-        kv_count = reader.scalar(GGUFValueType.UINT64)
-        meta = {}
-        for _ in range(kv_count):
-            key = reader.string()
-            meta[key] = reader.value(reader.scalar(GGUFValueType.UINT32))
-        return meta
 
 
 def _require(meta: Mapping[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
@@ -430,11 +323,12 @@ class Tokenizer:
     # -- construction --------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> Tokenizer:
+    def from_gguf(cls, source: str | Path | GGUFFile) -> Tokenizer:
         """Build the tokenizer stored in a GGUF file's ``tokenizer.*`` metadata.
 
         Args:
-            path: the ``.gguf`` file.
+            source: the ``.gguf`` file, or a :class:`GGUFFile` already open (a peer that loads
+                weights and tokenizer then parses the file once).
 
         Raises:
             FileNotFoundError: no such file.
@@ -442,9 +336,12 @@ class Tokenizer:
                 BPE), an unsupported ``tokenizer.ggml.pre``, inconsistent token tables, or a
                 ``tokenizer.chat_template`` that does not compile. The message names the field.
         """
-        path = Path(path)
         start = time.perf_counter()
-        meta = read_gguf_metadata(path)
+        if isinstance(source, GGUFFile):
+            path, meta = source.path, source.metadata
+        else:
+            path = Path(source)
+            meta = read_gguf_metadata(path)
         tok = _bpe_from_gguf(meta, path)
         tokens = meta["tokenizer.ggml.tokens"]
         ids = {k: _token_id(meta, f"tokenizer.ggml.{k}", len(tokens), path)

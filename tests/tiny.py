@@ -15,11 +15,12 @@ from meshinfer.config import ModelConfig
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGED = ["he"]  # one BPE merge ("h e"), so the merge table is not empty
 
 
 def tiny_config(arch: str = "qwen2", *, layers: int = 4, context: int = 512) -> ModelConfig:
-    """A 4-layer, 32-wide model whose vocabulary is 256 byte tokens plus 3 specials."""
-    return ModelConfig(architecture=arch, vocab_size=256 + len(SPECIALS), hidden_size=32,
+    """A 4-layer, 32-wide model whose vocabulary is 256 byte tokens, one merge and 3 specials."""
+    return ModelConfig(architecture=arch, vocab_size=256 + len(MERGED) + len(SPECIALS), hidden_size=32,
                        intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                        num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
                        max_position_embeddings=context, attention_bias=arch == "qwen2",
@@ -102,11 +103,11 @@ def write_gguf(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -
     wr.add_rope_freq_base(cfg.rope_theta)
     wr.add_tokenizer_model("gpt2")
     wr.add_tokenizer_pre("qwen2")
-    wr.add_token_list(byte_tokens() + SPECIALS)
-    wr.add_token_types([1] * 256 + [3] * len(SPECIALS))
-    wr.add_token_merges([])
-    wr.add_bos_token_id(256)
-    wr.add_eos_token_id(258)
+    wr.add_token_list(byte_tokens() + MERGED + SPECIALS)
+    wr.add_token_types([1] * (256 + len(MERGED)) + [3] * len(SPECIALS))
+    wr.add_token_merges(["h e"])
+    wr.add_bos_token_id(256 + len(MERGED) + 1)  # <|im_start|>
+    wr.add_eos_token_id(256 + len(MERGED) + 2)  # <|im_end|>
     wr.add_add_bos_token(False)
     wr.add_chat_template(CHATML)
     for name, t in weights.items():

@@ -1,33 +1,53 @@
 """GGUF reader: metadata, memory-mapped tensors, per-tensor dequantization.
 
-Parsing and dequantization are done by the ``gguf`` package (the reference
-implementation maintained with llama.cpp). This module adds what a peer on the
-Internet needs on top: strict validation (magic, truncation, tensor byte sizes,
-overlaps, supported types) with errors that name the field or tensor, and loading
-only the tensors of one layer range.
+The file layout (ggml ``docs/gguf.md``: header, key/value metadata, tensor infos, aligned data)
+is parsed here, because ``gguf.GGUFReader`` builds a numpy view for every element of every
+metadata array and takes ~13 s to open a model with a 152k-token vocabulary. Dequantization
+uses ``gguf.quants`` and gguf's type constants (the reference code maintained with llama.cpp).
+
+What a peer on the Internet needs on top: every read is bounds-checked against the file size
+(a corrupt length or count raises :class:`WeightsError` naming the field and never allocates
+more than the file holds), tensors are validated (type, shape, byte size, truncation, overlap),
+and only the tensors of one layer range are dequantized.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+import struct
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
-import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ..config import LayerRange, ModelConfig
 from ..errors import UnsupportedTensorType, WeightsError
+
+if TYPE_CHECKING:  # torch is imported when tensors are loaded: the tokenizer reads metadata only
+    import torch
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 
-#: Tensor types meshinfer dequantizes (through ``gguf.quants.dequantize``).
+#: GGUF versions read here (v1 used 32-bit counts; big-endian files fail the version check).
+GGUF_VERSIONS = (2, 3)
+
+#: Tensor data alignment in bytes when ``general.alignment`` is absent (GGUF_DEFAULT_ALIGNMENT).
+DEFAULT_ALIGNMENT = 32
+
+#: GGML_MAX_DIMS: a tensor has 1 to 4 dimensions.
+MAX_DIMS = 4
+
+#: Tensor types meshinfer dequantizes: F64 by numpy, the rest by ``gguf.quants.dequantize``.
 SUPPORTED_TYPES = frozenset({
     "F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 })
 
 # GGUF tensor name (without the "blk.N." prefix) -> module name inside a block.
@@ -45,11 +65,243 @@ _BLOCK_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_TOP_NAMES = {
-    "token_embd.weight": "embed_tokens.weight",
-    "output_norm.weight": "norm.weight",
-    "output.weight": "lm_head.weight",
+
+# ---------------------------------------------------------------------------------------------
+# Header parsing (ggml docs/gguf.md), little-endian.
+
+_SCALARS = {
+    GGUFValueType.UINT8: struct.Struct("<B"), GGUFValueType.INT8: struct.Struct("<b"),
+    GGUFValueType.UINT16: struct.Struct("<H"), GGUFValueType.INT16: struct.Struct("<h"),
+    GGUFValueType.UINT32: struct.Struct("<I"), GGUFValueType.INT32: struct.Struct("<i"),
+    GGUFValueType.FLOAT32: struct.Struct("<f"), GGUFValueType.BOOL: struct.Struct("<?"),
+    GGUFValueType.UINT64: struct.Struct("<Q"), GGUFValueType.INT64: struct.Struct("<q"),
+    GGUFValueType.FLOAT64: struct.Struct("<d"),
 }
+_U32, _U64 = _SCALARS[GGUFValueType.UINT32], _SCALARS[GGUFValueType.UINT64]
+# Fewest bytes one array item of a type can take: a string is at least its u64 length, an
+# array at least its u32 item type and u64 count. Bounds an array's count before reading it.
+_MIN_ITEM_BYTES = {t: s.size for t, s in _SCALARS.items()} | {
+    GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
+# A tensor info is at least: name length u64, n_dims u32, one dim u64, type u32, offset u64.
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
+
+
+class _Cursor:
+    """Sequential reads over a GGUF header, each checked against the file size.
+
+    ``what`` names the field being read; it goes into every error message.
+    """
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+    def error(self, what: str, detail: str) -> WeightsError:
+        return WeightsError(f"{self.path}: corrupt or truncated GGUF header ({self.size} bytes): "
+                            f"{what}: {detail}")
+
+    def take(self, n: int, what: str) -> bytes:
+        if n > self.size - self.pos:
+            raise self.error(what, f"needs {n} bytes at byte {self.pos}, the file has "
+                                   f"{self.size - self.pos} left")
+        out, self.pos = self.buf[self.pos:self.pos + n], self.pos + n
+        return out
+
+    def scalar(self, vtype: int, what: str) -> Any:
+        fmt = _SCALARS[vtype]
+        if fmt.size > self.size - self.pos:
+            self.take(fmt.size, what)  # raises
+        value = fmt.unpack_from(self.buf, self.pos)[0]
+        self.pos += fmt.size
+        return value
+
+    def string(self, what: str) -> str:
+        raw = self.take(self.scalar(GGUFValueType.UINT64, f"{what} (length)"), what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise self.error(what, f"string at byte {self.pos - len(raw)} is not UTF-8") from exc
+
+    def count(self, n: int, item_bytes: int, what: str) -> int:
+        """Check that ``n`` items of at least ``item_bytes`` each fit in the rest of the file."""
+        left = self.size - self.pos
+        if n * item_bytes > left:
+            raise self.error(what, f"count {n} (at least {item_bytes} bytes each) overruns the "
+                                   f"{left} bytes left in the file")
+        return n
+
+    def strings(self, count: int, what: str) -> list[str]:
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        try:
+            for i in range(count):  # hot loop: 150k+ tokens and merges
+                n = int.from_bytes(buf[pos:pos + 8], "little")
+                end = pos + 8 + n
+                if end > size:
+                    self.pos = pos
+                    raise self.error(f"{what}[{i}]", f"string of {n} bytes at byte {pos} runs past "
+                                                     f"the end of the file")
+                out.append(buf[pos + 8:end].decode("utf-8"))
+                pos = end
+        except UnicodeDecodeError as exc:
+            raise self.error(what, f"string at byte {pos} is not UTF-8") from exc
+        self.pos = pos
+        return out
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string(what)
+        if vtype in _SCALARS:
+            return self.scalar(vtype, what)
+        if vtype != GGUFValueType.ARRAY:
+            raise self.error(what, f"unknown value type {vtype}")
+        etype = self.scalar(GGUFValueType.UINT32, f"{what} (array item type)")
+        if etype not in _MIN_ITEM_BYTES:
+            raise self.error(what, f"unknown array item type {etype}")
+        count = self.count(self.scalar(GGUFValueType.UINT64, f"{what} (array count)"),
+                           _MIN_ITEM_BYTES[etype], f"{what} (array count)")
+        if etype == GGUFValueType.STRING:
+            return self.strings(count, what)
+        if etype in _SCALARS and etype != GGUFValueType.BOOL:
+            dtype = np.dtype(_SCALARS[etype].format)
+            return np.frombuffer(self.take(count * dtype.itemsize, what), dtype=dtype)
+        return [self.value(etype, f"{what}[{i}]") for i in range(count)]
+
+
+def _map_gguf(path: Path) -> mmap.mmap:
+    """Memory-map ``path`` read-only after checking its magic. Raises OSError as is."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise WeightsError(f"{path}: wrong magic {magic!r}, expected {GGUF_MAGIC!r}: "
+                               "not a GGUF file")
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def _read_header(cur: _Cursor) -> tuple[int, dict[str, Any]]:
+    """Parse magic, version, counts and the key/value section; return (tensor count, metadata)."""
+    cur.take(4, "magic")
+    version = cur.scalar(GGUFValueType.UINT32, "version")
+    if version not in GGUF_VERSIONS:
+        raise WeightsError(f"{cur.path}: GGUF version {version} is not supported (expected 2 or 3, "
+                           "little-endian)")
+    n_tensors = cur.count(cur.scalar(GGUFValueType.UINT64, "tensor count"), _MIN_TENSOR_INFO_BYTES,
+                          "tensor count")
+    n_kv = cur.count(cur.scalar(GGUFValueType.UINT64, "metadata count"), 8 + 4, "metadata count")
+    meta: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = cur.string(f"metadata key #{i}")
+        if key in meta:
+            raise cur.error(f"metadata field {key!r}", "the key appears twice")
+        vtype = cur.scalar(GGUFValueType.UINT32, f"metadata field {key!r} (type)")
+        meta[key] = cur.value(vtype, f"metadata field {key!r}")
+    return n_tensors, meta
+
+
+def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """Read the key/value metadata of a GGUF file (v2 or v3, little-endian), not its tensors.
+
+    Args:
+        path: the ``.gguf`` file.
+
+    Returns:
+        key -> value: ``str``, ``int``, ``float``, ``bool``, ``list[str]`` for string arrays and
+        a 1-D ``numpy.ndarray`` for numeric arrays.
+
+    Raises:
+        FileNotFoundError: no such file.
+        WeightsError: bad magic, unsupported version, truncated or non-UTF-8 metadata; the
+            message names the field.
+    """
+    path = Path(path)
+    with _map_gguf(path) as buf:
+        return _read_header(_Cursor(buf, path))[1]
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    """One entry of the tensor-info section. ``dims`` in GGUF order: ``ne0`` (innermost) first."""
+
+    name: str
+    dims: tuple[int, ...]
+    raw_type: int
+    offset: int  # relative to the start of the data section
+
+
+def _read_tensor_infos(cur: _Cursor, n_tensors: int) -> list[_TensorInfo]:
+    infos, seen = [], set()
+    for i in range(n_tensors):
+        name = cur.string(f"tensor #{i} name")
+        if name in seen:
+            raise cur.error(f"tensor {name!r}", "the name appears twice")
+        seen.add(name)
+        n_dims = cur.scalar(GGUFValueType.UINT32, f"tensor {name!r} n_dims")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise cur.error(f"tensor {name!r} n_dims", f"{n_dims} is outside 1..{MAX_DIMS}")
+        dims = struct.unpack(f"<{n_dims}Q", cur.take(8 * n_dims, f"tensor {name!r} dims"))
+        raw_type = cur.scalar(GGUFValueType.UINT32, f"tensor {name!r} type")
+        offset = cur.scalar(GGUFValueType.UINT64, f"tensor {name!r} offset")
+        infos.append(_TensorInfo(name, dims, raw_type, offset))
+    return infos
+
+
+def _alignment(meta: dict[str, Any], path: Path) -> int:
+    align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise WeightsError(f"{path}: metadata field 'general.alignment' is {align!r}, "
+                           "not a positive power of two")
+    return align
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """A validated tensor: its type, GGUF-order dims and absolute byte span in the file."""
+
+    name: str
+    qtype: GGMLQuantizationType
+    dims: tuple[int, ...]
+    start: int
+    n_bytes: int
+
+    @property
+    def row_bytes(self) -> int:
+        block, type_size = GGML_QUANT_SIZES[self.qtype]
+        return self.dims[0] // block * type_size
+
+
+def _check_tensor(info: _TensorInfo, data_start: int, alignment: int, file_size: int,
+                  path: Path) -> _Tensor:
+    """Validate one tensor info: type, shape, alignment, bounds. Raises naming the tensor."""
+    try:
+        qtype = GGMLQuantizationType(info.raw_type)
+    except ValueError:
+        qtype = None
+    if qtype is None or qtype.name not in SUPPORTED_TYPES:
+        kind = qtype.name if qtype is not None else f"number {info.raw_type} (unknown to GGML)"
+        raise UnsupportedTensorType(
+            f"{path}: tensor {info.name!r} has type {kind}, which meshinfer cannot "
+            f"dequantize; supported: {', '.join(sorted(SUPPORTED_TYPES))}")
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    shape = list(info.dims)
+    if any(d <= 0 for d in shape) or shape[0] % block:
+        raise WeightsError(f"{path}: tensor {info.name!r} has shape {shape}, which does not fit "
+                           f"type {qtype.name} (rows must be a multiple of {block} values)")
+    if info.offset % alignment:
+        raise WeightsError(f"{path}: tensor {info.name!r} has data offset {info.offset}, which is "
+                           f"not a multiple of the alignment {alignment}")
+    n_bytes = int(np.prod(shape, dtype=object)) // block * type_size
+    start = data_start + info.offset
+    if start + n_bytes > file_size:
+        raise WeightsError(f"{path}: tensor {info.name!r} of type {qtype.name} and shape {shape} "
+                           f"needs {n_bytes} bytes and ends at byte {start + n_bytes}, past the end "
+                           f"of the file ({file_size} bytes): the file is truncated")
+    return _Tensor(info.name, qtype, info.dims, start, n_bytes)
+
+
+def _check_overlaps(tensors: list[_Tensor], path: Path) -> None:
+    spans = sorted((t.start, t.start + t.n_bytes, t.name) for t in tensors)
+    for (_, end, name), (nstart, _, nname) in zip(spans, spans[1:]):
+        if end > nstart:
+            raise WeightsError(f"{path}: tensor {name!r} (ends at byte {end}) overlaps tensor "
+                               f"{nname!r} (starts at byte {nstart}): its byte size does not match")
 
 
 def _reverse_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -69,50 +321,53 @@ class GGUFFile:
     Args:
         path: the ``.gguf`` file.
 
+    Attributes:
+        path: the file.
+        file_size: its size in bytes.
+        metadata: the key/value metadata (see :func:`read_gguf_metadata` for value types);
+            ``Tokenizer.from_gguf`` accepts this object to avoid parsing the file twice.
+        config: the model's :class:`ModelConfig`.
+
     Raises:
-        WeightsError: wrong magic, a header that cannot be parsed (corrupt or truncated),
-            a tensor that extends past the end of the file or overlaps the next one, a byte
-            size that does not match the tensor's type and shape, or missing metadata.
+        WeightsError: wrong magic, a header that cannot be parsed (corrupt or truncated; the
+            message names the field), a tensor that extends past the end of the file or
+            overlaps the next one, a shape that does not fit the tensor's type, or missing
+            metadata.
         UnsupportedTensorType: a tensor type outside :data:`SUPPORTED_TYPES`.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        import gguf  # deferred: importing gguf costs ~0.2 s
-
         self.path = Path(path)
+        t0 = time.perf_counter()
         try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
-                magic = f.read(4)
+            self._buf = _map_gguf(self.path)
         except OSError as exc:
             raise WeightsError(f"{self.path}: cannot read: {exc}") from exc
-        if magic != GGUF_MAGIC:
-            raise WeightsError(f"{self.path}: wrong magic {magic!r}, expected {GGUF_MAGIC!r}: not a GGUF file")
-        self.file_size = size
-        try:
-            self._reader = gguf.GGUFReader(self.path, "r")
-        except (ValueError, IndexError, KeyError, OverflowError, TypeError, MemoryError, UnicodeDecodeError) as exc:
-            raise WeightsError(f"{self.path}: corrupt or truncated GGUF header ({size} bytes): {exc}") from exc
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        self._validate_tensors()
+        self.file_size = len(self._buf)
+        cur = _Cursor(self._buf, self.path)
+        n_tensors, self.metadata = _read_header(cur)
+        alignment = _alignment(self.metadata, self.path)
+        infos = _read_tensor_infos(cur, n_tensors)
+        data_start = -(-cur.pos // alignment) * alignment
+        tensors = [_check_tensor(i, data_start, alignment, self.file_size, self.path) for i in infos]
+        _check_overlaps(tensors, self.path)
+        self._tensors = {t.name: t for t in tensors}
+        self._bytes = np.frombuffer(self._buf, dtype=np.uint8)  # (file_size,) read-only view
         self.config = self._read_config()
+        log.debug("opened %s: %d tensors, %d metadata fields, %.2f s", self.path, len(tensors),
+                  len(self.metadata), time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ metadata
     def field(self, key: str, default: object = ...) -> object:
-        """The value of metadata field ``key`` (scalars, strings, lists).
+        """The value of metadata field ``key``: a scalar, a string or a list.
 
         Raises:
-            WeightsError: when the field is missing and no default is given, or unreadable.
+            WeightsError: when the field is missing and no default is given.
         """
-        fld = self._reader.fields.get(key)
-        if fld is None:
-            if default is ...:
-                raise WeightsError(f"{self.path}: metadata field {key!r} is missing")
-            return default
-        try:
-            return fld.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as exc:
-            raise WeightsError(f"{self.path}: metadata field {key!r} is unreadable: {exc}") from exc
+        value = self.metadata.get(key, default)
+        if value is ...:
+            raise WeightsError(f"{self.path}: metadata field {key!r} is missing")
+        return value.tolist() if isinstance(value, np.ndarray) else value
 
     def _read_config(self) -> ModelConfig:
         arch = self.field("general.architecture")
@@ -121,14 +376,14 @@ class GGUFFile:
 
         def num(key: str, default: object = ...) -> object:
             value = self.field(f"{arch}.{key}", default)
-            if isinstance(value, (list, str)):
+            if not isinstance(value, (int, float)):
                 raise WeightsError(f"{self.path}: metadata field '{arch}.{key}' must be a number, got {value!r}")
             return value
 
         embd = self._tensors.get("token_embd.weight")
         if embd is None:
             raise WeightsError(f"{self.path}: tensor 'token_embd.weight' is missing")
-        vocab = int(num("vocab_size", int(embd.shape[1]) if len(embd.shape) > 1 else 0))
+        vocab = int(num("vocab_size", embd.dims[1] if len(embd.dims) > 1 else 0))
         heads = int(num("attention.head_count"))
         cfg = ModelConfig(
             architecture=arch,
@@ -149,37 +404,6 @@ class GGUFFile:
         except ValueError as exc:
             raise WeightsError(f"{self.path}: {exc}") from exc
 
-    # ------------------------------------------------------------------ validation
-    def _validate_tensors(self) -> None:
-        from gguf import GGML_QUANT_SIZES
-
-        spans = []
-        for t in self._reader.tensors:
-            qtype = t.tensor_type
-            if qtype.name not in SUPPORTED_TYPES:
-                raise UnsupportedTensorType(
-                    f"{self.path}: tensor {t.name!r} has type {qtype.name}, which meshinfer cannot "
-                    f"dequantize; supported: {', '.join(sorted(SUPPORTED_TYPES))}")
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            shape = [int(d) for d in t.shape]
-            if any(d <= 0 for d in shape) or shape[0] % block:
-                raise WeightsError(f"{self.path}: tensor {t.name!r} has shape {shape}, which does not fit "
-                                   f"type {qtype.name} (rows must be a multiple of {block} values)")
-            expected = int(np.prod(shape)) // block * type_size
-            start = int(t.data_offset)
-            if int(t.n_bytes) != expected or t.data.nbytes != expected:
-                raise WeightsError(f"{self.path}: tensor {t.name!r} of type {qtype.name} and shape {shape} "
-                                   f"needs {expected} bytes, found {t.data.nbytes}")
-            if start + expected > self.file_size:
-                raise WeightsError(f"{self.path}: tensor {t.name!r} ends at byte {start + expected}, past the "
-                                   f"end of the file ({self.file_size} bytes): the file is truncated")
-            spans.append((start, start + expected, t.name))
-        spans.sort()
-        for (_, end, name), (nstart, _, nname) in zip(spans, spans[1:]):
-            if end > nstart:
-                raise WeightsError(f"{self.path}: tensor {name!r} (ends at byte {end}) overlaps tensor "
-                                   f"{nname!r} (starts at byte {nstart}): its byte size does not match")
-
     # ------------------------------------------------------------------ tensors
     def tensor_names(self) -> list[str]:
         """All tensor names in file order."""
@@ -187,7 +411,13 @@ class GGUFFile:
 
     def tensor_type(self, name: str) -> str:
         """The GGML type name of tensor ``name`` (read from the file, per tensor)."""
-        return self._tensors[name].tensor_type.name
+        return self._tensor(name).qtype.name
+
+    def _tensor(self, name: str) -> _Tensor:
+        t = self._tensors.get(name)
+        if t is None:
+            raise WeightsError(f"{self.path}: tensor {name!r} is missing")
+        return t
 
     def dequantize(self, name: str) -> np.ndarray:
         """Dequantize tensor ``name`` to float32, shaped like a torch weight ``(out, in)``.
@@ -197,14 +427,16 @@ class GGUFFile:
         """
         from gguf import quants
 
-        t = self._tensors.get(name)
-        if t is None:
-            raise WeightsError(f"{self.path}: tensor {name!r} is missing")
-        arr = quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (innermost) first
-        arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
-        if not arr.flags.writeable:  # F32 tensors come back as views of the read-only memory map
-            arr = arr.copy()
+        t = self._tensor(name)
+        raw = self._bytes[t.start:t.start + t.n_bytes].reshape(-1, t.row_bytes)  # (rows, row bytes) uint8
+        if t.qtype == GGMLQuantizationType.F64:
+            arr = raw.view(np.float64)
+        else:
+            arr = quants.dequantize(raw, t.qtype)  # (rows, ne0)
+        shape = tuple(reversed(t.dims))  # GGUF lists ne0 (innermost) first
+        arr = arr.reshape(shape)
+        if arr.dtype != np.float32 or not arr.flags.writeable:  # F32 is a view of the read-only map
+            arr = arr.astype(np.float32)
         return arr
 
     def iter_shard_tensors(self, layers: LayerRange) -> Iterator[tuple[str, torch.Tensor]]:
@@ -215,6 +447,8 @@ class GGUFFile:
         (falling back to the tied token embedding when the file has no ``output.weight``).
         Module names follow Hugging Face's (``layers.3.self_attn.q_proj.weight``).
         """
+        import torch
+
         cfg = self.config
         layers.check_within(cfg.num_hidden_layers)
         wanted: list[tuple[str, str]] = []

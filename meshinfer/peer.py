@@ -1,0 +1,628 @@
+"""The meshinfer peer: serves one shard over websockets.
+
+A peer accepts connections from clients and from other peers (either side may dial; a
+connection is reused whichever side opened it, so a peer behind NAT that dialed out can
+still be a later hop). It answers the handshake, gossips adverts, measures RTTs, and runs
+``step`` frames of each open conversation in order on its device executor, forwarding
+hidden states to the next hop or, on the last hop, sending the chosen token to the client.
+
+Every task the peer starts is tracked and cancelled in :meth:`Peer.close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import websockets
+
+from . import protocol
+from .config import LayerRange
+from .discovery import DEFAULT_GOSSIP_INTERVAL_S, DEFAULT_TTL_S, PeerTable
+from .errors import (CacheFull, InvalidInput, LayerRangeError, MeshError, PeerUnavailable, PositionError,
+                     ProtocolError)
+from .executor import DeviceExecutor
+from .kv_cache import KVCache
+from .models.llama import Shard
+from .protocol import PeerAdvert
+from .transport import CLOSE_SHUTDOWN, Link, dial
+
+log = logging.getLogger(__name__)
+
+#: Seconds a connection has to send its ``hello`` before it is closed.
+HELLO_TIMEOUT_S = 10.0
+#: Steps queued per conversation before new ones are refused (flow control).
+MAX_QUEUED_STEPS = 64
+#: Most conversations one client connection may hold open at once.
+MAX_CONVERSATIONS_PER_LINK = 64
+#: Frame overhead allowed beyond the largest hidden-state payload, bytes.
+FRAME_OVERHEAD_BYTES = 64 * 1024
+
+
+@dataclass
+class PeerSettings:
+    """How a peer runs. Units are in the names.
+
+    Attributes:
+        host, port: where to listen (port 0: the OS picks).
+        public_addrs: URLs others should dial (default: ``ws://host:port`` once bound).
+        bootstrap: URLs of peers to learn the mesh from.
+        max_step_tokens: most tokens in one step frame; sets the frame limit.
+        kv_budget_bytes: KV-cache memory this peer may use for all conversations.
+        idle_timeout_s: a conversation with no step for this long is freed.
+        gossip_interval_s, advert_ttl_s: see :mod:`meshinfer.discovery`.
+        request_timeout_s: deadline of control requests (hello, ping, get_peers).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    public_addrs: tuple[str, ...] = ()
+    bootstrap: tuple[str, ...] = ()
+    max_step_tokens: int = 512
+    kv_budget_bytes: int = 2 << 30
+    idle_timeout_s: float = 300.0
+    gossip_interval_s: float = DEFAULT_GOSSIP_INTERVAL_S
+    advert_ttl_s: float = DEFAULT_TTL_S
+    request_timeout_s: float = 10.0
+
+
+@dataclass
+class _Conv:
+    """One conversation on this peer."""
+
+    conv_id: str
+    run: LayerRange
+    owner: Link
+    prev_id: str | None
+    next_id: str | None
+    next_addrs: tuple[str, ...]
+    reserved_tokens: int
+    cache: KVCache
+    queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(MAX_QUEUED_STEPS))
+    task: asyncio.Task | None = None
+    last_active: float = field(default_factory=time.monotonic)
+    expected_start: int = 0
+
+
+class Peer:
+    """Serve ``shard`` to the mesh.
+
+    Args:
+        shard: the loaded layers.
+        executor: the device thread that owns ``shard``.
+        peer_id: this peer's id (see :func:`meshinfer.discovery.peer_id_of`).
+        weights_hash: sha256 of the weights file (the identity of the model).
+        precision: compute precision identity, e.g. ``"f32"``.
+        tokenizer_bundle: what ``get_tokenizer`` returns (``Tokenizer.to_bundle()``).
+        settings: :class:`PeerSettings`.
+    """
+
+    def __init__(self, shard: Shard, executor: DeviceExecutor, *, peer_id: str, weights_hash: str,
+                 precision: str, tokenizer_bundle: dict | None, settings: PeerSettings | None = None) -> None:
+        self.shard, self.executor = shard, executor
+        self.cfg = shard.cfg
+        self.peer_id, self.weights_hash, self.precision = peer_id, weights_hash, precision
+        self.tokenizer_bundle = tokenizer_bundle
+        self.settings = settings or PeerSettings()
+        self.state = protocol.JOINING
+        self.table = PeerTable(peer_id)
+        self.compute_ms_per_token = 0.0
+        self.rtts_ms: dict[str, float] = {}
+        self.convs: dict[str, _Conv] = {}
+        self.links: dict[str, Link] = {}  # remote peer id -> link, whichever side dialed
+        self._all_links: set[Link] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._seq = 0
+        self._reserved_tokens = 0
+        self._server = None
+        self.addrs: tuple[str, ...] = ()
+        self.max_frame_bytes = (self.settings.max_step_tokens * self.cfg.hidden_size * 4
+                                + FRAME_OVERHEAD_BYTES)
+        self._dialing: dict[str, asyncio.Future] = {}
+        self._closing = False
+        self.owns_executor = False
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token costs across this peer's layers."""
+        elem = torch.empty((), dtype=self.shard.dtype).element_size()
+        return 2 * len(self.shard.range) * self.cfg.num_key_value_heads * self.cfg.head_dim * elem
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens of KV the budget holds in all."""
+        return self.settings.kv_budget_bytes // self.kv_bytes_per_token
+
+    @property
+    def free_kv_tokens(self) -> int:
+        """Tokens of KV not reserved by open conversations."""
+        return max(0, self.capacity_tokens - self._reserved_tokens)
+
+    @property
+    def kv_bytes_used(self) -> int:
+        """Bytes of KV storage allocated now, all conversations."""
+        return sum(c.cache.nbytes for c in self.convs.values())
+
+    def advert(self) -> PeerAdvert:
+        """This peer's current advert."""
+        return PeerAdvert(
+            peer_id=self.peer_id, addrs=self.addrs, protocol_version=protocol.PROTOCOL_VERSION,
+            weights_hash=self.weights_hash, architecture=self.cfg.architecture,
+            num_layers=self.cfg.num_hidden_layers, layers=self.shard.range, device=str(self.executor.device),
+            precision=self.precision, state=self.state, free_kv_tokens=self.free_kv_tokens,
+            compute_ms_per_token=round(self.compute_ms_per_token, 3), rtts_ms=dict(self.rtts_ms),
+            seq=self._seq, ttl_s=self.settings.advert_ttl_s)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def warmup(self, *, prompt_tokens: int = 16) -> float:
+        """Run one prefill and one decode on dummy input; return decode ms per token.
+
+        A cold GPU compiles kernels on its first request, so peers warm up before announcing.
+        """
+        def work() -> float:
+            cache = KVCache(self.shard.range, self.cfg.num_key_value_heads, self.cfg.head_dim,
+                            dtype=self.shard.dtype, device=self.shard.device, max_tokens=prompt_tokens + 8)
+            if self.shard.is_first:
+                x = torch.zeros(1, prompt_tokens, dtype=torch.int64)
+                step = torch.zeros(1, 1, dtype=torch.int64)
+            else:
+                x = torch.zeros(1, prompt_tokens, self.cfg.hidden_size)
+                step = torch.zeros(1, 1, self.cfg.hidden_size)
+            self.shard(x, 0, cache)
+            times = []
+            for i in range(3):
+                t0 = time.perf_counter()
+                self.shard(step, prompt_tokens + i, cache)
+                times.append(time.perf_counter() - t0)
+            cache.free()
+            return min(times) * 1e3
+
+        t0 = time.perf_counter()
+        self.compute_ms_per_token = await self.executor.run(work)
+        log.info("warm-up done in %.2f s: decode %.1f ms/token for layers %s",
+                 time.perf_counter() - t0, self.compute_ms_per_token, self.shard.range.cli())
+        return self.compute_ms_per_token
+
+    async def start(self, *, warmup: bool = True) -> None:
+        """Warm up, listen, start gossip and the idle janitor; then state is ``ready``."""
+        if warmup:
+            await self.warmup()
+        s = self.settings
+        self._server = await websockets.serve(self._accept, s.host, s.port, max_size=self.max_frame_bytes,
+                                              ping_interval=20, ping_timeout=20, compression=None)
+        port = self._server.sockets[0].getsockname()[1]
+        host = s.host if s.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        self.addrs = tuple(s.public_addrs) or (f"ws://{host}:{port}",)
+        self.port = port
+        self.state = protocol.READY
+        self._seq += 1
+        self._spawn(self._gossip_loop(), "gossip")
+        self._spawn(self._janitor_loop(), "janitor")
+        log.info("peer %s ready at %s serving layers %s", self.peer_id[:12], ", ".join(self.addrs),
+                 self.shard.range.cli())
+
+    async def close(self) -> None:
+        """Drain: tell conversations' clients, close sockets, free caches. Safe to call twice."""
+        if self._closing:
+            return
+        self._closing = True
+        self.state = protocol.DRAINING
+        for conv in list(self.convs.values()):
+            try:
+                await conv.owner.send("error", conv=conv.conv_id, code=PeerUnavailable.code,
+                                      message=f"peer {self.peer_id[:12]} is shutting down")
+            except MeshError:
+                pass
+            await self._drop_conv(conv.conv_id)
+        if self._server is not None:
+            self._server.close()
+        for link in list(self._all_links):
+            await link.close(CLOSE_SHUTDOWN, "peer shutting down")
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+        if self.owns_executor:
+            self.executor.close()
+
+    # ------------------------------------------------------------------ connections
+    async def _accept(self, ws) -> None:
+        link = Link(ws, max_bytes=self.max_frame_bytes, on_message=self._on_message,
+                    name=f"{ws.remote_address}")
+        await self._serve_link(link)
+
+    async def _serve_link(self, link: Link) -> None:
+        self._all_links.add(link)
+        hello_timer = asyncio.get_running_loop().call_later(
+            HELLO_TIMEOUT_S, lambda: link.role is None and self._spawn(link.close(1008, "no hello"), "close"))
+        try:
+            await link.run()
+        finally:
+            hello_timer.cancel()
+            self._all_links.discard(link)
+            if link.remote_id and self.links.get(link.remote_id) is link:
+                del self.links[link.remote_id]
+            for conv in [c for c in self.convs.values() if c.owner is link]:
+                log.info("client of conversation %s disconnected; freeing it", conv.conv_id)
+                await self._drop_conv(conv.conv_id)
+
+    async def _link_to(self, peer_id: str, addrs: tuple[str, ...]) -> Link:
+        """An open link to ``peer_id``: reuse any connection, else dial ``addrs``.
+
+        Raises:
+            PeerUnavailable: no connection exists and no address answers.
+        """
+        link = self.links.get(peer_id)
+        if link is not None and not link.closed.is_set():
+            return link
+        if peer_id in self._dialing:
+            return await asyncio.shield(self._dialing[peer_id])
+        fut = asyncio.get_running_loop().create_future()
+        self._dialing[peer_id] = fut
+        try:
+            link = await self._dial_any(addrs, expect_id=peer_id)
+            fut.set_result(link)
+            return link
+        except BaseException as exc:
+            fut.set_exception(exc if isinstance(exc, Exception) else PeerUnavailable("dial cancelled"))
+            fut.exception()  # mark retrieved
+            raise
+        finally:
+            del self._dialing[peer_id]
+
+    async def _dial_any(self, addrs: tuple[str, ...], expect_id: str | None) -> Link:
+        errors = []
+        for url in addrs:
+            try:
+                link = await dial(url, max_bytes=self.max_frame_bytes, on_message=self._on_message)
+            except PeerUnavailable as exc:
+                errors.append(str(exc))
+                continue
+            self._all_links.add(link)
+            link.reader.add_done_callback(lambda _t, lk=link: self._forget_link(lk))
+            try:
+                _, f = await link.request("hello", timeout_s=self.settings.request_timeout_s, role="peer",
+                                          peer_id=self.peer_id, advert=self.advert().to_wire())
+                remote = PeerAdvert.from_wire(f.get("advert", dict))
+            except MeshError as exc:
+                await link.close()
+                errors.append(f"{url}: {exc}")
+                continue
+            if expect_id and remote.peer_id != expect_id:
+                await link.close()
+                errors.append(f"{url} is peer {remote.peer_id[:12]}, not {expect_id[:12]}")
+                continue
+            link.remote_id, link.role = remote.peer_id, "peer"
+            self.table.merge([remote])
+            self.links.setdefault(remote.peer_id, link)
+            return link
+        raise PeerUnavailable(f"cannot reach peer {(expect_id or '?')[:12]}: " + "; ".join(errors or ["no address"]))
+
+    def _forget_link(self, link: Link) -> None:
+        self._all_links.discard(link)
+        if link.remote_id and self.links.get(link.remote_id) is link:
+            del self.links[link.remote_id]
+
+    # ------------------------------------------------------------------ messages
+    async def _on_message(self, link: Link, msg_type: str, f) -> None:
+        if link.role is None and msg_type != "hello":
+            raise ProtocolError(f"the first frame must be hello, got {msg_type}")
+        handler = getattr(self, f"_on_{msg_type}", None)
+        if handler is None:
+            raise ProtocolError(f"a peer does not accept {msg_type} frames")
+        await handler(link, f)
+
+    async def _on_hello(self, link: Link, f) -> None:
+        role = f.str("role")
+        if role not in ("client", "peer"):
+            raise ProtocolError(f"hello: role {role!r} is not client or peer")
+        if role == "peer":
+            remote = PeerAdvert.from_wire(f.get("advert", dict))
+            link.remote_id = remote.peer_id
+            self.table.merge([remote])
+            self.links.setdefault(remote.peer_id, link)
+        link.role = role
+        await link.send("welcome", re=f.get("id", int, None), advert=self.advert().to_wire(),
+                        max_step_tokens=self.settings.max_step_tokens, max_frame_bytes=self.max_frame_bytes)
+
+    async def _on_welcome(self, link: Link, f) -> None:
+        raise ProtocolError("unexpected welcome")
+
+    async def _on_ping(self, link: Link, f) -> None:
+        await link.send("pong", re=f.get("id", int, None))
+
+    async def _on_pong(self, link: Link, f) -> None:
+        return None  # an unmatched (late) pong
+
+    async def _on_get_peers(self, link: Link, f) -> None:
+        ads = [self.advert()] + self.table.adverts()
+        await link.send("peers", re=f.get("id", int, None), adverts=[a.to_wire() for a in ads])
+
+    async def _on_gossip(self, link: Link, f) -> None:
+        if link.role != "peer":
+            raise ProtocolError("gossip is only accepted from peers")
+        raw = f.get("adverts", list)
+        ads = []
+        for d in raw[:1024]:
+            try:
+                ads.append(PeerAdvert.from_wire(d))
+            except (ProtocolError, LayerRangeError) as exc:
+                log.debug("dropping a malformed advert from %s: %s", link.remote_id, exc)
+        self.table.merge(ads)
+
+    async def _on_get_tokenizer(self, link: Link, f) -> None:
+        if self.tokenizer_bundle is None:
+            raise InvalidInput("this peer has no tokenizer")
+        await link.send("tokenizer", re=f.get("id", int, None), weights_hash=self.weights_hash,
+                        bundle=self.tokenizer_bundle)
+
+    async def _on_open(self, link: Link, f) -> None:
+        rid = f.get("id", int, None)
+        conv_id = f.str("conv")
+        if conv_id in self.convs:
+            raise ProtocolError(f"open: conversation {conv_id[:40]!r} is already open")
+        if self.state != protocol.READY:
+            raise PeerUnavailable(f"peer {self.peer_id[:12]} is {self.state}")
+        run = f.layer_range("layers")
+        if run.start < self.shard.range.start or run.stop > self.shard.range.stop:
+            raise LayerRangeError(f"this peer serves layers {self.shard.range.cli()}, asked for {run.cli()}")
+        tokens = f.int("max_tokens", lo=1, hi=self.cfg.max_position_embeddings)
+        if sum(1 for c in self.convs.values() if c.owner is link) >= MAX_CONVERSATIONS_PER_LINK:
+            raise CacheFull(f"this connection already holds {MAX_CONVERSATIONS_PER_LINK} conversations")
+        if tokens > self.free_kv_tokens:
+            raise CacheFull(f"conversation needs {tokens} tokens of KV cache; this peer has "
+                            f"{self.free_kv_tokens} free of {self.capacity_tokens}")
+        nxt = f.get("next", dict, None)
+        nf = protocol.Fields(nxt, "open.next") if nxt else None
+        next_id = nf.str("peer_id") if nf else None
+        next_addrs = tuple(nf.str_list("addrs")) if nf else ()
+        if (run.stop < self.cfg.num_hidden_layers) != (next_id is not None):
+            raise ProtocolError("open: 'next' must name the next hop unless this hop runs the last layer")
+        cache = KVCache(run, self.cfg.num_key_value_heads, self.cfg.head_dim, dtype=self.shard.dtype,
+                        device=self.shard.device, max_tokens=tokens)
+        conv = _Conv(conv_id=conv_id, run=run, owner=link, prev_id=f.str("prev", None), next_id=next_id,
+                     next_addrs=next_addrs, reserved_tokens=tokens, cache=cache)
+        self.convs[conv_id] = conv
+        self._reserved_tokens += tokens
+        conv.task = self._spawn(self._conv_worker(conv), f"conv {conv_id[:12]}")
+        await link.send("opened", re=rid, conv=conv_id, free_kv_tokens=self.free_kv_tokens)
+
+    async def _on_step(self, link: Link, f) -> None:
+        conv = self.convs.get(f.str("conv"))
+        seq = f.int("seq", lo=0, hi=1 << 62)
+        if conv is None:
+            raise InvalidInput(f"step {seq}: conversation {f.str('conv')[:40]!r} is not open on this peer")
+        allowed = link is conv.owner if conv.run.start == 0 else link.remote_id == conv.prev_id
+        if not allowed:
+            raise ProtocolError(f"step {seq}: this connection may not send steps for conversation {conv.conv_id}")
+        start = f.int("start", lo=0, hi=self.cfg.max_position_embeddings)
+        if conv.run.start == 0:
+            tokens = f.get("tokens", list)
+            if not 0 < len(tokens) <= self.settings.max_step_tokens or not all(
+                    type(t) is int and 0 <= t < self.cfg.vocab_size for t in tokens):
+                raise InvalidInput(f"step {seq}: tokens must be 1-{self.settings.max_step_tokens} ids in "
+                                   f"[0, {self.cfg.vocab_size})")
+            x = torch.tensor([tokens], dtype=torch.int64)  # (1, T)
+        else:
+            x = protocol.tensor_from_wire(f.get("hidden", dict), width=self.cfg.hidden_size,
+                                          max_elements=self.settings.max_step_tokens * self.cfg.hidden_size)
+            if x.dim() != 3 or x.shape[0] != 1:
+                raise InvalidInput(f"step {seq}: hidden states must be (1, T, {self.cfg.hidden_size})")
+        if start != conv.expected_start:
+            raise PositionError(f"step {seq} starts at position {start}; conversation {conv.conv_id} "
+                                f"expects position {conv.expected_start}")
+        if start + x.shape[1] > conv.reserved_tokens:
+            raise CacheFull(f"step {seq} would grow the conversation to {start + x.shape[1]} tokens; "
+                            f"it reserved {conv.reserved_tokens}")
+        conv.expected_start = start + x.shape[1]
+        trace = f.get("trace", list, [])[:64]
+        item = (seq, start, x, f.str("want", "none"), trace, time.perf_counter())
+        try:
+            conv.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            conv.expected_start = start
+            raise CacheFull(f"conversation {conv.conv_id} has {MAX_QUEUED_STEPS} steps queued") from None
+        conv.last_active = time.monotonic()
+
+    async def _on_truncate(self, link: Link, f) -> None:
+        conv = self.convs.get(f.str("conv"))
+        if conv is None or conv.owner is not link:
+            raise InvalidInput("truncate: no such conversation on this connection")
+        length = f.int("length", lo=0, hi=self.cfg.max_position_embeddings)
+        await conv.queue.join()
+        await self.executor.run(conv.cache.truncate, length)
+        conv.expected_start = length
+        await link.send("truncated", re=f.get("id", int, None), conv=conv.conv_id, length=length)
+
+    async def _on_close(self, link: Link, f) -> None:
+        conv = self.convs.get(f.str("conv"))
+        if conv is not None and conv.owner is link:
+            await self._drop_conv(conv.conv_id)
+
+    async def _on_error(self, link: Link, f) -> None:
+        """An error from the next hop about a conversation: relay it to the conversation's client."""
+        conv = self.convs.get(f.str("conv", "") or "")
+        if conv is not None and link.remote_id is not None and link.remote_id == conv.next_id:
+            await conv.owner.send("error", conv=conv.conv_id, seq=f.get("seq", int, None),
+                                  code=f.str("code", "mesh_error"), message=f.str("message", ""))
+        else:
+            log.debug("error frame from %s: %s", link.name, f.str("message", ""))
+
+    # ------------------------------------------------------------------ compute
+    async def _conv_worker(self, conv: _Conv) -> None:
+        while True:
+            seq, start, x, want, trace, t_recv = await conv.queue.get()
+            try:
+                t0 = time.perf_counter()
+                out = await self.executor.run(self._compute, conv, x, start)
+                hop = {"peer": self.peer_id, "compute_ms": round((time.perf_counter() - t0) * 1e3, 3),
+                       "queue_ms": round((t0 - t_recv) * 1e3, 3)}
+                if conv.next_id is None:
+                    if want == "token":
+                        await conv.owner.send("token", conv=conv.conv_id, seq=seq, token=out,
+                                              trace=trace + [hop])
+                else:
+                    nxt = await self._link_to(conv.next_id, conv.next_addrs)
+                    await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want,
+                                   hidden=protocol.tensor_to_wire(out), trace=trace + [hop])
+            except MeshError as exc:
+                await self._report(conv, seq, exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("step %d of conversation %s failed", seq, conv.conv_id)
+                await self._report(conv, seq, MeshError(f"internal error on peer {self.peer_id[:12]}: {exc}"))
+            finally:
+                conv.queue.task_done()
+
+    def _compute(self, conv: _Conv, x: torch.Tensor, start: int):
+        """On the device thread: run the conversation's layers; hidden states or a token id."""
+        out = self.shard(x.to(self.shard.device), start, conv.cache, run=conv.run, logits="last")
+        if not bool(torch.isfinite(out).all()):
+            conv.cache.truncate(start)
+            raise InvalidInput(f"layers {conv.run.cli()} produced NaN or inf at positions "
+                               f"{start}..{start + x.shape[1] - 1}")
+        if conv.run.stop == self.cfg.num_hidden_layers:
+            return int(out[0, -1].argmax())
+        return out
+
+    async def _report(self, conv: _Conv, seq: int, exc: MeshError) -> None:
+        conv.expected_start = conv.cache.length
+        try:
+            await conv.owner.send("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc))
+        except MeshError:
+            pass
+
+    async def _drop_conv(self, conv_id: str) -> None:
+        conv = self.convs.pop(conv_id, None)
+        if conv is None:
+            return
+        self._reserved_tokens -= conv.reserved_tokens
+        if conv.task is not None and conv.task is not asyncio.current_task():
+            conv.task.cancel()
+            await asyncio.gather(conv.task, return_exceptions=True)
+        await self.executor.run(conv.cache.free)
+
+    # ------------------------------------------------------------------ background
+    async def _janitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self.settings.idle_timeout_s / 2))
+            now = time.monotonic()
+            for conv in list(self.convs.values()):
+                if now - conv.last_active > self.settings.idle_timeout_s and conv.queue.empty():
+                    log.info("conversation %s idle for %.0f s; freeing it", conv.conv_id, now - conv.last_active)
+                    await self._drop_conv(conv.conv_id)
+
+    async def _gossip_loop(self) -> None:
+        while True:
+            try:
+                await self._gossip_round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("gossip round failed")
+            await asyncio.sleep(self.settings.gossip_interval_s)
+
+    async def _gossip_round(self) -> None:
+        self._seq += 1
+        targets = {ad.peer_id: ad.addrs for ad in self.table.adverts()}
+        dialed = await asyncio.gather(*(self._bootstrap(url) for url in self.settings.bootstrap
+                                        if not any(url in a for a in targets.values())),
+                                      return_exceptions=True)
+        del dialed
+        payload = [self.advert().to_wire()] + [a.to_wire() for a in self.table.adverts()]
+        for peer_id, addrs in {ad.peer_id: ad.addrs for ad in self.table.adverts()}.items():
+            self._spawn(self._gossip_to(peer_id, addrs, payload), f"gossip {peer_id[:12]}")
+        for gone in set(self.rtts_ms) - {a.peer_id for a in self.table.adverts()}:
+            del self.rtts_ms[gone]
+
+    async def _bootstrap(self, url: str) -> None:
+        try:
+            await self._dial_any((url,), expect_id=None)
+        except PeerUnavailable as exc:
+            log.debug("bootstrap %s: %s", url, exc)
+
+    async def _gossip_to(self, peer_id: str, addrs: tuple[str, ...], payload: list) -> None:
+        try:
+            link = await self._link_to(peer_id, addrs)
+            t0 = time.perf_counter()
+            await link.request("ping", timeout_s=self.settings.request_timeout_s)
+            self.rtts_ms[peer_id] = round((time.perf_counter() - t0) * 1e3, 3)
+            await link.send("gossip", adverts=payload)
+        except MeshError as exc:
+            log.debug("gossip to %s failed: %s", peer_id[:12], exc)
+
+
+def new_conversation_id() -> str:
+    """A random conversation id (UUID4 hex)."""
+    return uuid.uuid4().hex
+
+
+async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "cpu", dtype: str = "f32",
+                      settings: PeerSettings | None = None, key_path: str | None = None,
+                      threads: int | None = None, warmup: bool = True, home: str | None = None) -> Peer:
+    """Load a shard and start a peer serving it: what ``meshinfer join`` runs.
+
+    Args:
+        model: a path or a known model name (pulled if missing).
+        layers: the half-open layer range, or None for every layer.
+        device: ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
+        dtype: ``f32``, ``bf16`` or ``f16``; also the advertised precision.
+        settings: network and budget settings.
+        key_path: Ed25519 key file (created on first start); None: an ephemeral key.
+        threads: torch CPU threads for the device thread.
+
+    Raises:
+        ModelNotFound, WeightsError, LayerRangeError, DeviceError: bad arguments or files.
+    """
+    from .discovery import load_or_create_key, peer_id_of
+    from .executor import parse_device
+    from .generate import load_shard, parse_dtype
+    from .tokenizer import Tokenizer
+    from .weights import open_weights
+    from .weights.identity import weights_hash
+    from .weights.registry import resolve_model
+
+    torch_dtype = parse_dtype(dtype)
+    dev = parse_device(device)
+    path = resolve_model(model, home=home)
+    executor = DeviceExecutor(dev, threads=threads)
+    try:
+        src = await executor.run(open_weights, path)
+        rng = layers or LayerRange(0, src.config.num_hidden_layers)
+        rng.check_within(src.config.num_hidden_layers)
+        t0 = time.perf_counter()
+        shard = await executor.run(load_shard, src, rng, dtype=torch_dtype, device=str(dev))
+        log.info("loaded layers %s of %s in %.1f s", rng.cli(), path.name, time.perf_counter() - t0)
+        bundle = None
+        if rng.start == 0:  # the first hop serves the tokenizer to clients
+            bundle = (await executor.run(Tokenizer.from_gguf, src)).to_bundle() if path.is_file() \
+                else (await executor.run(Tokenizer.from_hf_dir, path)).to_bundle()
+        digest = await executor.run(weights_hash, path)
+        if key_path:
+            key = load_or_create_key(key_path)
+        else:
+            from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+            key = Ed25519PrivateKey.generate()
+        peer = Peer(shard, executor, peer_id=peer_id_of(key), weights_hash=digest, precision=dtype,
+                    tokenizer_bundle=bundle, settings=settings)
+        peer.key = key
+        peer.owns_executor = True
+        await peer.start(warmup=warmup)
+        return peer
+    except BaseException:
+        executor.close()
+        raise

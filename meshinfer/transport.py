@@ -1,0 +1,167 @@
+"""A websocket connection carrying meshinfer frames, shared by peers and clients.
+
+:class:`Link` adds two things to a ``websockets`` connection: request/response matching
+(a request carries ``id``, its reply ``re``) and a reader loop that decodes every frame
+through :mod:`meshinfer.protocol` and hands it to a callback. Malformed frames get an
+``error`` reply; a connection that keeps sending them is closed with code 1008.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Any, Awaitable, Callable
+
+import websockets
+from websockets.exceptions import ConnectionClosed
+
+from . import protocol
+from .errors import MeshError, PeerUnavailable, ProtocolError
+
+log = logging.getLogger(__name__)
+
+#: Malformed frames tolerated on one connection before it is closed (code 1008).
+MAX_BAD_FRAMES = 64
+#: Websocket close codes (RFC 6455 section 7.4.1; 4000-4999 are private use).
+CLOSE_POLICY, CLOSE_VERSION, CLOSE_SHUTDOWN = 1008, 4002, 1001
+
+Handler = Callable[["Link", str, "protocol.Fields"], Awaitable[None]]
+
+
+class Link:
+    """One websocket connection with request/response matching.
+
+    Args:
+        ws: an open ``websockets`` connection (client or server side).
+        max_bytes: largest frame accepted, bytes (also enforced by ``websockets``' ``max_size``).
+        on_message: ``await on_message(link, type, fields)`` for every frame that is not a reply.
+        name: label for logs.
+
+    Attributes:
+        remote_id: the remote peer id once known (None for clients).
+        role: ``"peer"`` or ``"client"`` once the handshake is done.
+    """
+
+    def __init__(self, ws, *, max_bytes: int, on_message: Handler, name: str = "") -> None:
+        self.ws = ws
+        self.max_bytes = max_bytes
+        self.on_message = on_message
+        self.name = name
+        self.remote_id: str | None = None
+        self.role: str | None = None
+        self.info: dict[str, Any] = {}
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._bad_frames = 0
+        self.closed = asyncio.Event()
+
+    async def send(self, msg_type: str, **fields: Any) -> None:
+        """Send one frame. Raises :class:`PeerUnavailable` when the connection is closed."""
+        try:
+            await self.ws.send(protocol.encode(msg_type, **fields))
+        except ConnectionClosed as exc:
+            raise PeerUnavailable(f"connection to {self.name or self.remote_id} is closed") from exc
+
+    async def request(self, msg_type: str, *, timeout_s: float, **fields: Any) -> tuple[str, Any]:
+        """Send a request and wait for its reply (``type``, fields).
+
+        Raises:
+            PeerUnavailable: closed connection or no reply within ``timeout_s`` seconds.
+            MeshError: the reply is an ``error`` frame; its code and message are kept.
+        """
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            await self.send(msg_type, id=rid, **fields)
+            msg_type, f = await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise PeerUnavailable(f"{self.name or self.remote_id} did not answer {msg_type} "
+                                  f"within {timeout_s:.1f} s") from exc
+        finally:
+            self._pending.pop(rid, None)
+        if msg_type == "error":
+            raise remote_error(f)
+        return msg_type, f
+
+    async def run(self) -> None:
+        """Read frames until the connection closes; never raises for what the remote sends."""
+        try:
+            async for frame in self.ws:
+                await self._dispatch(frame)
+        except ConnectionClosed:
+            pass
+        finally:
+            self.closed.set()
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(PeerUnavailable(f"connection to {self.name or self.remote_id} closed"))
+
+    async def _dispatch(self, frame: bytes | str) -> None:
+        try:
+            msg_type, f = protocol.decode(frame, max_bytes=self.max_bytes)
+            re = f.get("re", int, None)
+            if re is not None and re in self._pending:
+                fut = self._pending.pop(re)
+                if not fut.done():
+                    fut.set_result((msg_type, f))
+                return
+            await self.on_message(self, msg_type, f)
+        except MeshError as exc:
+            await self._reply_error(frame, exc)
+        except ConnectionClosed:
+            raise
+        except Exception as exc:  # a bug must not kill the connection of other conversations
+            log.exception("unexpected error handling a frame from %s", self.name or self.remote_id)
+            await self._reply_error(frame, MeshError(f"internal error: {type(exc).__name__}"))
+
+    async def _reply_error(self, frame: Any, exc: MeshError) -> None:
+        if isinstance(exc, ProtocolError):
+            self._bad_frames += 1
+        code = getattr(exc, "code", "mesh_error")
+        try:
+            await self.send("error", code=code, message=str(exc)[:protocol.MAX_STR_LEN])
+            if code == "version_mismatch":
+                await self.ws.close(CLOSE_VERSION, str(exc)[:120])
+            elif self._bad_frames >= MAX_BAD_FRAMES:
+                await self.ws.close(CLOSE_POLICY, f"{self._bad_frames} malformed frames")
+        except (PeerUnavailable, ConnectionClosed):
+            pass
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        """Close the connection; safe to call twice."""
+        try:
+            await self.ws.close(code, reason)
+        except Exception:  # already closed or broken
+            pass
+
+
+def remote_error(f: Any) -> MeshError:
+    """Rebuild an exception from an ``error`` frame, keeping the remote's code and message."""
+    from . import errors
+
+    code = f.str("code", "mesh_error")
+    message = f.str("message", "")
+    for cls in vars(errors).values():
+        if isinstance(cls, type) and issubclass(cls, MeshError) and getattr(cls, "code", None) == code:
+            return cls(message)
+    exc = MeshError(message)
+    exc.code = code
+    return exc
+
+
+async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s: float = 5.0) -> Link:
+    """Open a websocket to ``url`` and start its reader task (kept in ``link.reader``).
+
+    Raises:
+        PeerUnavailable: the address cannot be reached within ``open_timeout_s`` seconds.
+    """
+    try:
+        ws = await websockets.connect(url, max_size=max_bytes, open_timeout=open_timeout_s,
+                                      ping_interval=20, ping_timeout=20, compression=None)
+    except (OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException, ValueError) as exc:
+        raise PeerUnavailable(f"cannot reach {url}: {exc}") from exc
+    link = Link(ws, max_bytes=max_bytes, on_message=on_message, name=url)
+    link.reader = asyncio.get_running_loop().create_task(link.run(), name=f"link {url}")
+    return link
