@@ -56,7 +56,8 @@ def new_cache(shard: Shard, run: LayerRange | None = None) -> KVCache:
                    device=shard.device, max_tokens=cfg.max_position_embeddings)
 
 
-def check_context(n_prompt: int, max_tokens: int | None, context: int) -> int:
+def check_context(n_prompt: int, max_tokens: int | None, context: int, *,
+                  what: str = "the model's context") -> int:
     """Return the number of tokens that may be generated.
 
     Raises:
@@ -66,14 +67,14 @@ def check_context(n_prompt: int, max_tokens: int | None, context: int) -> int:
     if n_prompt == 0:
         raise InvalidInput("the prompt is empty")
     if n_prompt >= context:
-        raise ContextOverflow(f"the prompt has {n_prompt} tokens; the model's context is {context} tokens")
+        raise ContextOverflow(f"the prompt has {n_prompt} tokens; {what} is {context} tokens")
     if max_tokens is None:
         return context - n_prompt
     if max_tokens < 1:
         raise InvalidInput(f"max_tokens must be at least 1, got {max_tokens}")
     if n_prompt + max_tokens > context:
         raise ContextOverflow(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = "
-                              f"{n_prompt + max_tokens} exceeds the model's context of {context} tokens")
+                              f"{n_prompt + max_tokens} exceeds {what} of {context} tokens")
     return max_tokens
 
 

@@ -24,7 +24,7 @@ import websockets
 from . import protocol
 from .config import LayerRange
 from .discovery import DEFAULT_GOSSIP_INTERVAL_S, DEFAULT_TTL_S, PeerTable
-from .errors import (CacheFull, InvalidInput, LayerRangeError, MeshError, PeerUnavailable, PositionError,
+from .errors import (CacheFull, ContextOverflow, InvalidInput, LayerRangeError, MeshError, PeerUnavailable, PositionError,
                      ProtocolError)
 from .executor import DeviceExecutor
 from .kv_cache import KVCache
@@ -379,7 +379,10 @@ class Peer:
         run = f.layer_range("layers")
         if run.start < self.shard.range.start or run.stop > self.shard.range.stop:
             raise LayerRangeError(f"this peer serves layers {self.shard.range.cli()}, asked for {run.cli()}")
-        tokens = f.int("max_tokens", lo=1, hi=self.cfg.max_position_embeddings)
+        tokens = f.int("max_tokens", lo=1, hi=1 << 40)
+        if tokens > self.cfg.max_position_embeddings:
+            raise ContextOverflow(f"conversation asks for {tokens} tokens; the model's context is "
+                                  f"{self.cfg.max_position_embeddings} tokens")
         if sum(1 for c in self.convs.values() if c.owner is link) >= MAX_CONVERSATIONS_PER_LINK:
             raise CacheFull(f"this connection already holds {MAX_CONVERSATIONS_PER_LINK} conversations")
         if tokens > self.free_kv_tokens:

@@ -397,28 +397,28 @@ def _build_graph(peers: Sequence[PeerAdvert], num_layers: int, client_rtts_ms: M
 def _search(g: _Graph, *, no_revisit: bool) -> tuple[float, tuple[_HopKey, ...]] | None:
     """Dijkstra from "no layer run" to "all layers run and the token back at the client".
 
-    A state is ``(a, i, left)``: layers ``[0, a)`` are done and peer ``i`` ran layer ``a - 1``.
-    With ``no_revisit``, ``left`` holds the peers already left behind that still hold a
-    layer ``>= a``, so they could otherwise be entered again. Without it, ``left`` is always
-    empty. ``a == L + 1`` (with ``i == -1``) is the goal. Labels are
-    ``(cost_ms, hops, hop keys)``. Returns the goal's cost and hop keys, or None.
+    A state is ``(a, i)``: layers ``[0, a)`` are done and peer ``i`` ran layer ``a - 1``;
+    ``a == L + 1`` (with ``i == -1``) is the goal. A label is ``(cost_ms, hops, hop keys)``
+    plus ``left``. With ``no_revisit``, ``left`` holds the peers already left behind that
+    still hold a layer ``>= a`` and so could otherwise be entered again. Without it, ``left``
+    is always empty, and each state keeps a single label. Returns the goal's cost and hop
+    keys, or None.
     """
     L = g.num_layers
     heap: list[tuple] = []
-    best: dict[tuple, tuple] = {}
+    fronts = _Fronts()
 
     def push(cost: float, hops: int, seq: tuple[_HopKey, ...], a: int, i: int, left: frozenset[int]) -> None:
-        cost = round(cost, _COST_DIGITS)
-        label, state = (cost, hops, seq), (a, i, left)
-        if state not in best or label < best[state]:
-            best[state] = label
-            heapq.heappush(heap, (cost, hops, seq, a, i, left))
+        item = (round(cost, _COST_DIGITS), hops, seq, a, i, left)
+        if fronts.add(item):
+            heapq.heappush(heap, item)
 
     for i in g.cover[0]:
         push(g.client_half_ms[i] + g.layer_ms[i], 1, (_hop_key(g, i, 0),), 1, i, _NO_PEERS)
     while heap:
-        cost, hops, seq, a, i, left = heapq.heappop(heap)
-        if best[(a, i, left)] != (cost, hops, seq):
+        item = heapq.heappop(heap)
+        cost, hops, seq, a, i, left = item
+        if not fronts.holds(item):
             continue  # a better label reached this state after this one was pushed
         if a > L:
             return cost, seq
@@ -434,6 +434,35 @@ def _search(g: _Graph, *, no_revisit: bool) -> tuple[float, tuple[_HopKey, ...]]
             push(cost + g.link_half_ms[i][j] + g.layer_ms[j], hops + 1, seq + (_hop_key(g, j, a),),
                  a + 1, j, new_left)
     return None
+
+
+class _Fronts:
+    """The labels not dominated so far, per state ``(a, i)``.
+
+    Label x dominates label y at the same state when x's ``(cost, hops, hop keys)`` is no
+    larger and x left behind a subset of y's peers. Then every continuation of y is open to
+    x and is no worse, so dropping y loses no optimum. When ``left`` is always empty this
+    keeps the single best label per state, as plain Dijkstra does. Without revisits, the
+    front of a state stays small in practice: more switches leave more peers behind, and they
+    also cost more link time.
+    """
+
+    def __init__(self) -> None:
+        self._by_state: dict[tuple[int, int], list[tuple]] = {}
+
+    def add(self, item: tuple) -> bool:
+        """Record ``item`` unless it is dominated; drop the labels it dominates."""
+        key, (a, i, left) = item[:3], item[3:]
+        front = self._by_state.setdefault((a, i), [])
+        if any(other[:3] <= key and other[5] <= left for other in front):
+            return False
+        front[:] = [other for other in front if not (key <= other[:3] and left <= other[5])]
+        front.append(item)
+        return True
+
+    def holds(self, item: tuple) -> bool:
+        """False once a label pushed later has dominated ``item``."""
+        return item in self._by_state[(item[3], item[4])]
 
 
 def _hop_key(g: _Graph, i: int, start: int) -> _HopKey:

@@ -330,7 +330,8 @@ class Conversation:
             MeshError: a hop reported an error (its code and message are kept).
         """
         prompt_ids = list(prompt_ids)
-        budget = check_context(len(prompt_ids), max_tokens, self.max_tokens_total)
+        budget = check_context(len(prompt_ids), max_tokens, self.max_tokens_total,
+                               what="the conversation's reserved context")
         if not self._open:
             await self.open()
         result = ChatResult(prompt_ids=prompt_ids)

@@ -99,8 +99,10 @@ class Link:
                     fut.set_exception(PeerUnavailable(f"connection to {self.name or self.remote_id} closed"))
 
     async def _dispatch(self, frame: bytes | str) -> None:
+        context: dict[str, Any] = {}
         try:
             msg_type, f = protocol.decode(frame, max_bytes=self.max_bytes)
+            context = _reply_context(f)
             re = f.get("re", int, None)
             if re is not None and re in self._pending:
                 fut = self._pending.pop(re)
@@ -109,19 +111,19 @@ class Link:
                 return
             await self.on_message(self, msg_type, f)
         except MeshError as exc:
-            await self._reply_error(frame, exc)
+            await self._reply_error(exc, context)
         except ConnectionClosed:
             raise
         except Exception as exc:  # a bug must not kill the connection of other conversations
             log.exception("unexpected error handling a frame from %s", self.name or self.remote_id)
-            await self._reply_error(frame, MeshError(f"internal error: {type(exc).__name__}"))
+            await self._reply_error(MeshError(f"internal error: {type(exc).__name__}"), context)
 
-    async def _reply_error(self, frame: Any, exc: MeshError) -> None:
+    async def _reply_error(self, exc: MeshError, context: dict[str, Any]) -> None:
         if isinstance(exc, ProtocolError):
             self._bad_frames += 1
         code = getattr(exc, "code", "mesh_error")
         try:
-            await self.send("error", code=code, message=str(exc)[:protocol.MAX_STR_LEN])
+            await self.send("error", code=code, message=str(exc)[:protocol.MAX_STR_LEN], **context)
             if code == "version_mismatch":
                 await self.ws.close(CLOSE_VERSION, str(exc)[:120])
             elif self._bad_frames >= MAX_BAD_FRAMES:
@@ -135,6 +137,16 @@ class Link:
             await self.ws.close(code, reason)
         except Exception:  # already closed or broken
             pass
+
+
+def _reply_context(f: Any) -> dict[str, Any]:
+    """``re`` / ``conv`` / ``seq`` of a request, when well-formed, so an error reply can be matched."""
+    out = {}
+    for key, kind in (("id", int), ("conv", str), ("seq", int)):
+        value = f.d.get(key)
+        if isinstance(value, kind) and not isinstance(value, bool) and (kind is not str or len(value) <= 64):
+            out["re" if key == "id" else key] = value
+    return out
 
 
 def remote_error(f: Any) -> MeshError:

@@ -20,7 +20,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -77,12 +77,12 @@ _SCALARS = {
     GGUFValueType.UINT64: struct.Struct("<Q"), GGUFValueType.INT64: struct.Struct("<q"),
     GGUFValueType.FLOAT64: struct.Struct("<d"),
 }
-_U32, _U64 = _SCALARS[GGUFValueType.UINT32], _SCALARS[GGUFValueType.UINT64]
-# Fewest bytes one array item of a type can take: a string is at least its u64 length, an
-# array at least its u32 item type and u64 count. Bounds an array's count before reading it.
-_MIN_ITEM_BYTES = {t: s.size for t, s in _SCALARS.items()} | {
-    GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
-# A tensor info is at least: name length u64, n_dims u32, one dim u64, type u32, offset u64.
+# Fewest bytes one array item of a type can take (a string: its u64 length). Bounds an array's
+# count before reading it. Arrays of arrays are refused, as llama.cpp does.
+_MIN_ITEM_BYTES = {t: s.size for t, s in _SCALARS.items()} | {GGUFValueType.STRING: 8}
+# A key/value pair is at least a key length u64 and a value type u32; a tensor info at least a
+# name length u64, n_dims u32, one dim u64, type u32 and offset u64.
+_MIN_KV_BYTES = 8 + 4
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
 
 
@@ -129,6 +129,19 @@ class _Cursor:
                                    f"{left} bytes left in the file")
         return n
 
+    def records(self, n: int, item_bytes: int, what: str, read: Callable[[int], Any]) -> list:
+        """``[read(i) for i in range(n)]`` over a section of ``n`` records of at least
+        ``item_bytes`` each. Each read is bounds-checked, so a corrupt ``n`` fails at the first
+        record past the end; the error then also names the count, which may be the culprit."""
+        left = self.size - self.pos
+        try:
+            return [read(i) for i in range(n)]
+        except WeightsError as exc:
+            if n * item_bytes <= left:
+                raise
+            raise WeightsError(f"{exc} ({what} is {n}: at least {n * item_bytes} bytes, the file "
+                               f"had {left} left; the count is corrupt or the file is truncated)") from exc
+
     def strings(self, count: int, what: str) -> list[str]:
         buf, pos, size, out = self.buf, self.pos, self.size, []
         try:
@@ -154,16 +167,18 @@ class _Cursor:
         if vtype != GGUFValueType.ARRAY:
             raise self.error(what, f"unknown value type {vtype}")
         etype = self.scalar(GGUFValueType.UINT32, f"{what} (array item type)")
+        if etype == GGUFValueType.ARRAY:
+            raise self.error(what, "arrays of arrays are not supported")
         if etype not in _MIN_ITEM_BYTES:
             raise self.error(what, f"unknown array item type {etype}")
         count = self.count(self.scalar(GGUFValueType.UINT64, f"{what} (array count)"),
                            _MIN_ITEM_BYTES[etype], f"{what} (array count)")
         if etype == GGUFValueType.STRING:
             return self.strings(count, what)
-        if etype in _SCALARS and etype != GGUFValueType.BOOL:
-            dtype = np.dtype(_SCALARS[etype].format)
-            return np.frombuffer(self.take(count * dtype.itemsize, what), dtype=dtype)
-        return [self.value(etype, f"{what}[{i}]") for i in range(count)]
+        if etype == GGUFValueType.BOOL:
+            return [bool(b) for b in self.take(count, what)]
+        dtype = np.dtype(_SCALARS[etype].format)
+        return np.frombuffer(self.take(count * dtype.itemsize, what), dtype=dtype)
 
 
 def _map_gguf(path: Path) -> mmap.mmap:
@@ -183,16 +198,18 @@ def _read_header(cur: _Cursor) -> tuple[int, dict[str, Any]]:
     if version not in GGUF_VERSIONS:
         raise WeightsError(f"{cur.path}: GGUF version {version} is not supported (expected 2 or 3, "
                            "little-endian)")
-    n_tensors = cur.count(cur.scalar(GGUFValueType.UINT64, "tensor count"), _MIN_TENSOR_INFO_BYTES,
-                          "tensor count")
-    n_kv = cur.count(cur.scalar(GGUFValueType.UINT64, "metadata count"), 8 + 4, "metadata count")
+    n_tensors = cur.scalar(GGUFValueType.UINT64, "tensor count")
+    n_kv = cur.scalar(GGUFValueType.UINT64, "metadata count")
     meta: dict[str, Any] = {}
-    for i in range(n_kv):
+
+    def read_kv(i: int) -> None:
         key = cur.string(f"metadata key #{i}")
         if key in meta:
             raise cur.error(f"metadata field {key!r}", "the key appears twice")
         vtype = cur.scalar(GGUFValueType.UINT32, f"metadata field {key!r} (type)")
         meta[key] = cur.value(vtype, f"metadata field {key!r}")
+
+    cur.records(n_kv, _MIN_KV_BYTES, "the metadata count", read_kv)
     return n_tensors, meta
 
 
@@ -227,8 +244,9 @@ class _TensorInfo:
 
 
 def _read_tensor_infos(cur: _Cursor, n_tensors: int) -> list[_TensorInfo]:
-    infos, seen = [], set()
-    for i in range(n_tensors):
+    seen: set[str] = set()
+
+    def read_info(i: int) -> _TensorInfo:
         name = cur.string(f"tensor #{i} name")
         if name in seen:
             raise cur.error(f"tensor {name!r}", "the name appears twice")
@@ -239,8 +257,9 @@ def _read_tensor_infos(cur: _Cursor, n_tensors: int) -> list[_TensorInfo]:
         dims = struct.unpack(f"<{n_dims}Q", cur.take(8 * n_dims, f"tensor {name!r} dims"))
         raw_type = cur.scalar(GGUFValueType.UINT32, f"tensor {name!r} type")
         offset = cur.scalar(GGUFValueType.UINT64, f"tensor {name!r} offset")
-        infos.append(_TensorInfo(name, dims, raw_type, offset))
-    return infos
+        return _TensorInfo(name, dims, raw_type, offset)
+
+    return cur.records(n_tensors, _MIN_TENSOR_INFO_BYTES, "the tensor count", read_info)
 
 
 def _alignment(meta: dict[str, Any], path: Path) -> int:

@@ -1,0 +1,390 @@
+"""The ``meshinfer`` command line: the only module that prints.
+
+Subcommands: pull, generate, join, chat, status, bench. Every flag that names a peer list or
+a model also reads an environment variable (``MESHINFER_PEERS``, ``MESHINFER_MODEL``).
+A user's mistake ends with a one-line ``error: ...`` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+from .errors import MeshError
+
+DEFAULT_PEERS = "ws://127.0.0.1:7700"
+EXAMPLES = {
+    "pull": "examples:\n  meshinfer pull\n  meshinfer pull smollm2-135m-instruct-q4_1",
+    "generate": "examples:\n  meshinfer generate -p 'Write a haiku about routers'\n"
+                "  meshinfer generate --model smollm2-135m-instruct-q4_1 --messages chat.json --json",
+    "join": "examples:\n  meshinfer join --layers 0-11 --listen 0.0.0.0:7700\n"
+            "  meshinfer join --layers 12-23 --listen 0.0.0.0:7701 --peers ws://10.0.0.5:7700 --device cuda",
+    "chat": "examples:\n  meshinfer chat --peers ws://127.0.0.1:7700\n"
+            "  meshinfer chat -p 'Explain RoPE in one paragraph' --json",
+    "status": "examples:\n  meshinfer status --peers ws://127.0.0.1:7700\n  meshinfer status --json",
+    "bench": "examples:\n  meshinfer bench\n  meshinfer bench --splits 1,2 --max-tokens 64 --out docs/bench.json",
+}
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"`` (binary), ``"512MB"`` (decimal), ``"1000000"`` -> bytes.
+
+    Raises:
+        ValueError: anything else.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", text or "", re.I)
+    if not m:
+        raise ValueError(f"{text!r} is not a size such as 2GiB or 512MB")
+    power = "KMGT".find(m.group(2).upper()) + 1 if m.group(2) else 0
+    return int(float(m.group(1)) * ((1024 if m.group(3) else 1000) ** power))
+
+
+def _listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--listen {text!r} is not HOST:PORT")
+    return host or "127.0.0.1", int(port)
+
+
+def _peers(text: str | None) -> list[str]:
+    urls = [u.strip() for u in (text or "").split(",") if u.strip()]
+    for u in urls:
+        if not re.fullmatch(r"wss?://[^\s/]+(/\S*)?", u):
+            raise ValueError(f"peer address {u!r} is not ws://HOST:PORT")
+    return urls
+
+
+def _messages(args) -> list[dict]:
+    if getattr(args, "messages", None):
+        try:
+            data = json.loads(Path(args.messages).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--messages {args.messages}: {exc}") from exc
+        if isinstance(data, dict) and "messages" in data:
+            data = data["messages"]
+        return data
+    msgs = [{"role": "system", "content": args.system}] if getattr(args, "system", None) else []
+    return msgs + [{"role": "user", "content": args.prompt}]
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("websockets").setLevel(logging.WARNING)
+
+
+def _run(coro):
+    try:
+        import uvloop  # noqa: F401
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+# --------------------------------------------------------------------------- pull
+def cmd_pull(args) -> int:
+    from .weights.registry import DEFAULT_MODEL, pull
+
+    path = pull(args.name or DEFAULT_MODEL, progress=not args.quiet)
+    print(path)
+    return 0
+
+
+# --------------------------------------------------------------------------- generate
+def cmd_generate(args) -> int:
+    import torch
+
+    from .config import LayerRange  # noqa: F401
+    from .executor import parse_device
+    from .generate import greedy_generate, load_shard, parse_dtype
+    from .tokenizer import StreamDecoder, Tokenizer
+    from .weights import open_weights
+    from .weights.registry import resolve_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    dtype = parse_dtype(args.dtype)
+    device = parse_device(args.device)
+    src = open_weights(path)
+    tok = Tokenizer.from_gguf(src) if path.is_file() else Tokenizer.from_hf_dir(path)
+    prompt_ids = tok.encode_chat(_messages(args))
+    shard = load_shard(src, dtype=dtype, device=str(device))
+    stream = StreamDecoder(tok)
+
+    def show(token: int) -> None:
+        if not args.json:
+            sys.stdout.write(stream.push(token))
+            sys.stdout.flush()
+
+    out = greedy_generate(shard, prompt_ids, max_tokens=args.max_tokens, eos_ids=tok.eos_ids, on_token=show)
+    out.text = tok.decode(out.token_ids)
+    if args.json:
+        print(json.dumps(out.to_dict()))
+    else:
+        sys.stdout.write(stream.flush() + "\n")
+        print(f"[{len(out.token_ids)} tokens, TTFT {out.ttft_ms:.0f} ms, "
+              f"{out.decode_tokens_per_s:.1f} tok/s, finish: {out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------- join
+async def _join(args) -> int:
+    from .config import LayerRange
+    from .peer import PeerSettings, launch_peer
+
+    host, port = _listen(args.listen)
+    layers = LayerRange.parse(args.layers) if args.layers else None
+    settings = PeerSettings(host=host, port=port, public_addrs=tuple(_peers(args.public_addr)),
+                            bootstrap=tuple(_peers(args.peers)), kv_budget_bytes=parse_bytes(args.kv_budget),
+                            idle_timeout_s=args.idle_timeout)
+    key = args.key or str(Path(_env("MESHINFER_HOME", "~/.cache/meshinfer")).expanduser() / f"peer-{port}.key")
+    peer = await launch_peer(args.model, layers, device=args.device, dtype=args.dtype, settings=settings,
+                             key_path=key, threads=args.threads)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except NotImplementedError:  # pragma: no cover - Windows
+            pass
+    print(f"ready: peer {peer.peer_id[:12]} serving layers {peer.shard.range.cli()} of "
+          f"{peer.cfg.num_hidden_layers} at {', '.join(peer.addrs)} "
+          f"({peer.executor.device}, {peer.precision}, {peer.compute_ms_per_token:.1f} ms/token)", flush=True)
+    await stop.wait()
+    print("shutting down", flush=True)
+    await peer.close()
+    return 0
+
+
+def cmd_join(args) -> int:
+    return _run(_join(args))
+
+
+# --------------------------------------------------------------------------- chat
+async def _chat(args) -> int:
+    from .session import MeshClient
+    from .tokenizer import StreamDecoder
+
+    async with MeshClient(_peers(args.peers)) as client:
+        route = await client.plan()
+        tok = await client.tokenizer(route)
+        context = args.context
+        if not args.json:
+            print(f"route: {route.describe()}", file=sys.stderr)
+        interactive = args.prompt is None and args.messages is None
+        messages = [] if interactive else _messages(args)
+        if not interactive:
+            prompt_ids = tok.encode_chat(messages)
+            conv = client.conversation(route, max_tokens_total=len(prompt_ids) + args.max_tokens)
+            result = await _reply(conv, tok, prompt_ids, args, StreamDecoder)
+            if args.json:
+                print(json.dumps(result.__dict__))
+            await conv.close()
+            return 0
+        if args.system:
+            messages.append({"role": "system", "content": args.system})
+        conv = client.conversation(route, max_tokens_total=context)
+        print("meshinfer chat: type a message, /reset to start over, /exit or Ctrl-D to leave", file=sys.stderr)
+        while True:
+            try:
+                line = await asyncio.to_thread(input, "> ")
+            except EOFError:
+                break
+            if line.strip() in ("/exit", "/quit"):
+                break
+            if line.strip() == "/reset":
+                messages = messages[:1] if args.system else []
+                continue
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            try:
+                result = await _reply(conv, tok, tok.encode_chat(messages), args, StreamDecoder)
+            except MeshError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                messages.pop()
+                continue
+            messages.append({"role": "assistant", "content": result.text})
+        await conv.close()
+    return 0
+
+
+async def _reply(conv, tok, prompt_ids, args, StreamDecoder):
+    stream = StreamDecoder(tok)
+
+    def show(token: int) -> None:
+        if not args.json:
+            sys.stdout.write(stream.push(token))
+            sys.stdout.flush()
+
+    result = await conv.generate(prompt_ids, max_tokens=args.max_tokens, eos_ids=tok.eos_ids, on_token=show)
+    result.text = tok.decode(result.token_ids)
+    if not args.json:
+        sys.stdout.write(stream.flush() + "\n")
+        print(f"[{len(result.token_ids)} tokens, TTFT {result.ttft_ms:.0f} ms, "
+              f"{result.decode_tokens_per_s:.1f} tok/s, finish: {result.finish_reason}]", file=sys.stderr)
+    return result
+
+
+def cmd_chat(args) -> int:
+    return _run(_chat(args))
+
+
+# --------------------------------------------------------------------------- status
+async def _status(args) -> int:
+    from .routing import complete_routes_summary
+    from .session import MeshClient
+
+    async with MeshClient(_peers(args.peers)) as client:
+        peers = await client.refresh()
+        rtts = await client.measure_rtts()
+        groups = complete_routes_summary(peers, client_rtts_ms=rtts)
+        if args.json:
+            print(json.dumps({"peers": [dict(p.to_wire(), rtt_ms=rtts.get(p.peer_id)) for p in peers],
+                              "routes": [_group_json(g) for g in groups]}))
+            return 0
+        rows = [("PEER", "ADDRESS", "LAYERS", "DEVICE", "PREC", "WEIGHTS", "STATE", "RTT ms", "FREE KV")]
+        for p in sorted(peers, key=lambda p: (p.layers.start, p.peer_id)):
+            rtt = rtts.get(p.peer_id)
+            rows.append((p.peer_id[:12], (p.addrs or ("-",))[0], p.layers.cli(), p.device, p.precision,
+                         p.weights_hash[:12], p.state, f"{rtt:.1f}" if rtt is not None else "unreachable",
+                         str(p.free_kv_tokens)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        print()
+        for g in groups:
+            print(_group_line(g))
+    return 0
+
+
+def _group_json(g) -> dict:
+    return {"identity": g.identity, "peers": g.num_peers, "usable": g.num_usable,
+            "route": [{"peer_id": h.peer_id, "layers": h.layers.cli()} for h in g.route.hops] if g.route else None,
+            "estimated_ms_per_token": g.route.estimated_ms_per_token if g.route else None,
+            "missing_layers": [r.cli() for r in g.missing]}
+
+
+def _group_line(g) -> str:
+    if g.route is not None:
+        return f"complete route ({g.identity}): {g.route.describe()}"
+    return f"no complete route ({g.identity}): layers {', '.join(r.cli() for r in g.missing)} have no usable peer"
+
+
+def cmd_status(args) -> int:
+    return _run(_status(args))
+
+
+# --------------------------------------------------------------------------- bench
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
+# --------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshinfer", description="Run one LLM split by layers across a mesh of peers.")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES[name],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    model_default = _env("MESHINFER_MODEL", "qwen2.5-coder-0.5b-instruct-q4_k_m")
+    peers_default = _env("MESHINFER_PEERS", DEFAULT_PEERS)
+
+    s = add("pull", "Download a known model into the cache, verify its sha256, print its path.")
+    s.add_argument("name", nargs="?", help="model name (default: the project's default model)")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    s.set_defaults(func=cmd_pull)
+
+    s = add("generate", "Generate greedily with the whole model in this process (the baseline).")
+    s.add_argument("--model", default=model_default, help="path or known name [$MESHINFER_MODEL]")
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("-p", "--prompt", help="one user message")
+    g.add_argument("--messages", help="JSON file with an OpenAI-style list of {role, content}")
+    s.add_argument("--system", help="system message (with -p)")
+    s.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    s.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
+    s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=cmd_generate)
+
+    s = add("join", "Start a peer serving a layer range of a model.")
+    s.add_argument("--model", default=model_default, help="path or known name [$MESHINFER_MODEL]")
+    s.add_argument("--layers", default=_env("MESHINFER_LAYERS"), help="inclusive range, e.g. 0-11 (default: all)")
+    s.add_argument("--device", default=_env("MESHINFER_DEVICE", "cpu"), help="cpu, cuda, cuda:N or mps")
+    s.add_argument("--dtype", default=_env("MESHINFER_DTYPE", "f32"), choices=["f32", "bf16", "f16"])
+    s.add_argument("--listen", default=_env("MESHINFER_LISTEN", "127.0.0.1:7700"), help="HOST:PORT (port 0: any)")
+    s.add_argument("--public-addr", default=_env("MESHINFER_PUBLIC_ADDR"), help="ws://HOST:PORT others dial")
+    s.add_argument("--peers", default=_env("MESHINFER_BOOTSTRAP"), help="bootstrap peers ws://A:P,ws://B:P")
+    s.add_argument("--kv-budget", default=_env("MESHINFER_KV_BUDGET", "2GiB"), help="KV cache memory (2GiB)")
+    s.add_argument("--idle-timeout", type=float, default=300.0, help="free idle conversations after S seconds")
+    s.add_argument("--key", default=_env("MESHINFER_KEY"), help="Ed25519 key file (created if missing)")
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    s.set_defaults(func=cmd_join)
+
+    s = add("chat", "Chat with the model through the mesh (REPL without -p).")
+    s.add_argument("--peers", default=peers_default, help="peers to contact [$MESHINFER_PEERS]")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("-p", "--prompt", help="ask one question and exit")
+    g.add_argument("--messages", help="JSON file with an OpenAI-style list of {role, content}")
+    s.add_argument("--system", help="system message")
+    s.add_argument("--max-tokens", type=int, default=512, help="tokens to generate per reply (512)")
+    s.add_argument("--context", type=int, default=4096, help="tokens reserved for a REPL conversation")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=cmd_chat)
+
+    s = add("status", "Show the peer table and which complete routes exist.")
+    s.add_argument("--peers", default=peers_default, help="peers to contact [$MESHINFER_PEERS]")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    s = add("bench", "Benchmark a single peer against 2- and 3-peer splits on loopback.")
+    s.add_argument("--model", default=model_default)
+    s.add_argument("--splits", default="1,2,3", help="peer counts to measure (default 1,2,3)")
+    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
+    s.add_argument("--base-port", type=int, default=7800)
+    s.add_argument("--out", help="also write the results as JSON here")
+    s.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``meshinfer`` console script."""
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose + (1 if args.command == "join" else 0))
+    if getattr(args, "max_tokens", None) is not None and args.max_tokens < 1:
+        print("error: --max-tokens must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (MeshError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

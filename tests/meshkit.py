@@ -1,0 +1,66 @@
+"""In-process meshes for tests: real peers on port 0, a tiny random model or cached real shards."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import Sequence
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshinfer.config import LayerRange
+from meshinfer.discovery import peer_id_of
+from meshinfer.executor import DeviceExecutor
+from meshinfer.models.llama import Shard
+from meshinfer.peer import Peer, PeerSettings
+
+FAST = dict(gossip_interval_s=0.1, advert_ttl_s=1.0, request_timeout_s=5.0)
+
+
+async def start_peer(shard: Shard, *, weights_hash: str, precision: str = "f32", bundle: dict | None = None,
+                     bootstrap: Sequence[str] = (), **settings) -> Peer:
+    """A started peer serving ``shard`` on 127.0.0.1:0 with fast gossip."""
+    opts = dict(FAST) | settings
+    peer = Peer(shard, DeviceExecutor("cpu"), peer_id=peer_id_of(Ed25519PrivateKey.generate()),
+                weights_hash=weights_hash, precision=precision, tokenizer_bundle=bundle,
+                settings=PeerSettings(bootstrap=tuple(bootstrap), **opts))
+    peer.owns_executor = True
+    await peer.start(warmup=True)
+    return peer
+
+
+async def wait_for_tables(peers: Sequence[Peer], *, timeout_s: float = 10.0) -> None:
+    """Wait until every peer's table lists every other peer."""
+    want = len(peers) - 1
+    async with asyncio.timeout(timeout_s):
+        while not all(len(p.table) >= want for p in peers):
+            await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def mesh(shards: Sequence[Shard], *, weights_hash: str, bundle: dict | None = None, **settings):
+    """Start one peer per shard, the first as bootstrap for the others; close them all after."""
+    peers: list[Peer] = []
+    try:
+        first = await start_peer(shards[0], weights_hash=weights_hash, bundle=bundle, **settings)
+        peers.append(first)
+        for s in shards[1:]:
+            peers.append(await start_peer(s, weights_hash=weights_hash, bundle=bundle,
+                                          bootstrap=first.addrs, **settings))
+        await wait_for_tables(peers)
+        yield peers
+    finally:
+        for p in peers:
+            await p.close()
+
+
+def split(shard_factory, bounds: Sequence[int]) -> list[Shard]:
+    """Shards over consecutive ``bounds`` (e.g. ``[0, 2, 4]``) built by ``shard_factory(LayerRange)``."""
+    return [shard_factory(LayerRange(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
+def file_hash(path: Path) -> str:
+    from meshinfer.weights.identity import weights_hash
+
+    return weights_hash(path)

@@ -1,0 +1,262 @@
+"""A real in-process mesh (websockets on 127.0.0.1, port 0) with a tiny random model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from meshkit import file_hash, mesh, split, start_peer, wait_for_tables
+from meshinfer import protocol
+from meshinfer.config import LayerRange
+from meshinfer.errors import CacheFull, ContextOverflow, LayerRangeError, NoRoute, PositionError
+from meshinfer.generate import greedy_generate, load_shard
+from meshinfer.peer import launch_peer, PeerSettings
+from meshinfer.session import MeshClient
+from meshinfer.tokenizer import Tokenizer
+from meshinfer.transport import dial
+from tiny import random_weights, tiny_config, write_gguf
+
+MESSAGES = [{"role": "user", "content": "hello there, tiny model"}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(gguf path, weights hash, tokenizer, whole-model shard) of a tiny random qwen2 model."""
+    d = tmp_path_factory.mktemp("tiny")
+    cfg = tiny_config("qwen2", context=256)
+    path = write_gguf(d / "tiny.gguf", cfg, random_weights(cfg))
+    return path, file_hash(path), Tokenizer.from_gguf(path), load_shard(path)
+
+
+def reference(tiny, prompt_ids, max_tokens=12):
+    path, _, tok, whole = tiny
+    return greedy_generate(whole, prompt_ids, max_tokens=max_tokens, eos_ids=tok.eos_ids).token_ids
+
+
+async def ask(client: MeshClient, tok: Tokenizer, messages=MESSAGES, max_tokens=12, **plan):
+    route = await client.plan(**plan)
+    conv = client.conversation(route, max_tokens_total=128)
+    try:
+        ids = tok.encode_chat(messages)
+        return route, ids, await conv.generate(ids, max_tokens=max_tokens, eos_ids=tok.eos_ids)
+    finally:
+        await conv.close()
+
+
+@pytest.mark.parametrize("bounds", [[0, 2, 4], [0, 1, 3, 4]], ids=["2-peers", "3-peers"])
+async def test_chain_equals_single_process(tiny, bounds):
+    path, digest, tok, _ = tiny
+    shards = split(lambda r: load_shard(path, r), bounds)
+    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle()) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            route, ids, out = await ask(client, tok)
+    assert [h.layers for h in route.hops] == [LayerRange(a, b) for a, b in zip(bounds, bounds[1:])]
+    assert out.token_ids == reference(tiny, ids)
+    assert len(out.route) == len(bounds) - 1 and all(h["compute_ms_per_token"] > 0 for h in out.route)
+
+
+async def test_overlapping_peers_run_sub_ranges(tiny):
+    path, digest, tok, _ = tiny
+    shards = [load_shard(path, LayerRange(0, 3)), load_shard(path, LayerRange(1, 4))]
+    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle()) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            route, ids, out = await ask(client, tok)
+    assert sum(len(h.layers) for h in route.hops) == 4
+    assert out.token_ids == reference(tiny, ids)
+
+
+async def test_client_never_sends_or_receives_hidden_states(tiny, monkeypatch):
+    path, digest, tok, _ = tiny
+    seen = []
+    real_decode = protocol.decode
+
+    def spy(frame, *, max_bytes):
+        msg_type, f = real_decode(frame, max_bytes=max_bytes)
+        seen.append((msg_type, set(f.d)))
+        return msg_type, f
+
+    shards = split(lambda r: load_shard(path, r), [0, 2, 4])
+    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle()) as peers:
+        import meshinfer.transport as transport
+        async with MeshClient(list(peers[0].addrs)) as client:
+            route = await client.plan()
+            await client.tokenizer(route)
+            monkeypatch.setattr(transport.protocol, "decode", spy)  # frames decoded from now on
+            sent = []
+            real_send = transport.Link.send
+
+            async def send_spy(self, msg_type, **fields):
+                if self in client._links.values():
+                    sent.append((msg_type, set(fields)))
+                return await real_send(self, msg_type, **fields)
+
+            monkeypatch.setattr(transport.Link, "send", send_spy)
+            conv = client.conversation(route, max_tokens_total=64)
+            await conv.generate(tok.encode_chat(MESSAGES), max_tokens=5, eos_ids=())
+            await conv.close()
+    client_steps = [fields for t, fields in sent if t == "step"]
+    assert client_steps and all("tokens" in f and "hidden" not in f for f in client_steps)
+    hop_to_hop = [fields for t, fields in seen if t == "step" and "hidden" in fields]
+    assert hop_to_hop, "the hops did exchange hidden states"
+    received_by_client = [t for t, _ in seen if t == "token"]
+    assert received_by_client and not any("hidden" in f for t, f in seen if t == "token")
+
+
+async def test_reuse_sequential_and_concurrent_then_memory_at_baseline(tiny):
+    path, digest, tok, _ = tiny
+    shards = split(lambda r: load_shard(path, r), [0, 2, 4])
+    prompts = [[{"role": "user", "content": f"q{i} " * (i + 1)}] for i in range(9)]
+    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle()) as peers:
+        baseline = [(p.kv_bytes_used, p.free_kv_tokens) for p in peers]
+        async with MeshClient(list(peers[0].addrs)) as client:
+            for msgs in prompts[:5]:
+                _, ids, out = await ask(client, tok, msgs)
+                assert out.token_ids == reference(tiny, ids)
+            results = await asyncio.gather(*(ask(client, tok, msgs) for msgs in prompts[5:]))
+            for _, ids, out in results:
+                assert out.token_ids == reference(tiny, ids)
+        await asyncio.sleep(0.2)
+        assert [(p.kv_bytes_used, p.free_kv_tokens) for p in peers] == baseline
+        assert all(not p.convs for p in peers)
+
+
+async def test_multi_turn_reuses_cache_and_matches_fresh_run(tiny):
+    path, digest, tok, _ = tiny
+    shards = split(lambda r: load_shard(path, r), [0, 2, 4])
+    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle()) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            route = await client.plan()
+            conv = client.conversation(route, max_tokens_total=200)
+            msgs = list(MESSAGES)
+            first = await conv.generate(tok.encode_chat(msgs), max_tokens=6, eos_ids=())
+            msgs += [{"role": "assistant", "content": tok.decode(first.token_ids)},
+                     {"role": "user", "content": "and again"}]
+            ids = tok.encode_chat(msgs)
+            cached_before = len(conv.cached)
+            second = await conv.generate(ids, max_tokens=6, eos_ids=tok.eos_ids)
+            await conv.close()
+    assert cached_before > len(tok.encode_chat(MESSAGES))
+    assert second.token_ids == reference(tiny, ids, 6)
+
+
+async def test_client_disconnect_frees_cache(tiny):
+    path, digest, tok, _ = tiny
+    shards = split(lambda r: load_shard(path, r), [0, 2, 4])
+    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle()) as peers:
+        client = MeshClient(list(peers[0].addrs))
+        route = await client.plan()
+        conv = client.conversation(route, max_tokens_total=64)
+        await conv.generate(tok.encode_chat(MESSAGES), max_tokens=3, eos_ids=())
+        assert all(p.convs for p in peers)
+        for link in client._links.values():  # drop the sockets without a close frame
+            link.ws.transport.abort()
+        async with asyncio.timeout(5):
+            while any(p.convs for p in peers):
+                await asyncio.sleep(0.05)
+        assert all(p.kv_bytes_used == 0 for p in peers)
+        async with MeshClient(list(peers[0].addrs)) as again:
+            _, ids, out = await ask(again, tok)
+        assert out.token_ids == reference(tiny, ids)
+
+
+async def test_no_mixing_of_weights_or_precision(tiny, tmp_path):
+    path, digest, tok, _ = tiny
+    other = tmp_path / "other.gguf"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # one byte of the last tensor changed
+    other.write_bytes(bytes(data))
+    other_digest = file_hash(other)
+    assert other_digest != digest
+    first = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=tok.to_bundle())
+    odd = await start_peer(load_shard(other, LayerRange(2, 4)), weights_hash=other_digest,
+                           bootstrap=first.addrs)
+    half = await start_peer(load_shard(path, LayerRange(2, 4), dtype=torch.bfloat16), weights_hash=digest,
+                            precision="bf16", bootstrap=first.addrs)
+    try:
+        await wait_for_tables([first, odd, half])
+        async with MeshClient(list(first.addrs)) as client:
+            with pytest.raises(NoRoute) as err:
+                await client.plan()
+        text = str(err.value)
+        assert digest[:12] in text and other_digest[:12] in text and "bf16" in text
+        good = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=first.addrs)
+        try:
+            await wait_for_tables([first, odd, half, good])
+            async with MeshClient(list(first.addrs)) as client:
+                route, ids, out = await ask(client, tok)
+            assert route.peer_ids == (first.peer_id, good.peer_id)
+            assert out.token_ids == reference(tiny, ids)
+        finally:
+            await good.close()
+    finally:
+        for p in (half, odd, first):
+            await p.close()
+
+
+async def test_dead_peer_expires_from_tables_within_ttl(tiny):
+    path, digest, tok, _ = tiny
+    shards = split(lambda r: load_shard(path, r), [0, 2, 4])
+    async with mesh(shards + [load_shard(path, LayerRange(2, 4))], weights_hash=digest) as peers:
+        victim = peers[2]
+        await victim.close()
+        ttl = victim.settings.advert_ttl_s
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while any(p.table.get(victim.peer_id) for p in peers[:2]):
+            await asyncio.sleep(0.02)
+            assert loop.time() - t0 <= ttl + victim.settings.gossip_interval_s + 0.5
+        assert all(p.table.get(victim.peer_id) is None for p in peers[:2])
+
+
+async def test_position_gap_layer_range_and_budget_errors(tiny):
+    path, digest, tok, _ = tiny
+    async with mesh([load_shard(path, LayerRange(0, 4))], weights_hash=digest, bundle=tok.to_bundle(),
+                    kv_budget_bytes=100 * 4 * 2 * 2 * 8 * 4) as peers:
+        peer = peers[0]
+        link = await dial(peer.addrs[0], max_bytes=1 << 20, on_message=lambda *a: asyncio.sleep(0))
+        try:
+            await link.request("hello", timeout_s=5, role="client")
+            with pytest.raises(LayerRangeError, match="serves layers 0-3, asked for 0-4"):
+                await link.request("open", timeout_s=5, conv="a", layers=[0, 5], max_tokens=10)
+            with pytest.raises(CacheFull, match="needs 101 tokens of KV cache; this peer has 100 free"):
+                await link.request("open", timeout_s=5, conv="a", layers=[0, 4], max_tokens=101)
+            with pytest.raises(ContextOverflow, match="context is 256 tokens"):
+                await link.request("open", timeout_s=5, conv="a", layers=[0, 4], max_tokens=300)
+            await link.request("open", timeout_s=5, conv="a", layers=[0, 4], max_tokens=50)
+            with pytest.raises(PositionError, match="starts at position 3; conversation a expects position 0"):
+                await link.request("step", timeout_s=5, conv="a", seq=1, start=3, tokens=[1, 2])
+        finally:
+            await link.close()
+
+
+async def test_version_mismatch_is_refused_naming_both_versions(tiny):
+    import msgpack
+    import websockets
+
+    path, digest, tok, _ = tiny
+    async with mesh([load_shard(path, LayerRange(0, 4))], weights_hash=digest) as peers:
+        async with websockets.connect(peers[0].addrs[0]) as ws:
+            await ws.send(msgpack.packb({"v": 99, "t": "hello", "role": "client"}))
+            reply = msgpack.unpackb(await ws.recv())
+            assert reply["t"] == "error" and reply["code"] == "version_mismatch"
+            assert "version 99" in reply["message"] and f"version {protocol.PROTOCOL_VERSION}" in reply["message"]
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await ws.recv()
+            assert closed.value.rcvd.code == 4002
+
+
+async def test_launch_peer_loads_and_serves(tiny, tmp_path):
+    path, digest, tok, _ = tiny
+    settings = PeerSettings(gossip_interval_s=0.1, advert_ttl_s=1.0)
+    peer = await launch_peer(str(path), None, settings=settings, key_path=str(tmp_path / "k.pem"),
+                             home=str(tmp_path))
+    try:
+        assert peer.state == protocol.READY and peer.compute_ms_per_token > 0
+        assert oct((tmp_path / "k.pem").stat().st_mode & 0o777) == "0o600"
+        async with MeshClient(list(peer.addrs)) as client:
+            _, ids, out = await ask(client, tok)
+        assert out.token_ids == reference(tiny, ids)
+    finally:
+        await peer.close()
