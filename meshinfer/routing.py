@@ -12,6 +12,7 @@ chosen token straight back to the client::
 
     RTT(client, hop 1)/2 + sum of RTT(hop i, hop i+1)/2 + RTT(hop n, client)/2
     + sum of compute_ms_per_token_i * k_i / n_i    (hop i runs k_i of its n_i layers)
+    + HOP_OVERHEAD_MS * n                          (n hops)
 
 Search. Dijkstra over states ``(a, i)``: layers ``[0, a)`` are done, and peer ``i`` ran
 layer ``a - 1``. The state has to hold the last peer because the next link's cost depends
@@ -48,9 +49,10 @@ Rules:
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .config import LayerRange
 from .errors import NoRoute
@@ -65,6 +67,13 @@ CompatKey = tuple[str, str, int, int]
 #: unmeasured peer is still used when nothing else covers its layers.
 DEFAULT_UNKNOWN_RTT_MS = 100.0
 
+#: Fixed cost of one hop, in milliseconds, beyond its link and its compute. It covers
+#: encoding and decoding a step message, a websocket frame and an event-loop wakeup on
+#: each side, about 1 ms on a CPU peer. It also stops the planner from adding a hop to
+#: save a fraction of a millisecond: every extra hop is one more peer that can fail
+#: mid-conversation and one more KV cache to replay.
+HOP_OVERHEAD_MS = 1.0
+
 #: Hex digits of the weights hash shown in messages. 12 digits (48 bits) tell any
 #: realistic set of models apart and still fit on one line.
 HASH_PREFIX_CHARS = 12
@@ -77,8 +86,6 @@ PEER_ID_PREFIX_CHARS = 12
 #: last bits of a float. Rounding to 1e-9 ms makes them tie, and the documented
 #: tie-break decides between them. 1e-9 ms is far below any difference that matters.
 _COST_DIGITS = 9
-
-_NO_PEERS: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -234,7 +241,7 @@ def estimate_ms_per_token(hops: Sequence[Hop], *, client_rtts_ms: Mapping[str, f
     total = client_rtt_ms(hops[0].peer, client_rtts_ms) / 2 + client_rtt_ms(hops[-1].peer, client_rtts_ms) / 2
     for prev, nxt in zip(hops, hops[1:]):
         total += link_rtt_ms(prev.peer, nxt.peer) / 2
-    return total + sum(hop.compute_ms for hop in hops)
+    return total + sum(hop.compute_ms for hop in hops) + HOP_OVERHEAD_MS * len(hops)
 
 
 def client_rtt_ms(peer: PeerAdvert, client_rtts_ms: Mapping[str, float]) -> float:
@@ -347,11 +354,11 @@ def _plan_group(
     route = None
     if not missing:
         graph = _build_graph(usable, key[3], client_rtts_ms)
-        found = _search(graph, no_revisit=False)
+        found = _search(graph)
         assert found is not None, "every layer is covered, so a chain exists"
-        if not allow_revisit and len({h[3] for h in found[1]}) < len(found[1]):
-            # The best chain re-enters a peer. Search again, remembering the peers left behind.
-            found = _search(graph, no_revisit=True)
+        if not allow_revisit:
+            found = _search_without_revisits(graph, found)
+            # Greedy proof: always take the peer holding the next layer that reaches furthest.
             assert found is not None, "every layer is covered, so a chain without revisits exists"
         route = _to_route(graph, found[1], key, client_rtts_ms)
     return GroupStatus(key, identity(key, groups), len(members), len(usable), route, missing)
@@ -369,112 +376,150 @@ def _route_order(route: Route) -> tuple:
 # Tuples of these compare in the documented tie-break order.
 _HopKey = tuple[int, str, int, int]
 
+# A complete chain as the search returns it: (cost_ms, hop keys).
+_Found = tuple[float, tuple[_HopKey, ...]]
+
+# For each peer index, the windows of layers the search may run on it.
+_Windows = tuple[tuple[LayerRange, ...], ...]
+
 
 @dataclass(frozen=True)
 class _Graph:
-    """Costs of one group's usable peers (sorted by peer id), indexed by position."""
+    """One group's usable peers (sorted by peer id) and the costs between them.
+
+    The search runs over *nodes*: a node is a peer limited to one window of its layers. At
+    first each peer is one node whose window is its advertised range. The search without
+    revisits narrows the windows (see :func:`_search_without_revisits`).
+    """
 
     peers: tuple[PeerAdvert, ...]
     num_layers: int
-    client_half_ms: tuple[float, ...]              # client <-> peer i, one way
-    layer_ms: tuple[float, ...]                    # one layer's compute on peer i
-    link_half_ms: tuple[tuple[float, ...], ...]    # peer i -> peer j, one way
-    cover: tuple[tuple[int, ...], ...]             # cover[a]: peers holding layer a
+    client_half_ms: tuple[float, ...]              # client <-> peer p, one way
+    layer_ms: tuple[float, ...]                    # one layer's compute on peer p
+    link_half_ms: tuple[tuple[float, ...], ...]    # peer p -> peer q, one way
+    node_peer: tuple[int, ...] = ()                # node -> peer index
+    node_layers: tuple[LayerRange, ...] = ()       # node -> the layers it may run
+    cover: tuple[tuple[int, ...], ...] = ()        # cover[a]: nodes that may run layer a
+
+    def with_windows(self, windows: _Windows) -> _Graph:
+        nodes = [(p, w) for p, ws in enumerate(windows) for w in ws]
+        cover = tuple(tuple(k for k, (_, w) in enumerate(nodes) if a in w) for a in range(self.num_layers))
+        return replace(self, node_peer=tuple(p for p, _ in nodes), node_layers=tuple(w for _, w in nodes),
+                       cover=cover)
 
 
 def _build_graph(peers: Sequence[PeerAdvert], num_layers: int, client_rtts_ms: Mapping[str, float]) -> _Graph:
     n = len(peers)
-    return _Graph(
+    graph = _Graph(
         peers=tuple(peers),
         num_layers=num_layers,
         client_half_ms=tuple(client_rtt_ms(p, client_rtts_ms) / 2 for p in peers),
         layer_ms=tuple(p.compute_ms_per_token / len(p.layers) for p in peers),
         link_half_ms=tuple(tuple(link_rtt_ms(peers[i], peers[j]) / 2 for j in range(n)) for i in range(n)),
-        cover=tuple(tuple(i for i, p in enumerate(peers) if a in p.layers) for a in range(num_layers)),
     )
+    return graph.with_windows(tuple((p.layers,) for p in peers))
 
 
-def _search(g: _Graph, *, no_revisit: bool) -> tuple[float, tuple[_HopKey, ...]] | None:
+def _search(g: _Graph) -> _Found | None:
     """Dijkstra from "no layer run" to "all layers run and the token back at the client".
 
-    A state is ``(a, i)``: layers ``[0, a)`` are done and peer ``i`` ran layer ``a - 1``;
-    ``a == L + 1`` (with ``i == -1``) is the goal. A label is ``(cost_ms, hops, hop keys)``
-    plus ``left``. With ``no_revisit``, ``left`` holds the peers already left behind that
-    still hold a layer ``>= a`` and so could otherwise be entered again. Without it, ``left``
-    is always empty, and each state keeps a single label. Returns the goal's cost and hop
-    keys, or None.
+    A state is ``(a, k)``: layers ``[0, a)`` are done and node ``k`` ran layer ``a - 1``;
+    ``a == L + 1`` (with ``k == -1``) is the goal. A label is ``(cost_ms, hops, hop keys)``.
+    A peer may serve several hops here. Returns the goal's cost and hop keys, or None when
+    the nodes leave a layer uncovered.
     """
     L = g.num_layers
     heap: list[tuple] = []
-    fronts = _Fronts()
+    best: dict[tuple[int, int], tuple] = {}
 
-    def push(cost: float, hops: int, seq: tuple[_HopKey, ...], a: int, i: int, left: frozenset[int]) -> None:
-        item = (round(cost, _COST_DIGITS), hops, seq, a, i, left)
-        if fronts.add(item):
-            heapq.heappush(heap, item)
+    def push(cost: float, hops: int, seq: tuple[_HopKey, ...], a: int, k: int) -> None:
+        label = (round(cost, _COST_DIGITS), hops, seq)
+        if (a, k) not in best or label < best[(a, k)]:
+            best[(a, k)] = label
+            heapq.heappush(heap, (*label, a, k))
 
-    for i in g.cover[0]:
-        push(g.client_half_ms[i] + g.layer_ms[i], 1, (_hop_key(g, i, 0),), 1, i, _NO_PEERS)
+    for k in g.cover[0]:
+        p = g.node_peer[k]
+        push(g.client_half_ms[p] + HOP_OVERHEAD_MS + g.layer_ms[p], 1, (_hop_key(g, k, 0),), 1, k)
     while heap:
-        item = heapq.heappop(heap)
-        cost, hops, seq, a, i, left = item
-        if not fronts.holds(item):
+        cost, hops, seq, a, k = heapq.heappop(heap)
+        if best[(a, k)] != (cost, hops, seq):
             continue  # a better label reached this state after this one was pushed
         if a > L:
             return cost, seq
+        p = g.node_peer[k]
         if a == L:
-            push(cost + g.client_half_ms[i], hops, seq, L + 1, -1, _NO_PEERS)
+            push(cost + g.client_half_ms[p], hops, seq, L + 1, -1)
             continue
-        if a < g.peers[i].layers.stop:  # continue on peer i
-            push(cost + g.layer_ms[i], hops, seq, a + 1, i, _still_open(g, left, a + 1))
-        for j in g.cover[a]:  # switch to peer j, which runs layer a
-            if j == i or j in left:
-                continue
-            new_left = _still_open(g, left | {i}, a + 1) if no_revisit else _NO_PEERS
-            push(cost + g.link_half_ms[i][j] + g.layer_ms[j], hops + 1, seq + (_hop_key(g, j, a),),
-                 a + 1, j, new_left)
+        if a < g.node_layers[k].stop:  # continue on node k
+            push(cost + g.layer_ms[p], hops, seq, a + 1, k)
+        for m in g.cover[a]:  # switch to node m, which runs layer a
+            q = g.node_peer[m]
+            if q != p:
+                push(cost + g.link_half_ms[p][q] + HOP_OVERHEAD_MS + g.layer_ms[q], hops + 1,
+                     seq + (_hop_key(g, m, a),), a + 1, m)
     return None
 
 
-class _Fronts:
-    """The labels not dominated so far, per state ``(a, i)``.
+def _hop_key(g: _Graph, node: int, start: int) -> _HopKey:
+    p = g.node_peer[node]
+    return (-g.peers[p].free_kv_tokens, g.peers[p].peer_id, start, p)
 
-    Label x dominates label y at the same state when x's ``(cost, hops, hop keys)`` is no
-    larger and x left behind a subset of y's peers. Then every continuation of y is open to
-    x and is no worse, so dropping y loses no optimum. When ``left`` is always empty this
-    keeps the single best label per state, as plain Dijkstra does. Without revisits, the
-    front of a state stays small in practice: more switches leave more peers behind, and they
-    also cost more link time.
+
+def _search_without_revisits(g: _Graph, relaxed: _Found) -> _Found | None:
+    """The best chain in which no peer serves two hops, by best-first branch and bound.
+
+    ``relaxed`` is :func:`_search`'s answer on ``g``. Each node of the tree narrows the
+    peers' windows, and its relaxed optimum bounds from below every chain without
+    revisits inside it. When a node's optimum re-enters peer p (it leaves p at layer b1
+    and enters it again at layer a2), every chain without revisits falls in one of three
+    children: p runs no layer >= a2, p runs no layer < b1, or p runs all of
+    ``[b1 - 1, a2]`` and no other peer runs any of them. None of the children holds the
+    node's optimum, so the tree is finite. The first node whose optimum has no revisit
+    is the answer. In practice the tree has a few nodes: revisits pay only when a slow peer
+    wraps a much faster one.
     """
-
-    def __init__(self) -> None:
-        self._by_state: dict[tuple[int, int], list[tuple]] = {}
-
-    def add(self, item: tuple) -> bool:
-        """Record ``item`` unless it is dominated; drop the labels it dominates."""
-        key, (a, i, left) = item[:3], item[3:]
-        front = self._by_state.setdefault((a, i), [])
-        if any(other[:3] <= key and other[5] <= left for other in front):
-            return False
-        front[:] = [other for other in front if not (key <= other[:3] and left <= other[5])]
-        front.append(item)
-        return True
-
-    def holds(self, item: tuple) -> bool:
-        """False once a label pushed later has dominated ``item``."""
-        return item in self._by_state[(item[3], item[4])]
+    order = itertools.count()
+    tree = [(_label(relaxed), next(order), tuple((p.layers,) for p in g.peers), relaxed)]
+    while tree:
+        _, _, windows, found = heapq.heappop(tree)
+        revisit = _first_revisit(found[1], g.num_layers)
+        if revisit is None:
+            return found
+        for child in _branches(windows, *revisit, g.num_layers):
+            child_found = _search(g.with_windows(child))
+            if child_found is not None:
+                heapq.heappush(tree, (_label(child_found), next(order), child, child_found))
+    return None
 
 
-def _hop_key(g: _Graph, i: int, start: int) -> _HopKey:
-    p = g.peers[i]
-    return (-p.free_kv_tokens, p.peer_id, start, i)
+def _label(found: _Found) -> tuple:
+    return (found[0], len(found[1]), found[1])
 
 
-def _still_open(g: _Graph, left: frozenset[int], a: int) -> frozenset[int]:
-    """The peers of ``left`` that still hold a layer ``>= a``."""
-    if not left:
-        return left
-    return frozenset(k for k in left if g.peers[k].layers.stop > a)
+def _first_revisit(seq: tuple[_HopKey, ...], num_layers: int) -> tuple[int, int, int] | None:
+    """``(peer index, layer where its first hop ends, layer where its second hop starts)``."""
+    first_end: dict[int, int] = {}
+    for k, (_, _, start, p) in enumerate(seq):
+        if p in first_end:
+            return p, first_end[p], start
+        first_end[p] = seq[k + 1][2] if k + 1 < len(seq) else num_layers
+    return None
+
+
+def _branches(windows: _Windows, p: int, b1: int, a2: int, num_layers: int) -> list[_Windows]:
+    """The three children of :func:`_search_without_revisits` for peer ``p``."""
+
+    def clip(ws: tuple[LayerRange, ...], lo: int, hi: int) -> tuple[LayerRange, ...]:
+        return tuple(LayerRange(max(w.start, lo), min(w.stop, hi)) for w in ws if max(w.start, lo) < min(w.stop, hi))
+
+    def without(ws: tuple[LayerRange, ...], lo: int, hi: int) -> tuple[LayerRange, ...]:
+        return clip(ws, 0, lo) + clip(ws, hi, num_layers)
+
+    below = windows[:p] + (clip(windows[p], 0, a2),) + windows[p + 1:]
+    above = windows[:p] + (clip(windows[p], b1, num_layers),) + windows[p + 1:]
+    through = tuple(ws if q == p else without(ws, b1 - 1, a2 + 1) for q, ws in enumerate(windows))
+    return [below, above, through]
 
 
 def _to_route(g: _Graph, seq: tuple[_HopKey, ...], key: CompatKey, client_rtts_ms: Mapping[str, float]) -> Route:

@@ -2,47 +2,14 @@
 
 from __future__ import annotations
 
-import json
-from functools import lru_cache
-from pathlib import Path
-
 import pytest
 import torch
 
-from conftest import model_path
-from meshinfer.config import LayerRange
 from meshinfer.generate import greedy_generate, new_cache
 from meshinfer.models.llama import Shard
-from meshinfer.weights import open_weights
+from realmodels import DEFAULT, SMOL, first_near_tie, full_tensors, load_cases, shard_of
 
 pytestmark = pytest.mark.realmodel
-
-CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
-DEFAULT = "qwen2.5-coder-0.5b-instruct-q4_k_m"
-SMOL = "smollm2-135m-instruct-q4_1"
-
-
-@lru_cache(maxsize=2)
-def full_tensors(name: str) -> tuple:
-    """(config, {module name: f32 tensor}) of the whole model, dequantized once per session."""
-    src = open_weights(model_path(name))
-    everything = LayerRange(0, src.config.num_hidden_layers)
-    return src.config, dict(src.iter_shard_tensors(everything))
-
-
-def shard_of(name: str, start: int, stop: int) -> Shard:
-    """A shard built from the cached tensors: exactly the tensors a real load would read."""
-    cfg, tensors = full_tensors(name)
-    layers = LayerRange(start, stop)
-    wanted = [(n, t) for n, t in tensors.items()
-              if (n.startswith("layers.") and int(n.split(".")[1]) in layers)
-              or (n == "embed_tokens.weight" and start == 0)
-              or (n in ("norm.weight", "lm_head.weight") and stop == cfg.num_hidden_layers)]
-    return Shard.from_tensors(cfg, layers, wanted)
-
-
-def load_cases(name: str) -> dict:
-    return json.loads((CASES / f"{name}.json").read_text())
 
 
 def case_params():
@@ -60,14 +27,6 @@ def test_teacher_forced_top8_logits_match_reference(model, case):
         got = logits[P - 1 + j, torch.tensor(top_ids)]
         err = (got - torch.tensor(top_logits)).abs().max().item()
         assert err < 1e-2, f"{model}/{case} position {j}: top-8 logits differ by {err}"
-
-
-def first_near_tie(c: dict) -> int:
-    """Index of the first generated position whose reference top-1/top-2 gap is < 0.02."""
-    for j, top in enumerate(c["top8_logits"]):
-        if top[0] - top[1] < 0.02:
-            return j
-    return len(c["greedy_ids"])
 
 
 @pytest.mark.parametrize("model,case", case_params())

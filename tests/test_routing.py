@@ -11,7 +11,7 @@ from meshinfer.errors import NoRoute
 from meshinfer.protocol import DRAINING, JOINING, READY, PeerAdvert
 from meshinfer.routing import (
     DEFAULT_UNKNOWN_RTT_MS,
-    Hop,
+    HOP_OVERHEAD_MS,
     Route,
     complete_routes_summary,
     estimate_ms_per_token,
@@ -81,9 +81,10 @@ def test_redundant_peers_choice_follows_compute_time():
 def test_cost_is_the_documented_sum():
     peers = [peer("a", 0, 11, compute_ms=6.0, rtts={"c": 4.0}), peer("c", 12, 23, compute_ms=10.0)]
     route = plan_route(peers, client_rtts_ms={"a": 20.0, "c": 30.0})
-    # client->a 10 + a->c 2 + c->client 15 + compute 6 + 10
-    assert route.estimated_ms_per_token == pytest.approx(43.0)
-    assert estimate_ms_per_token(route.hops, client_rtts_ms={"a": 20.0, "c": 30.0}) == pytest.approx(43.0)
+    # client->a 10 + a->c 2 + c->client 15 + compute 6 + 10 + two hops' overhead
+    expected = 43.0 + 2 * HOP_OVERHEAD_MS
+    assert route.estimated_ms_per_token == pytest.approx(expected)
+    assert estimate_ms_per_token(route.hops, client_rtts_ms={"a": 20.0, "c": 30.0}) == pytest.approx(expected)
 
 
 def test_link_rtt_is_the_mean_of_both_reports_or_either_or_the_default():
@@ -107,18 +108,18 @@ def test_unknown_client_rtt_uses_the_default_and_loses_to_a_known_small_one():
     route = plan_route(peers, client_rtts_ms={"b": 20.0})
     assert route.peer_ids == ("b",)
     route = plan_route([peer("a", 0, 23, compute_ms=12.0)], client_rtts_ms={})
-    assert route.estimated_ms_per_token == pytest.approx(DEFAULT_UNKNOWN_RTT_MS + 12.0)
+    assert route.estimated_ms_per_token == pytest.approx(DEFAULT_UNKNOWN_RTT_MS + 12.0 + HOP_OVERHEAD_MS)
 
 
 def test_invalid_client_rtt_counts_as_unknown():
     route = plan_route([peer("a", 0, 23, compute_ms=0.0)], client_rtts_ms={"a": float("nan")})
-    assert route.estimated_ms_per_token == DEFAULT_UNKNOWN_RTT_MS
+    assert route.estimated_ms_per_token == DEFAULT_UNKNOWN_RTT_MS + HOP_OVERHEAD_MS
 
 
 def test_single_peer_with_all_layers():
     route = plan_route([peer("solo", 0, 23, compute_ms=30.0)], client_rtts_ms={"solo": 2.0})
     assert chain(route) == [("solo", "0-23")]
-    assert route.estimated_ms_per_token == pytest.approx(32.0)
+    assert route.estimated_ms_per_token == pytest.approx(32.0 + HOP_OVERHEAD_MS)
     assert_valid_route(route, 24)
 
 
@@ -154,8 +155,8 @@ def test_a_one_layer_hop_near_the_client_can_be_best():
     peers = [peer("near", 0, 11, compute_ms=240.0, rtts={"far": 2.0}), peer("far", 0, 23, compute_ms=24.0)]
     route = plan_route(peers, client_rtts_ms={"near": 2.0})
     assert chain(route) == [("near", "0-0"), ("far", "1-23")]
-    # client->near 1 + near->far 1 + far->client 50 (unknown RTT) + compute 20 + 23
-    assert route.estimated_ms_per_token == pytest.approx(95.0)
+    # client->near 1 + near->far 1 + far->client 50 (unknown RTT) + compute 20 + 23 + 2 hops
+    assert route.estimated_ms_per_token == pytest.approx(95.0 + 2 * HOP_OVERHEAD_MS)
 
 
 def test_revisiting_a_peer_only_when_allowed():
@@ -303,15 +304,17 @@ def test_tie_prefers_more_free_kv_then_lower_peer_id():
 
 
 def test_tie_prefers_fewer_hops():
-    # One hop: 25 + 25 + 16 = 66. Two hops: 25 + 0 + 25 + 8 + 8 = 66. The per-layer
-    # sums (16/24 and 8/12 ms) are inexact floats, so this also checks the tie survives them.
+    # One hop: 25 + 25 + 16 + 1 = 67. Two hops: 25 + 0 + 25 + 8 + 7 + 2 = 67. The
+    # per-layer sums (16/24, 8/12 and 7/12 ms) are inexact floats, so this also checks that
+    # the tie survives them.
+    assert HOP_OVERHEAD_MS == 1.0
     peers = [peer("z", 0, 23, compute_ms=16.0), peer("a", 0, 11, compute_ms=8.0, rtts={"b": 0.0}),
-             peer("b", 12, 23, compute_ms=8.0)]
+             peer("b", 12, 23, compute_ms=7.0)]
     route = plan_route(peers, client_rtts_ms={"z": 50.0, "a": 50.0, "b": 50.0})
     assert route.peer_ids == ("z",)
-    assert route.estimated_ms_per_token == 66.0
+    assert route.estimated_ms_per_token == 67.0
     # Make the two-hop chain 1 ms cheaper and it wins.
-    peers[2] = peer("b", 12, 23, compute_ms=7.0)
+    peers[2] = peer("b", 12, 23, compute_ms=6.0)
     assert plan_route(peers, client_rtts_ms={"z": 50.0, "a": 50.0, "b": 50.0}).peer_ids == ("a", "b")
 
 
@@ -333,7 +336,7 @@ def test_complete_routes_summary_lists_each_group():
 def test_route_describe():
     route = plan_route([peer("a", 0, 11, compute_ms=1.0), peer("b", 12, 23, compute_ms=1.0)],
                        client_rtts_ms={"a": 1.0, "b": 1.0})
-    assert route.describe() == "a[0-11] -> b[12-23] (~53.0 ms/token)"
+    assert route.describe() == "a[0-11] -> b[12-23] (~55.0 ms/token)"
 
 
 # ------------------------------------------------------------------------- random tables vs brute force
@@ -357,6 +360,7 @@ def _brute_force(peers: list[PeerAdvert], client_rtts: dict[str, float], *, excl
 
         def walk(a, prev, used, cost):
             nonlocal best
+            cost += HOP_OVERHEAD_MS if a < L else 0.0
             if a == L:
                 total = cost + client(prev) / 2
                 best = total if best is None else min(best, total)

@@ -134,6 +134,17 @@ def test_quantized_types_dequantize_like_gguf(tmp_path, qtype):
         assert np.abs(out - x).max() > 0  # the data really went through the quantized type
 
 
+def test_dequantize_in_row_chunks_equals_one_call(tmp_path, monkeypatch):
+    import meshinfer.weights.gguf_file as gguf_file
+
+    x = np.random.default_rng(4).uniform(-1, 1, (5, 64)).astype(np.float32)  # (rows, cols)
+    tensors = {"q": (gguf.quants.quantize(x, Q.Q4_1), Q.Q4_1), "f": (x.astype(np.float64), None)}
+    g = GGUFFile(write_typed_gguf(tmp_path / "t.gguf", tensors))
+    monkeypatch.setattr(gguf_file, "DEQUANT_ROWS", 2)  # chunks of 2, 2 and 1 rows
+    np.testing.assert_array_equal(g.dequantize("q"), gguf.quants.dequantize(tensors["q"][0], Q.Q4_1))
+    np.testing.assert_array_equal(g.dequantize("f"), x)
+
+
 def test_f64_and_1d_and_3d_shapes(tmp_path):
     x3 = np.arange(2 * 3 * 32, dtype=np.float32).reshape(2, 3, 32)
     bias = np.linspace(-1, 1, 48)  # float64

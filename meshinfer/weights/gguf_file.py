@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 
 from ..config import LayerRange, ModelConfig
 from ..errors import UnsupportedTensorType, WeightsError
@@ -43,6 +43,11 @@ DEFAULT_ALIGNMENT = 32
 
 #: GGML_MAX_DIMS: a tensor has 1 to 4 dimensions.
 MAX_DIMS = 4
+
+#: Rows per ``gguf.quants.dequantize`` call. gguf holds a full-size list of results before
+#: concatenating them, so one call on a 519 MiB embedding peaks at twice that; 4096 rows of
+#: 896 floats are 14 MiB of temporaries.
+DEQUANT_ROWS = 4096
 
 #: Tensor types meshinfer dequantizes: F64 by numpy, the rest by ``gguf.quants.dequantize``.
 SUPPORTED_TYPES = frozenset({
@@ -444,19 +449,16 @@ class GGUFFile:
         Raises:
             WeightsError: when the tensor is missing.
         """
-        from gguf import quants
-
         t = self._tensor(name)
         raw = self._bytes[t.start:t.start + t.n_bytes].reshape(-1, t.row_bytes)  # (rows, row bytes) uint8
-        if t.qtype == GGMLQuantizationType.F64:
-            arr = raw.view(np.float64)
-        else:
-            arr = quants.dequantize(raw, t.qtype)  # (rows, ne0)
-        shape = tuple(reversed(t.dims))  # GGUF lists ne0 (innermost) first
-        arr = arr.reshape(shape)
-        if arr.dtype != np.float32 or not arr.flags.writeable:  # F32 is a view of the read-only map
-            arr = arr.astype(np.float32)
-        return arr
+        out = np.empty((raw.shape[0], t.dims[0]), dtype=np.float32)  # (rows, ne0)
+        for r in range(0, raw.shape[0], DEQUANT_ROWS):
+            chunk = raw[r:r + DEQUANT_ROWS]
+            if t.qtype == GGMLQuantizationType.F64:
+                out[r:r + DEQUANT_ROWS] = chunk.view(np.float64)
+            else:
+                out[r:r + DEQUANT_ROWS] = quants.dequantize(chunk, t.qtype)
+        return out.reshape(tuple(reversed(t.dims)))  # GGUF lists ne0 (innermost) first
 
     def iter_shard_tensors(self, layers: LayerRange) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(module_name, float32 tensor)`` for the tensors a shard over ``layers`` needs.
