@@ -372,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshinfer`` console script."""
     args = build_parser().parse_args(argv)
+    if args.command == "join":
+        # Several peers often share one machine (a local mesh, a test, a bench). OpenMP threads
+        # that spin after each op steal the cores the next hop is computing on; sleeping threads
+        # cost ~1 ms per token. Must be set before torch loads its OpenMP runtime.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     _setup_logging(args.verbose + (1 if args.command == "join" else 0))
     if getattr(args, "max_tokens", None) is not None and args.max_tokens < 1:
         print("error: --max-tokens must be at least 1", file=sys.stderr)

@@ -23,6 +23,9 @@ instead of O(L^2 * P^2). Split points are not limited to the peers' range bounda
 That limit would lose optima: a hop must run at least one layer, and a one-layer hop can
 be the best choice. For example, if the only peer near the client is slow, the best route
 may run layer 0 on it (a cheap client link) and layers 1..L-1 on a fast, distant peer.
+Dijkstra on these states may enter one peer twice. When revisits are not allowed (the
+default) and the best chain has one, a branch and bound over narrowed layer windows finds
+the best chain without one (see ``_search_without_revisits``).
 
 Rules:
 
@@ -40,10 +43,10 @@ Rules:
   per-conversation state by peer. With ``allow_revisit=True``, a slow peer holding every
   layer may wrap a fast peer holding the middle ones, e.g. ``A[0-5] -> B[6-17] -> A[18-23]``.
 * Ties are broken in this order, so that every client picks the same route: lower cost,
-  then fewer hops, then hop by hop from the first, more free KV tokens, then lower
-  ``peer_id``, then an earlier start layer. The order is lexicographic and is kept when an
-  edge is appended, so Dijkstra finds the exact minimum under it. Costs are compared at
-  a 1e-9 ms resolution, so that float rounding does not break ties.
+  then fewer hops, then, hop by hop from the first, more free KV tokens, a lower
+  ``peer_id`` and an earlier start layer. The order is lexicographic and survives
+  appending an edge, so Dijkstra finds the minimum under it. Costs are compared at a
+  1e-9 ms resolution, so that float rounding does not break ties.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 
 from .config import LayerRange
@@ -81,10 +84,16 @@ HASH_PREFIX_CHARS = 12
 #: Hex digits of a peer id shown in messages and :meth:`Route.describe`.
 PEER_ID_PREFIX_CHARS = 12
 
-#: Decimal digits of milliseconds kept in the search's running costs. The search adds
-#: costs one layer at a time, so two routes that cost the same on paper can differ in the
-#: last bits of a float. Rounding to 1e-9 ms makes them tie, and the documented
-#: tie-break decides between them. 1e-9 ms is far below any difference that matters.
+#: Most relaxed searches that planning without revisits may run before it settles for the
+#: best chain without revisits found so far. Real tables need a few: at most 16 over 30
+#: random meshes of 10-30 peers and 24-80 layers, about 10 ms each. The cap bounds what a
+#: crafted peer table can cost a client, to about 2 s.
+MAX_REVISIT_BRANCHES = 200
+
+#: Decimal digits of milliseconds at which costs are compared. The search adds costs one
+#: layer at a time, so two routes that cost the same on paper can differ in the last bits
+#: of a float. Comparing at 1e-9 ms makes them tie, and the documented tie-break decides
+#: between them. 1e-9 ms is far below any difference that matters.
 _COST_DIGITS = 9
 
 
@@ -161,7 +170,7 @@ def plan_route(
     client_rtts_ms: Mapping[str, float],
     num_layers: int | None = None,
     compat_key: CompatKey | None = None,
-    exclude: frozenset[str] | set[str] = frozenset(),
+    exclude: Set[str] = frozenset(),
     min_free_kv_tokens: int = 0,
     allow_revisit: bool = False,
 ) -> Route:
@@ -201,7 +210,7 @@ def complete_routes_summary(
     peers: Iterable[PeerAdvert],
     *,
     client_rtts_ms: Mapping[str, float] | None = None,
-    exclude: frozenset[str] | set[str] = frozenset(),
+    exclude: Set[str] = frozenset(),
     min_free_kv_tokens: int = 0,
     allow_revisit: bool = False,
 ) -> list[GroupStatus]:
@@ -259,7 +268,7 @@ def link_rtt_ms(a: PeerAdvert, b: PeerAdvert) -> float:
     return sum(seen) / len(seen) if seen else DEFAULT_UNKNOWN_RTT_MS
 
 
-def identity(key: CompatKey, others: Iterable[CompatKey] = ()) -> str:
+def compat_label(key: CompatKey, others: Iterable[CompatKey] = ()) -> str:
     """Name a compat key for people: ``"weights 1d9614638d18 f32"``.
 
     The protocol version and the layer count are added only when ``others`` differ in them.
@@ -308,7 +317,7 @@ def _groups(
     return dict(sorted(groups.items()))
 
 
-def _unusable_reason(p: PeerAdvert, exclude: frozenset[str] | set[str], min_free_kv_tokens: int) -> str | None:
+def _unusable_reason(p: PeerAdvert, exclude: Set[str], min_free_kv_tokens: int) -> str | None:
     """Why the planner skips ``p`` (a phrase after "peer X"), or None when it may use it."""
     if p.peer_id in exclude:
         return "is excluded"
@@ -343,7 +352,7 @@ def _plan_group(
     key: CompatKey,
     members: Sequence[PeerAdvert],
     client_rtts_ms: Mapping[str, float],
-    exclude: frozenset[str] | set[str],
+    exclude: Set[str],
     min_free_kv_tokens: int,
     allow_revisit: bool,
     groups: Mapping[CompatKey, object],
@@ -356,18 +365,15 @@ def _plan_group(
         graph = _build_graph(usable, key[3], client_rtts_ms)
         found = _search(graph)
         assert found is not None, "every layer is covered, so a chain exists"
-        if not allow_revisit:
-            found = _search_without_revisits(graph, found)
-            # Greedy proof: always take the peer holding the next layer that reaches furthest.
-            assert found is not None, "every layer is covered, so a chain without revisits exists"
-        route = _to_route(graph, found[1], key, client_rtts_ms)
-    return GroupStatus(key, identity(key, groups), len(members), len(usable), route, missing)
+        seq = found[1] if allow_revisit else _search_without_revisits(graph, found)
+        route = _to_route(graph, seq, key, client_rtts_ms)
+    return GroupStatus(key, compat_label(key, groups), len(members), len(usable), route, missing)
 
 
 def _route_order(route: Route) -> tuple:
     """The documented tie-break order, applied across groups."""
     per_hop = tuple((-h.peer.free_kv_tokens, h.peer_id, h.layers.start) for h in route.hops)
-    return (route.estimated_ms_per_token, len(route.hops), per_hop, route.compat_key)
+    return (round(route.estimated_ms_per_token, _COST_DIGITS), len(route.hops), per_hop, route.compat_key)
 
 
 # ---------------------------------------------------------------------------- search
@@ -402,6 +408,7 @@ class _Graph:
     cover: tuple[tuple[int, ...], ...] = ()        # cover[a]: nodes that may run layer a
 
     def with_windows(self, windows: _Windows) -> _Graph:
+        """The same peers and costs, with one node per window."""
         nodes = [(p, w) for p, ws in enumerate(windows) for w in ws]
         cover = tuple(tuple(k for k, (_, w) in enumerate(nodes) if a in w) for a in range(self.num_layers))
         return replace(self, node_peer=tuple(p for p, _ in nodes), node_layers=tuple(w for _, w in nodes),
@@ -433,17 +440,18 @@ def _search(g: _Graph) -> _Found | None:
     best: dict[tuple[int, int], tuple] = {}
 
     def push(cost: float, hops: int, seq: tuple[_HopKey, ...], a: int, k: int) -> None:
+        # Compare rounded costs but carry the exact sum, so that rounding does not add up.
         label = (round(cost, _COST_DIGITS), hops, seq)
         if (a, k) not in best or label < best[(a, k)]:
             best[(a, k)] = label
-            heapq.heappush(heap, (*label, a, k))
+            heapq.heappush(heap, (*label, a, k, cost))
 
     for k in g.cover[0]:
         p = g.node_peer[k]
         push(g.client_half_ms[p] + HOP_OVERHEAD_MS + g.layer_ms[p], 1, (_hop_key(g, k, 0),), 1, k)
     while heap:
-        cost, hops, seq, a, k = heapq.heappop(heap)
-        if best[(a, k)] != (cost, hops, seq):
+        rounded, hops, seq, a, k, cost = heapq.heappop(heap)
+        if best[(a, k)] != (rounded, hops, seq):
             continue  # a better label reached this state after this one was pushed
         if a > L:
             return cost, seq
@@ -466,35 +474,51 @@ def _hop_key(g: _Graph, node: int, start: int) -> _HopKey:
     return (-g.peers[p].free_kv_tokens, g.peers[p].peer_id, start, p)
 
 
-def _search_without_revisits(g: _Graph, relaxed: _Found) -> _Found | None:
+def _search_without_revisits(g: _Graph, relaxed: _Found) -> tuple[_HopKey, ...]:
     """The best chain in which no peer serves two hops, by best-first branch and bound.
 
     ``relaxed`` is :func:`_search`'s answer on ``g``. Each node of the tree narrows the
     peers' windows, and its relaxed optimum bounds from below every chain without
     revisits inside it. When a node's optimum re-enters peer p (it leaves p at layer b1
     and enters it again at layer a2), every chain without revisits falls in one of three
-    children: p runs no layer >= a2, p runs no layer < b1, or p runs all of
-    ``[b1 - 1, a2]`` and no other peer runs any of them. None of the children holds the
-    node's optimum, so the tree is finite. The first node whose optimum has no revisit
-    is the answer. In practice the tree has a few nodes: revisits pay only when a slow peer
-    wraps a much faster one.
+    children: p runs no layer >= a2, p runs no layer < b1, or p runs layers b1 - 1
+    through a2 and no other peer runs any of them. None of the children holds the node's
+    optimum, so the tree is finite. The first node whose optimum has no revisit is the
+    answer. In practice the tree has a few nodes, because revisits pay only when a slow peer
+    wraps a much faster one. After :data:`MAX_REVISIT_BRANCHES` searches, the best chain
+    without revisits seen so far is taken, or else :func:`_greedy_chain`.
     """
     order = itertools.count()
     tree = [(_label(relaxed), next(order), tuple((p.layers,) for p in g.peers), relaxed)]
-    while tree:
+    searches = 0
+    while tree and searches < MAX_REVISIT_BRANCHES:
         _, _, windows, found = heapq.heappop(tree)
         revisit = _first_revisit(found[1], g.num_layers)
         if revisit is None:
-            return found
+            return found[1]
         for child in _branches(windows, *revisit, g.num_layers):
+            searches += 1
             child_found = _search(g.with_windows(child))
             if child_found is not None:
                 heapq.heappush(tree, (_label(child_found), next(order), child, child_found))
-    return None
+    done = [item for item in tree if _first_revisit(item[3][1], g.num_layers) is None]
+    return min(done)[3][1] if done else _greedy_chain(g)
+
+
+def _greedy_chain(g: _Graph) -> tuple[_HopKey, ...]:
+    """A chain without revisits, not always the cheapest: at each layer still to run, take the
+    peer that holds it and reaches furthest, the fastest per layer among equals. No peer
+    can come back, because the next layer is beyond the stop of every peer used so far."""
+    seq, a = [], 0
+    while a < g.num_layers:
+        k = max(g.cover[a], key=lambda k: (g.node_layers[k].stop, -g.layer_ms[g.node_peer[k]], -k))
+        seq.append(_hop_key(g, k, a))
+        a = g.node_layers[k].stop
+    return tuple(seq)
 
 
 def _label(found: _Found) -> tuple:
-    return (found[0], len(found[1]), found[1])
+    return (round(found[0], _COST_DIGITS), len(found[1]), found[1])
 
 
 def _first_revisit(seq: tuple[_HopKey, ...], num_layers: int) -> tuple[int, int, int] | None:
@@ -548,7 +572,7 @@ def _gap_text(missing: Sequence[LayerRange]) -> str:
 
 
 def _reasons_text(members: Sequence[PeerAdvert], missing: Sequence[LayerRange],
-                  exclude: frozenset[str] | set[str], min_free_kv_tokens: int) -> str:
+                  exclude: Set[str], min_free_kv_tokens: int) -> str:
     """``" (peer ab12 is draining; peer cd34 is excluded)"``: why the peers holding the gap are skipped."""
     reasons = []
     for p in members:
@@ -559,7 +583,7 @@ def _reasons_text(members: Sequence[PeerAdvert], missing: Sequence[LayerRange],
 
 
 def _no_route_message(statuses: Sequence[GroupStatus], groups: Mapping[CompatKey, Sequence[PeerAdvert]],
-                      exclude: frozenset[str] | set[str], min_free_kv_tokens: int) -> str:
+                      exclude: Set[str], min_free_kv_tokens: int) -> str:
     """Name the best group's missing layers and, with several identities, what each one serves."""
     best = min(statuses, key=lambda s: (sum(len(r) for r in s.missing), s.compat_key))
     gap = _gap_text(best.missing) + _reasons_text(groups[best.compat_key], best.missing, exclude,
@@ -590,7 +614,8 @@ def _held_ranges(usable: Sequence[PeerAdvert], num_layers: int) -> tuple[LayerRa
 
 def _empty_table_message(num_layers: int | None, compat_key: CompatKey | None) -> str:
     if compat_key is not None:
-        return f"no route: no peer advertises {identity(compat_key)} (protocol {compat_key[2]}, {compat_key[3]} layers)"
+        protocol, num_layers = compat_key[2], compat_key[3]
+        return f"no route: no peer advertises {compat_label(compat_key)} (protocol {protocol}, {num_layers} layers)"
     if num_layers is not None:
         return f"no route: no peer advertises a {num_layers}-layer model"
     return "no route: the peer table is empty"

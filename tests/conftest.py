@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 
 def model_path(name: str) -> Path:
-    """Path of the GGUF model ``name`` in ``$MESHINFER_HOME/models`` (default ~/.cache/meshinfer).
+    """Path of the real GGUF model ``name``, fetched with ``meshinfer pull`` when missing.
 
-    Fails the test (never skips) when the file is missing.
+    Uses ``$MESHINFER_HOME`` (default ``~/.cache/meshinfer``). Fails the test (never skips)
+    when the model cannot be fetched and verified.
     """
-    home = Path(os.environ.get("MESHINFER_HOME", "~/.cache/meshinfer")).expanduser()
-    path = home / "models" / f"{name}.gguf"
-    if not path.is_file():
-        pytest.fail(f"model file {path} is missing; run `meshinfer pull {name}`")
-    return path
+    from meshinfer.errors import MeshError
+    from meshinfer.weights.registry import pull
+
+    try:
+        return pull(name, progress=False)
+    except MeshError as exc:
+        pytest.fail(f"model {name} is not available ({exc}); run `meshinfer pull {name}`")

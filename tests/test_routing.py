@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from meshinfer import routing
 from meshinfer.config import LayerRange
 from meshinfer.errors import NoRoute
 from meshinfer.protocol import DRAINING, JOINING, READY, PeerAdvert
@@ -177,6 +178,32 @@ def test_no_revisit_still_finds_the_best_chain_without_one():
     route = plan_route(peers, client_rtts_ms={"a": 1.0, "c": 1.0})
     assert chain(route) == [("a", "0-5"), ("b", "6-17"), ("c", "18-23")]
     assert_valid_route(route, 24)
+
+
+def test_no_revisit_can_move_the_slow_peer_to_the_end():
+    # a is slow (80 ms a layer) but near the client; c is fast but 200 ms from the client
+    # one way. With revisits, a runs layer 0 and layers 6-7. Without, c runs layers 0-1 and a
+    # only layers 6-7: a alone would cost 640 ms of compute.
+    rtts = {"a": 1.0, "b": 1.0, "c": 400.0}
+    lan = {"a": 1.0, "b": 1.0, "c": 1.0}
+    peers = [peer("a", 0, 7, num_layers=8, compute_ms=640.0, rtts=lan),
+             peer("b", 2, 5, num_layers=8, compute_ms=4.0, rtts=lan),
+             peer("c", 0, 1, num_layers=8, compute_ms=1.0, rtts=lan)]
+    revisiting = plan_route(peers, client_rtts_ms=rtts, allow_revisit=True)
+    assert chain(revisiting) == [("a", "0-0"), ("c", "1-1"), ("b", "2-5"), ("a", "6-7")]
+    assert chain(plan_route(peers, client_rtts_ms=rtts)) == [("c", "0-1"), ("b", "2-5"), ("a", "6-7")]
+
+
+def test_capped_search_without_revisits_still_returns_a_valid_chain(monkeypatch):
+    # The table of the test above: uncapped, the answer is c[0-1] -> b[2-5] -> a[6-7].
+    lan = {"a": 1.0, "b": 1.0, "c": 1.0}
+    peers = [peer("a", 0, 7, num_layers=8, compute_ms=640.0, rtts=lan),
+             peer("b", 2, 5, num_layers=8, compute_ms=4.0, rtts=lan),
+             peer("c", 0, 1, num_layers=8, compute_ms=1.0, rtts=lan)]
+    monkeypatch.setattr(routing, "MAX_REVISIT_BRANCHES", 0)
+    route = plan_route(peers, client_rtts_ms={"a": 1.0, "b": 1.0, "c": 400.0})
+    assert chain(route) == [("a", "0-7")]  # the greedy chain: a reaches furthest
+    assert_valid_route(route, 8)
 
 
 # ------------------------------------------------------------------------- states and filters
@@ -360,7 +387,6 @@ def _brute_force(peers: list[PeerAdvert], client_rtts: dict[str, float], *, excl
 
         def walk(a, prev, used, cost):
             nonlocal best
-            cost += HOP_OVERHEAD_MS if a < L else 0.0
             if a == L:
                 total = cost + client(prev) / 2
                 best = total if best is None else min(best, total)
@@ -373,7 +399,7 @@ def _brute_force(peers: list[PeerAdvert], client_rtts: dict[str, float], *, excl
                 hop_in = client(p) / 2 if prev is None else link(prev, p) / 2
                 for b in range(a + 1, p.layers.stop + 1):
                     compute = p.compute_ms_per_token * (b - a) / len(p.layers)
-                    walk(b, p, used | {p.peer_id}, cost + hop_in + compute)
+                    walk(b, p, used | {p.peer_id}, cost + hop_in + compute + HOP_OVERHEAD_MS)
 
         walk(0, None, frozenset(), 0.0)
     return best
@@ -407,7 +433,7 @@ def _random_wrap_table(rng: random.Random) -> tuple[list[PeerAdvert], dict[str, 
     peers = [peer(ids[0], 0, L - 1, num_layers=L, compute_ms=300.0 * L,
                   rtts={q: float(rng.randint(0, 5)) for q in ids[1:]})]
     for pid in ids[1:]:
-        start = rng.randrange(1, L)
+        start = rng.randrange(0, L)
         stop = rng.randint(start + 1, L)
         rtts = {q: float(rng.randint(0, 5)) for q in ids if q != pid}
         peers.append(peer(pid, start, stop - 1, num_layers=L, compute_ms=float(rng.randint(0, 20) * (stop - start)),
