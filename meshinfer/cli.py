@@ -130,6 +130,8 @@ def cmd_generate(args) -> int:
             sys.stdout.write(stream.push(token))
             sys.stdout.flush()
 
+    if not args.no_warmup:  # a cold model is slow on its first pass; time the steady state
+        greedy_generate(shard, prompt_ids[:16], max_tokens=2)
     out = greedy_generate(shard, prompt_ids, max_tokens=args.max_tokens, eos_ids=tok.eos_ids, on_token=show)
     out.text = tok.decode(out.token_ids)
     if args.json:
@@ -324,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
     s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    s.add_argument("--no-warmup", action="store_true", help="time the first (cold) pass too")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_generate)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -42,6 +43,13 @@ MAX_QUEUED_STEPS = 64
 MAX_CONVERSATIONS_PER_LINK = 64
 #: Frame overhead allowed beyond the largest hidden-state payload, bytes.
 FRAME_OVERHEAD_BYTES = 64 * 1024
+#: Most peers one peer's table holds; adverts of further unknown peers are dropped, so a rogue
+#: peer cannot grow the table (and every gossip round) without bound.
+MAX_KNOWN_PEERS = 256
+#: Largest advert kept, bytes (an honest one is about 400 bytes plus 42 per RTT it reports).
+MAX_ADVERT_BYTES = 16 * 1024
+#: Largest gossip payload, bytes: below every peer's frame limit whatever its hidden size.
+GOSSIP_BUDGET_BYTES = FRAME_OVERHEAD_BYTES // 2
 
 
 @dataclass
@@ -124,6 +132,7 @@ class Peer:
         self.max_frame_bytes = (self.settings.max_step_tokens * self.cfg.hidden_size * 4
                                 + FRAME_OVERHEAD_BYTES)
         self._dialing: dict[str, asyncio.Future] = {}
+        self._gossiping: set[str] = set()  # peer ids with a gossip exchange in flight
         self._closing = False
         self.owns_executor = False
 
@@ -306,7 +315,7 @@ class Peer:
                 errors.append(f"{url} is peer {remote.peer_id[:12]}, not {expect_id[:12]}")
                 continue
             link.remote_id, link.role = remote.peer_id, "peer"
-            self.table.merge([remote])
+            self._merge([remote])
             self.links.setdefault(remote.peer_id, link)
             return link
         raise PeerUnavailable(f"cannot reach peer {(expect_id or '?')[:12]}: " + "; ".join(errors or ["no address"]))
@@ -326,13 +335,15 @@ class Peer:
         await handler(link, f)
 
     async def _on_hello(self, link: Link, f) -> None:
+        if link.role is not None:
+            raise ProtocolError("hello: this connection already said hello")
         role = f.str("role")
         if role not in ("client", "peer"):
             raise ProtocolError(f"hello: role {role!r} is not client or peer")
         if role == "peer":
             remote = PeerAdvert.from_wire(f.get("advert", dict))
             link.remote_id = remote.peer_id
-            self.table.merge([remote])
+            self._merge([remote])
             self.links.setdefault(remote.peer_id, link)
         link.role = role
         await link.send("welcome", re=f.get("id", int, None), advert=self.advert().to_wire(),
@@ -361,7 +372,22 @@ class Peer:
                 ads.append(PeerAdvert.from_wire(d))
             except (ProtocolError, LayerRangeError) as exc:
                 log.debug("dropping a malformed advert from %s: %s", link.remote_id, exc)
-        self.table.merge(ads)
+        self._merge(ads)
+
+    def _merge(self, ads: list[PeerAdvert]) -> None:
+        """Merge adverts into the table, dropping oversized ones and new peers once it is full."""
+        known = {a.peer_id for a in self.table.adverts()}
+        keep = []
+        for ad in ads:
+            if ad.peer_id not in known and len(known) >= MAX_KNOWN_PEERS:
+                continue
+            size = protocol.wire_size(ad.to_wire())
+            if size > MAX_ADVERT_BYTES:
+                log.debug("dropping the advert of %s: %d bytes, over %d", ad.peer_id[:12], size, MAX_ADVERT_BYTES)
+                continue
+            known.add(ad.peer_id)
+            keep.append(ad)
+        self.table.merge(keep)
 
     async def _on_get_tokenizer(self, link: Link, f) -> None:
         if self.tokenizer_bundle is None:
@@ -394,9 +420,12 @@ class Peer:
         next_addrs = tuple(nf.str_list("addrs")) if nf else ()
         if (run.stop < self.cfg.num_hidden_layers) != (next_id is not None):
             raise ProtocolError("open: 'next' must name the next hop unless this hop runs the last layer")
+        prev_id = f.str("prev", None)
+        if (run.start > 0) != (prev_id is not None):
+            raise ProtocolError("open: 'prev' must name the previous hop unless this hop runs layer 0")
         cache = KVCache(run, self.cfg.num_key_value_heads, self.cfg.head_dim, dtype=self.shard.dtype,
                         device=self.shard.device, max_tokens=tokens)
-        conv = _Conv(conv_id=conv_id, run=run, owner=link, prev_id=f.str("prev", None), next_id=next_id,
+        conv = _Conv(conv_id=conv_id, run=run, owner=link, prev_id=prev_id, next_id=next_id,
                      next_addrs=next_addrs, reserved_tokens=tokens, cache=cache)
         self.convs[conv_id] = conv
         self._reserved_tokens += tokens
@@ -430,9 +459,12 @@ class Peer:
         if start + x.shape[1] > conv.reserved_tokens:
             raise CacheFull(f"step {seq} would grow the conversation to {start + x.shape[1]} tokens; "
                             f"it reserved {conv.reserved_tokens}")
+        trace = protocol.trace_from_wire(f.get("trace", list, []), "step")
+        want = f.str("want", "none")
+        if want not in ("token", "none"):
+            raise ProtocolError(f"step {seq}: want {want[:40]!r} is not token or none")
         conv.expected_start = start + x.shape[1]
-        trace = f.get("trace", list, [])[:64]
-        item = (seq, start, x, f.str("want", "none"), trace, time.perf_counter())
+        item = (seq, start, x, want, trace, time.perf_counter())
         try:
             conv.queue.put_nowait(item)
         except asyncio.QueueFull:
@@ -546,11 +578,26 @@ class Peer:
                                         if not any(url in a for a in targets.values())),
                                       return_exceptions=True)
         del dialed
-        payload = [self.advert().to_wire()] + [a.to_wire() for a in self.table.adverts()]
+        payload = self._gossip_payload()
         for peer_id, addrs in {ad.peer_id: ad.addrs for ad in self.table.adverts()}.items():
-            self._spawn(self._gossip_to(peer_id, addrs, payload), f"gossip {peer_id[:12]}")
+            if peer_id not in self._gossiping:  # one exchange per peer: a silent one must not pile up tasks
+                self._gossiping.add(peer_id)
+                self._spawn(self._gossip_to(peer_id, addrs, payload), f"gossip {peer_id[:12]}")
         for gone in set(self.rtts_ms) - {a.peer_id for a in self.table.adverts()}:
             del self.rtts_ms[gone]
+
+    def _gossip_payload(self) -> list[dict]:
+        """This peer's advert, then known ones in random order, within :data:`GOSSIP_BUDGET_BYTES`."""
+        others = self.table.adverts()
+        random.shuffle(others)  # a table too large for one round still spreads over several
+        payload, size = [], 0
+        for ad in [self.advert()] + others:
+            wire = ad.to_wire()
+            n = protocol.wire_size(wire)
+            if size + n <= GOSSIP_BUDGET_BYTES:
+                payload.append(wire)
+                size += n
+        return payload
 
     async def _bootstrap(self, url: str) -> None:
         try:
@@ -567,6 +614,8 @@ class Peer:
             await link.send("gossip", adverts=payload)
         except MeshError as exc:
             log.debug("gossip to %s failed: %s", peer_id[:12], exc)
+        finally:
+            self._gossiping.discard(peer_id)
 
 
 def new_conversation_id() -> str:

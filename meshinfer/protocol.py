@@ -39,6 +39,10 @@ MAX_TENSOR_DIMS = 4
 MAX_LIST_LEN = 1 << 16
 #: Longest string field (URLs, ids, error text) in characters.
 MAX_STR_LEN = 4096
+#: Longest peer id accepted in a trace or an ``rtts_ms`` map, characters (ids are 32 hex digits).
+MAX_ID_LEN = 64
+#: Most entries of a step's trace (one per hop).
+MAX_TRACE_HOPS = 64
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,8 @@ class PeerAdvert:
         if layers.stop > num_layers:
             raise ProtocolError(f"advert: layers {layers.cli()} exceed num_layers {num_layers}")
         rtts = f.get("rtts_ms", dict, {})
-        if len(rtts) > MAX_LIST_LEN or not all(isinstance(k, str) and _finite(v) and v >= 0 for k, v in rtts.items()):
+        if len(rtts) > MAX_LIST_LEN or not all(isinstance(k, str) and len(k) <= MAX_ID_LEN and _finite(v)
+                                               and v >= 0 for k, v in rtts.items()):
             raise ProtocolError("advert: field 'rtts_ms' must map peer ids to non-negative numbers")
         state = f.str("state")
         if state not in PEER_STATES:
@@ -176,6 +181,27 @@ class Fields:
         if not 0 <= value[0] < value[1] <= 1 << 16:
             raise ProtocolError(f"{self.what}: field {key!r} = {value} is not a valid half-open layer range")
         return LayerRange(value[0], value[1])
+
+
+def trace_from_wire(value: Any, what: str) -> list[dict]:
+    """A step's trace rebuilt from its known fields, at most :data:`MAX_TRACE_HOPS` entries.
+
+    Each hop forwards the trace it received plus its own entry, so whatever else a sender
+    packed into it would travel on, and could push the next frame past the receiver's limit.
+
+    Raises:
+        ProtocolError: the trace is not a list of ``{peer, compute_ms, queue_ms}`` maps.
+    """
+    if not isinstance(value, list):
+        raise ProtocolError(f"{what}: field 'trace' has type {type(value).__name__}")
+    out = []
+    for d in value[:MAX_TRACE_HOPS]:
+        f = Fields(d, f"{what}.trace")
+        peer = f.str("peer")
+        if len(peer) > MAX_ID_LEN:
+            raise ProtocolError(f"{what}.trace: field 'peer' is longer than {MAX_ID_LEN} characters")
+        out.append({"peer": peer, "compute_ms": f.float("compute_ms", lo=0.0), "queue_ms": f.float("queue_ms", lo=0.0)})
+    return out
 
 
 # --------------------------------------------------------------------------- tensors
@@ -258,6 +284,33 @@ def encode(msg_type: str, **fields: Any) -> bytes:
     return msgpack.packb({"v": PROTOCOL_VERSION, "t": msg_type, **fields}, use_bin_type=True)
 
 
+def wire_size(obj: Any) -> int:
+    """Bytes ``obj`` takes in a frame."""
+    return len(msgpack.packb(obj, use_bin_type=True))
+
+
+def _check_complete(frame: bytes) -> None:
+    """Walk ``frame`` with msgpack's C skipper, which builds no object.
+
+    msgpack allocates every array at the length its header declares, so a 3 KB frame of
+    nested headers each declaring 65,535 elements costs the decoder tens of MB and a tenth
+    of a second before it finds the elements missing. A frame that skips to its end holds
+    every element it declares, so decoding it allocates in proportion to its size.
+    """
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(frame), 1))
+    unpacker.feed(frame)
+    try:
+        unpacker.skip()
+    except msgpack.OutOfData as exc:
+        raise ProtocolError("frame is not valid msgpack: it ends inside an object") from exc
+    except msgpack.StackError as exc:
+        raise ProtocolError("frame is not valid msgpack: containers nest too deep") from exc
+    except msgpack.FormatError as exc:
+        raise ProtocolError("frame is not valid msgpack: it holds the reserved type byte 0xc1") from exc
+    except ValueError as exc:
+        raise ProtocolError(f"frame is not valid msgpack: {exc or type(exc).__name__}") from exc
+
+
 def decode(frame: bytes | str, *, max_bytes: int) -> tuple[str, Fields]:
     """Decode and check the envelope of one frame.
 
@@ -274,6 +327,7 @@ def decode(frame: bytes | str, *, max_bytes: int) -> tuple[str, Fields]:
     """
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError("frames must be binary msgpack, got a text frame")
+    _check_complete(frame)
     try:
         obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=max_bytes,
                               max_str_len=max_bytes, max_array_len=MAX_LIST_LEN, max_map_len=1024,

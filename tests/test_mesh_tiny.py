@@ -260,3 +260,27 @@ async def test_launch_peer_loads_and_serves(tiny, tmp_path):
         assert out.token_ids == reference(tiny, ids)
     finally:
         await peer.close()
+
+
+async def test_idle_conversation_is_freed_after_timeout(tiny):
+    path, digest, tok, _ = tiny
+    async with mesh([load_shard(path, LayerRange(0, 4))], weights_hash=digest, bundle=tok.to_bundle(),
+                    idle_timeout_s=0.3) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            route = await client.plan()
+            conv = client.conversation(route, max_tokens_total=64)
+            await conv.generate(tok.encode_chat(MESSAGES), max_tokens=2, eos_ids=())
+            assert peers[0].convs and peers[0].kv_bytes_used > 0
+            async with asyncio.timeout(5):
+                while peers[0].convs:
+                    await asyncio.sleep(0.05)
+            assert peers[0].kv_bytes_used == 0 and peers[0].free_kv_tokens == peers[0].capacity_tokens
+
+
+def test_bf16_shard_stays_close_to_f32(tiny):
+    path, _, tok, whole = tiny
+    half = load_shard(path, dtype=torch.bfloat16)
+    ids = torch.tensor([tok.encode_chat(MESSAGES)])
+    a, b = whole(ids, 0, logits="all"), half(ids, 0, logits="all")
+    assert b.dtype == torch.float32 and half.dtype == torch.bfloat16
+    assert ((a - b).abs().max() / a.abs().max()).item() < 0.05

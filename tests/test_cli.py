@@ -1,0 +1,101 @@
+"""The command line as a user runs it: subprocesses, a tiny model, real sockets on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from meshinfer.generate import greedy_generate, load_shard
+from meshinfer.tokenizer import Tokenizer
+from tiny import random_weights, tiny_config, write_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    cfg = tiny_config("llama", context=256)
+    return write_gguf(d / "tiny.gguf", cfg, random_weights(cfg, seed=3))
+
+
+def meshinfer(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshinfer", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def expected_tokens(path, text: str, n: int) -> list[int]:
+    tok = Tokenizer.from_gguf(path)
+    ids = tok.encode_chat([{"role": "user", "content": text}])
+    return greedy_generate(load_shard(path), ids, max_tokens=n, eos_ids=tok.eos_ids).token_ids
+
+
+def test_generate_json(tiny_gguf):
+    out = meshinfer("generate", "--model", str(tiny_gguf), "-p", "hello", "--max-tokens", "6", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert set(d) >= {"prompt_ids", "token_ids", "text", "finish_reason", "ttft_ms", "decode_tokens_per_s"}
+    assert d["token_ids"] == expected_tokens(tiny_gguf, "hello", 6)
+    assert d["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["join", "--layers", "30-40"], "layer range 30-40 is outside the model: it has 4 layers (0-3)"),
+    (["join", "--layers", "3-1"], "is empty: last layer 1 < first layer 3"),
+    (["generate", "-p", "x", "--model", "no-such-model"], "no-such-model"),
+    (["generate", "-p", "x", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1"], "no bootstrap peer answered"),
+])
+def test_user_mistakes_give_one_line_errors(tiny_gguf, args, message):
+    if "--model" not in args and args[0] != "chat":
+        args = args + ["--model", str(tiny_gguf)]
+    out = meshinfer(*args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and message in lines[-1], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
+    env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(tiny_gguf),
+                             "--listen", "127.0.0.1:0", "--key", str(tmp_path / "k.pem")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"ready: peer (\w+) serving layers 0-3 of 4 at (ws://127\.0\.0\.1:\d+)", line)
+        assert m, line + proc.stderr.read() if proc.poll() is not None else line
+        url = m.group(2)
+        status = meshinfer("status", "--peers", url, "--json", env=env)
+        assert status.returncode == 0, status.stderr
+        table = json.loads(status.stdout)
+        assert [p["peer_id"][:12] for p in table["peers"]] == [m.group(1)]
+        assert table["routes"][0]["route"][0]["layers"] == "0-3"
+        chat = meshinfer("chat", "--peers", url, "-p", "hello", "--max-tokens", "6", "--json", env=env)
+        assert chat.returncode == 0, chat.stderr
+        d = json.loads(chat.stdout)
+        assert d["token_ids"] == expected_tokens(tiny_gguf, "hello", 6)
+        assert d["route"][0]["layers"] == "0-3" and d["route"][0]["peer_id"].startswith(m.group(1))
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "shutting down" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_pull_prints_path_last(tmp_path):
+    """The smaller real model, already verified in the default cache, is found without downloading."""
+    from conftest import model_path
+
+    cached = model_path("smollm2-135m-instruct-q4_1")
+    env = dict(os.environ, MESHINFER_HOME=str(cached.parent.parent))
+    out = meshinfer("pull", "smollm2-135m-instruct-q4_1", "-q", env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == str(cached)

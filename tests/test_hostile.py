@@ -1,0 +1,815 @@
+"""Hostile input against live tiny-model peers (127.0.0.1, port 0).
+
+A peer must survive whatever one client or one rogue peer sends: it answers bad input with an
+``error`` frame or closes that connection with a code, never allocates memory sized by a number
+the remote sent, and keeps serving everyone else. After each attack the peer must still run a
+normal conversation exactly (tokens equal to the whole model's greedy decode) with its KV memory,
+conversations and tasks back at baseline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import random
+import socket
+import time
+import tracemalloc
+
+import msgpack
+import pytest
+import torch
+import websockets
+
+from meshkit import file_hash, mesh, split
+from meshinfer import peer as peer_module
+from meshinfer import protocol
+from meshinfer.config import LayerRange
+from meshinfer.errors import ProtocolError
+from meshinfer.generate import greedy_generate, load_shard
+from meshinfer.kv_cache import KVCache
+from meshinfer.protocol import PeerAdvert
+from meshinfer.session import MeshClient
+from meshinfer.tokenizer import Tokenizer
+from tiny import random_weights, tiny_config, write_gguf
+
+MESSAGES = [{"role": "user", "content": "a hostile world"}]
+CONTEXT = 256  # tokens, the tiny model's context
+VOCAB = 260  # 256 bytes + 1 merge + 3 specials
+WIDTH = 32  # hidden size C
+MAX_STEP = 512  # PeerSettings.max_step_tokens default
+TASK_SLACK = 3  # transient tasks (gossip rounds, hello-timer closes) a peer may hold above its baseline
+
+
+# --------------------------------------------------------------------------- fixtures and helpers
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(gguf path, weights hash, tokenizer, whole-model shard) of a tiny random qwen2 model."""
+    d = tmp_path_factory.mktemp("hostile")
+    cfg = tiny_config("qwen2", context=CONTEXT)
+    path = write_gguf(d / "tiny.gguf", cfg, random_weights(cfg))
+    return path, file_hash(path), Tokenizer.from_gguf(path), load_shard(path)
+
+
+@contextlib.asynccontextmanager
+async def serving(tiny, bounds=(0, 4), **settings):
+    """Peers over ``bounds`` with the tokenizer; yields them with their task-count baseline recorded."""
+    path, digest, tok, _ = tiny
+    shards = split(lambda r: load_shard(path, r), list(bounds))
+    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle(), **settings) as peers:
+        await asyncio.sleep(0.05)
+        for p in peers:
+            p.test_task_baseline = len(p._tasks)
+        yield peers
+
+
+def last_token(tiny, ids: list[int]) -> int:
+    """The whole model's greedy next token after ``ids``."""
+    _, _, _, whole = tiny
+    with torch.no_grad():
+        logits = whole(torch.tensor([ids]), 0, None, logits="last")
+    return int(logits[0, -1].argmax())
+
+
+def hidden_after(tiny, ids: list[int], stop: int) -> torch.Tensor:
+    """Hidden states ``(1, T, C)`` after layers ``[0, stop)`` of the model for ``ids``."""
+    path = tiny[0]
+    shard = load_shard(path, LayerRange(0, stop))
+    with torch.no_grad():
+        return shard(torch.tensor([ids]), 0, None)
+
+
+async def settle(peers, timeout_s: float = 5.0) -> None:
+    """Wait until no peer holds a conversation."""
+    async with asyncio.timeout(timeout_s):
+        while any(p.convs for p in peers):
+            await asyncio.sleep(0.02)
+
+
+async def assert_healthy(tiny, peers) -> None:
+    """A normal conversation still matches the whole model, and memory and tasks are at baseline."""
+    _, _, tok, whole = tiny
+    await settle(peers)
+    async with MeshClient(list(peers[0].addrs), request_timeout_s=10.0) as client:
+        route = await client.plan()
+        conv = client.conversation(route, max_tokens_total=96)
+        ids = tok.encode_chat(MESSAGES)
+        try:
+            out = await conv.generate(ids, max_tokens=8, eos_ids=())
+        finally:
+            await conv.close()
+    assert out.token_ids == greedy_generate(whole, ids, max_tokens=8, eos_ids=()).token_ids
+    await settle(peers)
+    assert [p.kv_bytes_used for p in peers] == [0] * len(peers)
+    assert [p.free_kv_tokens for p in peers] == [p.capacity_tokens for p in peers]
+    await asyncio.sleep(0.05)
+    for p in peers:
+        assert len(p._tasks) <= p.test_task_baseline + TASK_SLACK, sorted(t.get_name() for t in p._tasks)
+
+
+def pack(msg_type: str, **fields) -> bytes:
+    return msgpack.packb({"v": protocol.PROTOCOL_VERSION, "t": msg_type, **fields}, use_bin_type=True)
+
+
+class Raw:
+    """A hand-driven connection: sends any frame, queues every reply, answers pings like a peer."""
+
+    def __init__(self, ws) -> None:
+        self.ws = ws
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.ids = itertools.count(1)
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    @classmethod
+    async def connect(cls, peer, *, role: str | None = "client", advert: dict | None = None, **kw) -> "Raw":
+        ws = await websockets.connect(peer.addrs[0], max_size=None, compression=None, ping_interval=None, **kw)
+        raw = cls(ws)
+        if role is not None:
+            reply = await raw.request("hello", role=role, **({"advert": advert} if advert else {}))
+            assert reply["t"] == "welcome", reply
+        return raw
+
+    async def _read(self) -> None:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            async for frame in self.ws:
+                msg = msgpack.unpackb(frame)
+                if msg.get("t") == "ping":
+                    await self.ws.send(pack("pong", re=msg.get("id")))
+                elif msg.get("t") != "gossip":
+                    self.inbox.put_nowait(msg)
+
+    async def send(self, msg_type: str, **fields) -> None:
+        await self.ws.send(pack(msg_type, **fields))
+
+    async def recv(self, timeout_s: float = 5.0) -> dict:
+        return await asyncio.wait_for(self.inbox.get(), timeout_s)
+
+    async def request(self, msg_type: str, **fields) -> dict:
+        """Send with a fresh ``id``; the reply whose ``re`` matches (other frames are dropped)."""
+        rid = next(self.ids)
+        await self.send(msg_type, id=rid, **fields)
+        while True:
+            msg = await self.recv()
+            if msg.get("re") == rid:
+                return msg
+
+    async def error(self, msg_type: str, **fields) -> tuple[str, str]:
+        """(code, message) of the error a request is answered with."""
+        reply = await self.request(msg_type, **fields)
+        assert reply["t"] == "error", reply
+        return reply["code"], reply["message"]
+
+    async def frame_error(self, frame) -> tuple[str, str]:
+        """(code, message) of the error a raw frame is answered with."""
+        await self.ws.send(frame)
+        reply = await self.recv()
+        assert reply["t"] == "error", reply
+        return reply["code"], reply["message"]
+
+    async def closed_code(self, timeout_s: float = 5.0) -> int | None:
+        """The close code once the peer has closed the connection."""
+        await asyncio.wait_for(asyncio.shield(self.reader), timeout_s)
+        return self.ws.close_code
+
+    async def close(self) -> None:
+        await self.ws.close()
+        await asyncio.gather(self.reader, return_exceptions=True)
+
+
+def rogue_advert(digest: str, peer_id: str = "r0gue" * 6 + "00", **changes) -> dict:
+    """A well-formed advert of a peer that does not exist (no address, short TTL)."""
+    ad = PeerAdvert(peer_id=peer_id, addrs=(), protocol_version=protocol.PROTOCOL_VERSION, weights_hash=digest,
+                    architecture="qwen2", num_layers=4, layers=LayerRange(0, 2), device="cpu", precision="f32",
+                    ttl_s=1.0).to_wire()
+    return ad | changes
+
+
+def f32(t: torch.Tensor, **changes) -> dict:
+    return protocol.tensor_to_wire(t) | changes
+
+
+# --------------------------------------------------------------------------- frames and envelopes
+ENVELOPES = [
+    (b"\xc1", "protocol_error", "frame is not valid msgpack: it holds the reserved type byte 0xc1"),
+    (b"", "protocol_error", "frame is not valid msgpack: it ends inside an object"),
+    (b"\x81\xa1v", "protocol_error", "frame is not valid msgpack: it ends inside an object"),
+    (b"\xdc\xff\xff" * 1000, "protocol_error", "frame is not valid msgpack: it ends inside an object"),
+    (b"\x91" * 5000, "protocol_error", "frame is not valid msgpack: containers nest too deep"),
+    (msgpack.packb({"v": 1, "t": "ping", "x": [0] * 70_000}), "protocol_error",
+     "frame is not valid msgpack: 70000 exceeds max_array_len(65536)"),
+    (pack("ping") + b"\x00", "protocol_error", "frame is not valid msgpack: unpack(b) received extra data."),
+    ("a text frame", "protocol_error", "frames must be binary msgpack, got a text frame"),
+    (msgpack.packb([1, "v", "t"]), "protocol_error", "message: expected a map, got list"),
+    (msgpack.packb(7), "protocol_error", "message: expected a map, got int"),
+    (msgpack.packb({"t": "ping"}), "protocol_error", "message: field 'v' is missing"),
+    (msgpack.packb({"v": 1}), "protocol_error", "message: field 't' is missing"),
+    (msgpack.packb({"v": "1", "t": "ping"}), "protocol_error", "message: field 'v' has type str"),
+    (msgpack.packb({"v": True, "t": "ping"}), "protocol_error", "message: field 'v' has type bool"),
+    (msgpack.packb({"v": 1, "t": 5}), "protocol_error", "message: field 't' has type int"),
+    (msgpack.packb({"v": 1, "t": "rm -rf"}), "protocol_error", "unknown message type 'rm -rf'"),
+    (msgpack.packb({"v": 1, "t": "x" * 5000}), "protocol_error",
+     "message: field 't' is longer than 4096 characters"),
+    (msgpack.packb({1: 1, "v": 1, "t": "ping"}), "protocol_error",
+     "frame is not valid msgpack: int is not allowed for map key when strict_map_key=True"),
+    (b"\xd4\x01\x00", "protocol_error", "frame is not valid msgpack: 2 exceeds max_ext_len(0)"),
+    (pack("welcome"), "protocol_error", "unexpected welcome"),
+    (pack("peers", adverts=[]), "protocol_error", "a peer does not accept peers frames"),
+    (pack("token", conv="c", seq=1, token=3), "protocol_error", "a peer does not accept token frames"),
+    (pack("ping", id="seven"), "protocol_error", "ping: field 'id' has type str"),
+    (pack("pong", re="seven"), "protocol_error", "pong: field 're' has type str"),
+    (pack("gossip", adverts=[]), "protocol_error", "gossip is only accepted from peers"),
+]
+
+
+async def test_malformed_envelopes_get_exact_errors_and_keep_the_connection(tiny):
+    async with serving(tiny) as peers:
+        raw = await Raw.connect(peers[0])
+        try:
+            for frame, code, message in ENVELOPES:
+                assert await raw.frame_error(frame) == (code, message), frame
+            assert (await raw.request("ping"))["t"] == "pong"
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+async def test_messages_before_hello_are_refused(tiny):
+    async with serving(tiny) as peers:
+        raw = await Raw.connect(peers[0], role=None)
+        try:
+            for msg_type in ("ping", "open", "step", "get_peers", "get_tokenizer", "gossip", "close"):
+                assert await raw.error(msg_type, conv="c") == (
+                    "protocol_error", f"the first frame must be hello, got {msg_type}")
+            assert await raw.error("hello", role="admin") == (
+                "protocol_error", "hello: role 'admin' is not client or peer")
+            assert await raw.error("hello", role=1) == ("protocol_error", "hello: field 'role' has type int")
+            assert await raw.error("hello") == ("protocol_error", "hello: field 'role' is missing")
+            assert (await raw.request("hello", role="client"))["t"] == "welcome"
+            assert (await raw.request("ping"))["t"] == "pong"
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+async def test_second_hello_cannot_change_role_or_identity(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raw = await Raw.connect(peer)
+        try:
+            ad = rogue_advert(peer.weights_hash)
+            assert await raw.error("hello", role="peer", advert=ad) == (
+                "protocol_error", "hello: this connection already said hello")
+            assert await raw.error("gossip", adverts=[ad]) == ("protocol_error", "gossip is only accepted from peers")
+            assert peer.table.get(ad["peer_id"]) is None and ad["peer_id"] not in peer.links
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+BAD_ADVERTS = [
+    (dict(layers=[0, 9]), "advert: layers 0-8 exceed num_layers 4"),
+    (dict(layers=[2, 1]), "advert: field 'layers' = [2, 1] is not a valid half-open layer range"),
+    (dict(layers=[0, 1, 2]), "advert: field 'layers' must be [start, stop]"),
+    (dict(num_layers=1 << 40), "advert: field 'num_layers' = 1099511627776 is outside [1, 65536]"),
+    (dict(compute_ms_per_token=math.nan), "advert: field 'compute_ms_per_token' = nan is not a finite number "
+                                          "in [0.0, inf]"),
+    (dict(compute_ms_per_token=-math.inf), "advert: field 'compute_ms_per_token' = -inf is not a finite number "
+                                           "in [0.0, inf]"),
+    (dict(ttl_s=math.inf), "advert: field 'ttl_s' = inf is not a finite number in [0.0, 3600.0]"),
+    (dict(ttl_s=1e300), "advert: field 'ttl_s' = 1e+300 is not a finite number in [0.0, 3600.0]"),
+    (dict(free_kv_tokens=-1), "advert: field 'free_kv_tokens' = -1 is outside [0, 1099511627776]"),
+    (dict(seq=(1 << 64) - 1), "advert: field 'seq' = 18446744073709551615 is outside [0, 4611686018427387904]"),
+    (dict(rtts_ms={"x": math.nan}), "advert: field 'rtts_ms' must map peer ids to non-negative numbers"),
+    (dict(rtts_ms={"x": True}), "advert: field 'rtts_ms' must map peer ids to non-negative numbers"),
+    (dict(rtts_ms={"x" * 5000: 1.0}), "advert: field 'rtts_ms' must map peer ids to non-negative numbers"),
+    (dict(state="evil"), "advert: state 'evil' is not one of joining, ready, draining"),
+    (dict(addrs=["ws://x"] * 65), "advert: field 'addrs' must be a list of at most 64 strings"),
+    (dict(addrs="ws://x"), "advert: field 'addrs' has type str"),
+    (dict(peer_id=None), "advert: field 'peer_id' is missing"),
+    (dict(peer_id=7), "advert: field 'peer_id' has type int"),
+]
+
+
+async def test_hello_as_peer_with_a_malformed_advert_is_refused(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raw = await Raw.connect(peer, role=None)
+        try:
+            assert await raw.error("hello", role="peer") == ("protocol_error", "hello: field 'advert' is missing")
+            assert await raw.error("hello", role="peer", advert=[1]) == (
+                "protocol_error", "hello: field 'advert' has type list")
+            for changes, message in BAD_ADVERTS:
+                assert await raw.error("hello", role="peer", advert=rogue_advert(peer.weights_hash, **changes)) \
+                    == ("protocol_error", message), changes
+            assert await raw.error("ping") == ("protocol_error", "the first frame must be hello, got ping")
+            assert len(peer.table) == 0 and not peer.links
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+async def test_gossip_floods_and_bad_numbers_are_dropped(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        digest = peer.weights_hash
+        raw = await Raw.connect(peer, role="peer", advert=rogue_advert(digest))
+        try:
+            await raw.send("gossip", adverts=list(range(10_000)))
+            await raw.send("gossip", adverts=[rogue_advert(digest, peer_id=f"n{i}", ttl_s=math.nan)
+                                              for i in range(300)])
+            junk = [rogue_advert(digest, peer_id="a", compute_ms_per_token=math.inf),
+                    rogue_advert(digest, peer_id="b", seq=1 << 63), rogue_advert(digest, peer_id="c", ttl_s=-1.0),
+                    rogue_advert(digest, peer_id="d", rtts_ms={"e": -1.0}), {"peer_id": "f"}, None, "advert",
+                    rogue_advert(digest, peer_id="good", ttl_s=30.0)]
+            await raw.send("gossip", adverts=junk)
+            assert (await raw.request("ping"))["t"] == "pong"  # every gossip above has been handled
+            assert sorted(a.peer_id for a in peer.table.adverts()) == sorted(["good", rogue_advert(digest)["peer_id"]])
+        finally:
+            await raw.close()
+        peer.table.remove("good")
+        await assert_healthy(tiny, peers)
+
+
+async def test_rogue_peer_cannot_grow_the_peer_table_beyond_its_cap(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        digest = peer.weights_hash
+        raw = await Raw.connect(peer, role="peer", advert=rogue_advert(digest))
+        try:
+            for batch in range(4):
+                await raw.send("gossip", adverts=[rogue_advert(digest, peer_id=f"fake{batch}-{i}", ttl_s=60.0)
+                                                  for i in range(300)])
+            big = rogue_advert(digest, peer_id="big", addrs=[f"ws://{i}" + "x" * 4000 for i in range(20)])
+            await raw.send("gossip", adverts=[big])
+            await raw.request("ping")
+            assert len(peer.table) == peer_module.MAX_KNOWN_PEERS
+            assert peer.table.get("big") is None
+            payload = peer._gossip_payload()
+            assert payload[0]["peer_id"] == peer.peer_id
+            assert protocol.wire_size(payload) <= peer_module.GOSSIP_BUDGET_BYTES < peer.max_frame_bytes
+        finally:
+            await raw.close()
+        for ad in peer.table.adverts():
+            peer.table.remove(ad.peer_id)
+        await assert_healthy(tiny, peers)
+
+
+async def test_silent_fake_peers_do_not_pile_up_gossip_tasks(tiny):
+    silent = socket.socket()  # accepts TCP, never answers the websocket handshake
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1024)
+    url = f"ws://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        async with serving(tiny) as peers:
+            peer = peers[0]
+            raw = await Raw.connect(peer, role="peer", advert=rogue_advert(peer.weights_hash))
+            try:
+                await raw.send("gossip", adverts=[rogue_advert(peer.weights_hash, peer_id=f"mute{i}", addrs=[url],
+                                                               ttl_s=60.0) for i in range(100)])
+                await raw.request("ping")
+                await asyncio.sleep(1.0)  # 10 gossip rounds of 0.1 s; each dial waits 5 s
+                assert sum(1 for ad in peer.table.adverts() if ad.peer_id.startswith("mute")) == 100
+                assert len(peer._tasks) <= peer.test_task_baseline + 101 + TASK_SLACK
+            finally:
+                await raw.close()
+            for ad in peer.table.adverts():
+                peer.table.remove(ad.peer_id)
+            silent.close()  # pending dials fail now
+            await asyncio.sleep(0.5)
+            await assert_healthy(tiny, peers)
+    finally:
+        silent.close()
+
+
+async def test_gossip_from_a_rogue_cannot_break_the_link_between_honest_peers(tiny):
+    async with serving(tiny, (0, 2, 4)) as peers:
+        first, second = peers
+        link = first.links[second.peer_id]
+        raw = await Raw.connect(first, role="peer", advert=rogue_advert(first.weights_hash))
+        try:
+            for i in range(3):  # each ~100 KB: fits one frame, not three
+                await raw.send("gossip", adverts=[rogue_advert(first.weights_hash, peer_id=f"big{i}", ttl_s=60.0,
+                                                               rtts_ms={f"{j:064d}": 1.0 for j in range(1000)})])
+            await raw.request("ping")
+            await asyncio.sleep(0.5)  # 5 gossip rounds
+            assert first.links.get(second.peer_id) is link and not link.closed.is_set()
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+# --------------------------------------------------------------------------- conversations
+OPEN_CASES = [
+    (dict(conv=5), "protocol_error", "open: field 'conv' has type int"),
+    (dict(conv=None), "protocol_error", "open: field 'conv' is missing"),
+    (dict(conv="c" * 5000), "protocol_error", "open: field 'conv' is longer than 4096 characters"),
+    (dict(layers=[0, 2, 4]), "protocol_error", "open: field 'layers' must be [start, stop]"),
+    (dict(layers=[4, 0]), "protocol_error", "open: field 'layers' = [4, 0] is not a valid half-open layer range"),
+    (dict(layers=[0, 1 << 40]), "protocol_error",
+     "open: field 'layers' = [0, 1099511627776] is not a valid half-open layer range"),
+    (dict(layers=[-1, 2]), "protocol_error", "open: field 'layers' = [-1, 2] is not a valid half-open layer range"),
+    (dict(layers=[False, True]), "protocol_error", "open: field 'layers' must be [start, stop]"),
+    (dict(layers=[0.0, 4.0]), "protocol_error", "open: field 'layers' must be [start, stop]"),
+    (dict(layers="0-3"), "protocol_error", "open: field 'layers' has type str"),
+    (dict(layers=[0, 5]), "bad_layer_range", "this peer serves layers 0-3, asked for 0-4"),
+    (dict(max_tokens="8"), "protocol_error", "open: field 'max_tokens' has type str"),
+    (dict(max_tokens=8.0), "protocol_error", "open: field 'max_tokens' has type float"),
+    (dict(max_tokens=0), "protocol_error", "open: field 'max_tokens' = 0 is outside [1, 1099511627776]"),
+    (dict(max_tokens=-5), "protocol_error", "open: field 'max_tokens' = -5 is outside [1, 1099511627776]"),
+    (dict(max_tokens=(1 << 64) - 1), "protocol_error",
+     "open: field 'max_tokens' = 18446744073709551615 is outside [1, 1099511627776]"),
+    (dict(max_tokens=1 << 40), "context_overflow",
+     "conversation asks for 1099511627776 tokens; the model's context is 256 tokens"),
+    (dict(next={"peer_id": "x", "addrs": []}), "protocol_error",
+     "open: 'next' must name the next hop unless this hop runs the last layer"),
+    (dict(layers=[0, 2]), "protocol_error", "open: 'next' must name the next hop unless this hop runs the last layer"),
+    (dict(layers=[0, 2], next={"peer_id": 5}), "protocol_error", "open.next: field 'peer_id' has type int"),
+    (dict(layers=[0, 2], next={"peer_id": "x", "addrs": "ws://x"}), "protocol_error",
+     "open.next: field 'addrs' has type str"),
+    (dict(next="peer"), "protocol_error", "open: field 'next' has type str"),
+    (dict(prev=7), "protocol_error", "open: field 'prev' has type int"),
+    (dict(prev="someone"), "protocol_error", "open: 'prev' must name the previous hop unless this hop runs layer 0"),
+    (dict(layers=[2, 4]), "protocol_error", "open: 'prev' must name the previous hop unless this hop runs layer 0"),
+]
+
+
+async def test_open_with_bad_fields_is_refused_and_allocates_nothing(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raw = await Raw.connect(peer)
+        try:
+            for changes, code, message in OPEN_CASES:
+                fields = {"conv": "c", "layers": [0, 4], "max_tokens": 8} | changes
+                fields = {k: v for k, v in fields.items() if v is not None}
+                assert await raw.error("open", **fields) == (code, message), changes
+            assert not peer.convs and peer.free_kv_tokens == peer.capacity_tokens
+            assert await raw.frame_error(pack("open", id="x", conv="c", layers=[0, 4], max_tokens=8)) == (
+                "protocol_error", "open: field 'id' has type str")
+            assert (await raw.request("open", conv="dup", layers=[0, 4], max_tokens=8))["t"] == "opened"
+            assert await raw.error("open", conv="dup", layers=[0, 4], max_tokens=8) == (
+                "protocol_error", "open: conversation 'dup' is already open")
+            other = await Raw.connect(peer)
+            try:
+                assert await other.error("open", conv="dup", layers=[0, 4], max_tokens=8) == (
+                    "protocol_error", "open: conversation 'dup' is already open")
+            finally:
+                await other.close()
+            assert peer.convs["dup"].reserved_tokens == 8 and peer.kv_bytes_used == 0  # nothing allocated yet
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+async def test_open_beyond_the_kv_budget_is_refused(tiny):
+    async with serving(tiny, kv_budget_bytes=100 * 512) as peers:  # 512 bytes of KV per token
+        peer = peers[0]
+        raw = await Raw.connect(peer)
+        try:
+            assert peer.capacity_tokens == 100
+            assert (await raw.request("open", conv="a", layers=[0, 4], max_tokens=60))["free_kv_tokens"] == 40
+            assert await raw.error("open", conv="b", layers=[0, 4], max_tokens=41) == (
+                "cache_full", "conversation needs 41 tokens of KV cache; this peer has 40 free of 100")
+            await raw.send("close", conv="a")
+            assert (await raw.request("open", conv="b", layers=[0, 4], max_tokens=100))["free_kv_tokens"] == 0
+        finally:
+            await raw.close()
+        await settle(peers)
+        assert peer.free_kv_tokens == 100
+
+
+def step_cases():
+    big = list(range(1, MAX_STEP + 2))
+    bad_ids = "step 1: tokens must be 1-512 ids in [0, 260)"
+    return [
+        (dict(conv=5), "protocol_error", "step: field 'conv' has type int"),
+        (dict(conv="nope"), "invalid_input", "step 1: conversation 'nope' is not open on this peer"),
+        (dict(seq="1"), "protocol_error", "step: field 'seq' has type str"),
+        (dict(seq=-1), "protocol_error", "step: field 'seq' = -1 is outside [0, 4611686018427387904]"),
+        (dict(start=-1), "protocol_error", "step: field 'start' = -1 is outside [0, 256]"),
+        (dict(start=1 << 40), "protocol_error", "step: field 'start' = 1099511627776 is outside [0, 256]"),
+        (dict(start="0"), "protocol_error", "step: field 'start' has type str"),
+        (dict(tokens={"0": 1}), "protocol_error", "step: field 'tokens' has type dict"),
+        (dict(tokens=None), "protocol_error", "step: field 'tokens' is missing"),
+        (dict(tokens=[VOCAB]), "invalid_input", bad_ids),
+        (dict(tokens=[-1]), "invalid_input", bad_ids),
+        (dict(tokens=[True]), "invalid_input", bad_ids),
+        (dict(tokens=[1.0]), "invalid_input", bad_ids),
+        (dict(tokens=["a"]), "invalid_input", bad_ids),
+        (dict(tokens=[None]), "invalid_input", bad_ids),
+        (dict(tokens=[[1]]), "invalid_input", bad_ids),
+        (dict(tokens=[]), "invalid_input", bad_ids),
+        (dict(tokens=[1 << 63]), "invalid_input", bad_ids),
+        (dict(tokens=big), "invalid_input", bad_ids),
+        (dict(want=1), "protocol_error", "step: field 'want' has type int"),
+        (dict(want="everything"), "protocol_error", "step 1: want 'everything' is not token or none"),
+        (dict(trace={"peer": "x"}), "protocol_error", "step: field 'trace' has type dict"),
+        (dict(trace=[b"junk"]), "protocol_error", "step.trace: expected a map, got bytes"),
+        (dict(trace=[{"peer": "x" * 65, "compute_ms": 1, "queue_ms": 1}]), "protocol_error",
+         "step.trace: field 'peer' is longer than 64 characters"),
+        (dict(trace=[{"peer": "x", "compute_ms": math.nan, "queue_ms": 1}]), "protocol_error",
+         "step.trace: field 'compute_ms' = nan is not a finite number in [0.0, inf]"),
+        (dict(hidden=f32(torch.zeros(1, 1, WIDTH)), tokens=None), "protocol_error", "step: field 'tokens' is missing"),
+        (dict(start=3), "bad_positions", "step 1 starts at position 3; conversation s expects position 0"),
+        (dict(tokens=[1] * 17), "cache_full", "step 1 would grow the conversation to 17 tokens; it reserved 16"),
+    ]
+
+
+async def test_step_with_bad_fields_is_refused_and_the_conversation_continues(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raw = await Raw.connect(peer)
+        try:
+            await raw.request("open", conv="s", layers=[0, 4], max_tokens=16)
+            for changes, code, message in step_cases():
+                fields = {"conv": "s", "seq": 1, "start": 0, "tokens": [1, 2, 3], "want": "token"} | changes
+                fields = {k: v for k, v in fields.items() if v is not None}
+                assert await raw.error("step", **fields) == (code, message), changes
+            assert peer.convs["s"].expected_start == 0 and peer.convs["s"].cache.length == 0
+            await raw.send("step", conv="s", seq=2, start=0, tokens=[5, 6, 7])
+            assert await raw.error("step", conv="s", seq=3, start=1, tokens=[8]) == (
+                "bad_positions", "step 3 starts at position 1; conversation s expects position 3")
+            assert await raw.error("step", conv="s", seq=4, start=4, tokens=[8]) == (
+                "bad_positions", "step 4 starts at position 4; conversation s expects position 3")
+            await raw.send("step", conv="s", seq=5, start=3, tokens=[8, 9], want="token")
+            reply = await raw.recv()
+            assert (reply["t"], reply["seq"], reply["token"]) == ("token", 5, last_token(tiny, [5, 6, 7, 8, 9]))
+            assert [h["peer"] for h in reply["trace"]] == [peer.peer_id]
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+async def test_other_connections_cannot_touch_a_conversation(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        owner, thief = await Raw.connect(peer), await Raw.connect(peer)
+        try:
+            await owner.request("open", conv="mine", layers=[0, 4], max_tokens=32)
+            await owner.send("step", conv="mine", seq=1, start=0, tokens=[10, 11])
+            assert await thief.error("step", conv="mine", seq=2, start=2, tokens=[12]) == (
+                "protocol_error", "step 2: this connection may not send steps for conversation mine")
+            assert await thief.error("truncate", conv="mine", length=0) == (
+                "invalid_input", "truncate: no such conversation on this connection")
+            await thief.send("close", conv="mine")
+            assert (await thief.request("ping"))["t"] == "pong"  # the close has been handled
+            assert "mine" in peer.convs
+            await owner.send("step", conv="mine", seq=3, start=2, tokens=[12], want="token")
+            reply = await owner.recv()
+            assert (reply["t"], reply["seq"], reply["token"]) == ("token", 3, last_token(tiny, [10, 11, 12]))
+        finally:
+            await owner.close()
+            await thief.close()
+        await assert_healthy(tiny, peers)
+
+
+async def test_truncate_beyond_the_length_or_negative_is_refused(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raw = await Raw.connect(peer)
+        try:
+            await raw.request("open", conv="t", layers=[0, 4], max_tokens=32)
+            await raw.send("step", conv="t", seq=1, start=0, tokens=[1, 2, 3])
+            assert await raw.error("truncate", conv="t", length=50) == (
+                "bad_positions", "cannot truncate to position 50: the cache holds 3 tokens")
+            assert await raw.error("truncate", conv="t", length=-1) == (
+                "protocol_error", "truncate: field 'length' = -1 is outside [0, 256]")
+            assert await raw.error("truncate", conv="t", length="1") == (
+                "protocol_error", "truncate: field 'length' has type str")
+            assert await raw.error("truncate", conv="gone", length=0) == (
+                "invalid_input", "truncate: no such conversation on this connection")
+            assert (await raw.request("truncate", conv="t", length=1))["t"] == "truncated"
+            await raw.send("step", conv="t", seq=2, start=1, tokens=[7, 8], want="token")
+            reply = await raw.recv()
+            assert (reply["t"], reply["token"]) == ("token", last_token(tiny, [1, 7, 8]))
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+# --------------------------------------------------------------------------- hidden-state tensors
+def tensor_cases():
+    h = torch.zeros(1, 1, WIDTH)
+    data = f32(h)["data"]
+    dims = "must have 1-4 positive dimensions"
+    return [
+        (dict(dtype="f64"), "protocol_error", "tensor: dtype 'f64' is not one of f32, bf16, f16"),
+        (dict(dtype=4), "protocol_error", "tensor: field 'dtype' has type int"),
+        (dict(data=data[:-1]), "protocol_error", "tensor: shape [1, 1, 32] of f32 needs 128 bytes, payload has 127"),
+        (dict(data=data + b"\0" * 4), "protocol_error",
+         "tensor: shape [1, 1, 32] of f32 needs 128 bytes, payload has 132"),
+        (dict(data="text"), "protocol_error", "tensor: field 'data' has type str"),
+        (dict(shape=[1, 0, WIDTH]), "protocol_error", f"tensor: shape [1, 0, 32] {dims}"),
+        (dict(shape=[1, -1, WIDTH]), "protocol_error", f"tensor: shape [1, -1, 32] {dims}"),
+        (dict(shape=[1, 1 << 40, WIDTH]), "protocol_error", f"tensor: shape [1, 1099511627776, 32] {dims}"),
+        (dict(shape=[1, 1, 1, 1, WIDTH]), "protocol_error", f"tensor: shape [1, 1, 1, 1, 32] {dims}"),
+        (dict(shape=[]), "protocol_error", f"tensor: shape [] {dims}"),
+        (dict(shape=[1, "1", WIDTH]), "protocol_error", f"tensor: shape [1, '1', 32] {dims}"),
+        (dict(shape=[1, 1.0, WIDTH]), "protocol_error", f"tensor: shape [1, 1.0, 32] {dims}"),
+        (dict(shape=[1, True, WIDTH]), "protocol_error", f"tensor: shape [1, True, 32] {dims}"),
+        (dict(shape=[16384, 16384, 16384, WIDTH]), "protocol_error",
+         "tensor: 140737488355328 elements exceed the limit of 16384"),
+        (dict(shape=[(1 << 64) - 1] * 3 + [WIDTH]), "protocol_error",
+         f"tensor: shape [18446744073709551615, 18446744073709551615, 18446744073709551615, 32] {dims}"),
+        (dict(shape=[1, 513, WIDTH]), "protocol_error", "tensor: 16416 elements exceed the limit of 16384"),
+        (dict(shape=[1, 2, 16]), "protocol_error", "tensor: last dimension 16 differs from the hidden width 32"),
+        (dict(shape=[1, WIDTH]), "invalid_input", "step 1: hidden states must be (1, T, 32)"),
+        (dict(shape=[WIDTH]), "invalid_input", "step 1: hidden states must be (1, T, 32)"),
+        (dict(shape=[1, 1, 1, WIDTH]), "invalid_input", "step 1: hidden states must be (1, T, 32)"),
+        (dict(shape=[1, 1, WIDTH], data=None), "protocol_error", "tensor: field 'data' is missing"),
+    ]
+
+
+async def test_malformed_hidden_states_are_refused_before_allocation(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        ad = rogue_advert(peer.weights_hash)
+        raw = await Raw.connect(peer, role="peer", advert=ad)
+        try:
+            await raw.request("open", conv="h", layers=[2, 4], max_tokens=16, prev=ad["peer_id"])
+            for changes, code, message in tensor_cases():
+                hidden = {k: v for k, v in (f32(torch.zeros(1, 1, WIDTH)) | changes).items() if v is not None}
+                assert await raw.error("step", conv="h", seq=1, start=0, hidden=hidden) == (code, message), changes
+            assert await raw.error("step", conv="h", seq=1, start=0, hidden=[1.0] * WIDTH) == (
+                "protocol_error", "step: field 'hidden' has type list")
+            assert await raw.error("step", conv="h", seq=1, start=0, tokens=[1]) == (
+                "protocol_error", "step: field 'hidden' is missing")
+            assert peer.kv_bytes_used == 0 and peer.convs["h"].expected_start == 0
+            ids = [3, 1, 4, 1, 5]
+            await raw.send("step", conv="h", seq=2, start=0, hidden=f32(hidden_after(tiny, ids, 2)), want="token")
+            reply = await raw.recv()
+            assert (reply["t"], reply["token"]) == ("token", last_token(tiny, ids))
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+async def test_non_finite_hidden_states_are_an_error_never_a_token(tiny, dtype, bad):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        ad = rogue_advert(peer.weights_hash)
+        raw = await Raw.connect(peer, role="peer", advert=ad)
+        try:
+            await raw.request("open", conv="n", layers=[2, 4], max_tokens=16, prev=ad["peer_id"])
+            h = hidden_after(tiny, [7, 8, 9], 2).clone()
+            h[0, 1, 5] = bad
+            await raw.send("step", conv="n", seq=1, start=0, hidden=protocol.tensor_to_wire(h, dtype), want="token")
+            reply = await raw.recv()
+            assert (reply["t"], reply["code"], reply["seq"]) == ("error", "invalid_input", 1)
+            assert reply["message"] == "layers 2-3 produced NaN or inf at positions 0..2"
+            assert peer.convs["n"].cache.length == 0 and peer.convs["n"].expected_start == 0
+            await raw.send("step", conv="n", seq=2, start=0, hidden=f32(hidden_after(tiny, [7, 8, 9], 2)),
+                           want="token")
+            reply = await raw.recv()
+            assert (reply["t"], reply["seq"], reply["token"]) == ("token", 2, last_token(tiny, [7, 8, 9]))
+        finally:
+            await raw.close()
+        await settle(peers)
+        assert peer.kv_bytes_used == 0
+
+
+# --------------------------------------------------------------------------- frame size and msgpack bombs
+async def test_frame_over_the_limit_closes_with_1009(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        assert peer.max_frame_bytes == MAX_STEP * WIDTH * 4 + peer_module.FRAME_OVERHEAD_BYTES
+        raw = await Raw.connect(peer)
+        await raw.send("ping", pad=b"\0" * peer.max_frame_bytes)
+        assert await raw.closed_code() == 1009
+        await assert_healthy(tiny, peers)
+
+
+@pytest.mark.parametrize("frame", [b"\xdc\xff\xff" * 1024, b"\xdd\x00\x01\x00\x00" * 1024,
+                                   b"\xde\x04\x00" * 1024, b"\x91" * 100_000,
+                                   b"\x81\xa1v" + b"\xdc\xff\xff" * 1024],
+                         ids=["array16", "array32", "map16", "deep", "in-map"])
+def test_decoding_a_msgpack_bomb_allocates_nothing_sized_by_its_headers(frame):
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError, match="frame is not valid msgpack"):
+            protocol.decode(frame, max_bytes=1 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(frame) + (256 << 10)
+
+
+async def test_msgpack_bombs_do_not_stall_the_peer(tiny):
+    async with serving(tiny) as peers:
+        raw = await Raw.connect(peers[0])
+        try:
+            t0 = time.perf_counter()
+            for _ in range(30):  # under the 64 malformed frames that close a connection
+                assert await raw.frame_error(b"\xdc\xff\xff" * 1024) == (
+                    "protocol_error", "frame is not valid msgpack: it ends inside an object")
+            assert time.perf_counter() - t0 < 1.5  # unfixed: about 0.1 s of decoder time each
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+async def test_64_malformed_frames_close_the_connection_with_1008(tiny):
+    async with serving(tiny) as peers:
+        raw = await Raw.connect(peers[0])
+        for _ in range(64):
+            await raw.ws.send(b"\xc1")
+        assert await raw.closed_code() == 1008
+        assert raw.ws.close_reason == "64 malformed frames"
+        await assert_healthy(tiny, peers)
+
+
+# --------------------------------------------------------------------------- connections and floods
+async def test_connection_without_hello_is_closed_after_the_timeout(tiny, monkeypatch):
+    monkeypatch.setattr(peer_module, "HELLO_TIMEOUT_S", 0.3)
+    async with serving(tiny) as peers:
+        t0 = time.perf_counter()
+        raw = await Raw.connect(peers[0], role=None)
+        assert await raw.closed_code() == 1008
+        assert raw.ws.close_reason == "no hello" and time.perf_counter() - t0 < 3.0
+        late = await Raw.connect(peers[0])  # one that says hello in time stays open
+        await asyncio.sleep(0.5)
+        assert (await late.request("ping"))["t"] == "pong"
+        await late.close()
+        await assert_healthy(tiny, peers)
+
+
+async def test_open_flood_on_one_connection_is_capped(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raw = await Raw.connect(peer)
+        try:
+            for i in range(200):
+                await raw.send("open", id=i + 1000, conv=f"o{i}", layers=[0, 4], max_tokens=4)
+            replies = [await raw.recv() for _ in range(200)]
+            assert sum(r["t"] == "opened" for r in replies) == peer_module.MAX_CONVERSATIONS_PER_LINK
+            refused = {(r["code"], r["message"]) for r in replies if r["t"] == "error"}
+            assert refused == {("cache_full", "this connection already holds 64 conversations")}
+            assert len(peer.convs) == 64
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+async def test_two_hundred_connections_each_with_a_conversation(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raws = await asyncio.gather(*(Raw.connect(peer) for _ in range(200)))
+        try:
+            for i, raw in enumerate(raws):
+                await raw.send("open", conv=f"m{i}", layers=[0, 4], max_tokens=8)
+                await raw.send("step", conv=f"m{i}", seq=1, start=0, tokens=[i % VOCAB, 1], want="token")
+            replies = await asyncio.gather(*(r.recv(timeout_s=30) for r in raws))
+            assert all(r["t"] == "opened" for r in replies)
+            tokens = await asyncio.gather(*(r.recv(timeout_s=30) for r in raws))
+            assert [t["token"] for t in tokens[:3]] == [last_token(tiny, [i, 1]) for i in range(3)]
+            assert len(peer.convs) == 200 and peer.kv_bytes_used > 0
+            assert len(peer._tasks) == peer.test_task_baseline + 200  # one worker per conversation
+        finally:
+            for i, raw in enumerate(raws):
+                if i % 2:
+                    raw.ws.transport.abort()
+                else:
+                    await raw.ws.close()
+            await asyncio.gather(*(r.reader for r in raws), return_exceptions=True)
+        await assert_healthy(tiny, peers)
+
+
+async def test_abrupt_disconnect_mid_step_frees_the_cache(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raw = await Raw.connect(peer)
+        await raw.request("open", conv="a", layers=[0, 4], max_tokens=CONTEXT)
+        for i in range(8):
+            await raw.send("step", conv="a", seq=i, start=i * 30, tokens=list(range(30)), want="token")
+        raw.ws.transport.abort()
+        await settle(peers)
+        assert peer.kv_bytes_used == 0
+        await assert_healthy(tiny, peers)
+
+
+async def test_client_that_never_reads_replies_does_not_stall_others(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", peer.port))
+        ws = await websockets.connect(peer.addrs[0], sock=sock, compression=None, ping_interval=None,
+                                      max_queue=1)
+        try:
+            await ws.send(pack("hello", role="client"))
+            for c in range(4):
+                await ws.send(pack("open", conv=f"x{c}", layers=[0, 4], max_tokens=CONTEXT))
+            for i in range(CONTEXT):
+                for c in range(4):
+                    await asyncio.wait_for(ws.send(pack("step", conv=f"x{c}", seq=i, start=i, tokens=[i % VOCAB],
+                                                        want="token")), 10)
+            await assert_healthy(tiny, [peer]) if False else None
+            t0 = time.perf_counter()
+            await assert_healthy_conversation(tiny, peers)
+            assert time.perf_counter() - t0 < 20
+        finally:
+            ws.transport.abort()
+        await assert_healthy(tiny, peers)
