@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install meshinfer (CPU torch) into it. Used by the README, CI and the
-# Dockerfile. Set MESHINFER_TORCH to choose another torch requirement (e.g. a CUDA build).
+# Create .venv and install meshinfer (CPU torch) into it. Used by the README and CI.
+# Set MESHINFER_TORCH to choose another torch requirement (e.g. a CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

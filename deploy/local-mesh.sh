@@ -26,7 +26,7 @@ while [ $# -gt 0 ]; do
     --base-port) BASE_PORT=$2; shift ;;
     -p|--prompt) PROMPT=$2; shift ;;
     --) shift; CHAT_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -45,13 +45,16 @@ MODEL_PATH=$(meshinfer pull "$MODEL" | tail -n 1)
 LAYERS=$(python -c "
 from meshinfer.weights import open_weights
 print(open_weights('$MODEL_PATH').config.num_hidden_layers)")
-LOG_DIR=${LOG_DIR:-$(mktemp -d -t meshinfer-mesh.XXXXXX)}
+OWN_LOG_DIR=0
+if [ -z "${LOG_DIR:-}" ]; then LOG_DIR=$(mktemp -d -t meshinfer-mesh.XXXXXX); OWN_LOG_DIR=1; fi
 PIDS=()
 cleanup() {
   if [ "$KEEP" = 0 ]; then
     for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
     wait 2>/dev/null || true
+    [ "$OWN_LOG_DIR" = 1 ] && [ "${STATUS:-1}" = 0 ] && rm -rf "$LOG_DIR"
   fi
+  return 0
 }
 trap cleanup EXIT
 
@@ -88,3 +91,4 @@ if [ "$KEEP" = 1 ]; then
   exit 0
 fi
 meshinfer chat --peers "ws://127.0.0.1:$BASE_PORT" -p "$PROMPT" "${CHAT_ARGS[@]}"
+STATUS=0

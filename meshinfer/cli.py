@@ -138,12 +138,27 @@ def cmd_generate(args) -> int:
         print(json.dumps(out.to_dict()))
     else:
         sys.stdout.write(stream.flush() + "\n")
-        print(f"[{len(out.token_ids)} tokens, TTFT {out.ttft_ms:.0f} ms, "
-              f"{out.decode_tokens_per_s:.1f} tok/s, finish: {out.finish_reason}]", file=sys.stderr)
+        print(_stats_line(out), file=sys.stderr)
     return 0
 
 
 # --------------------------------------------------------------------------- join
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before the (slow) model load when ``--listen`` cannot be bound."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(infos[0][4])
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc} "
+                         f"(is another peer using it? pick another --listen port)") from None
+
+
 async def _join(args) -> int:
     from .config import LayerRange
     from .peer import PeerSettings, launch_peer
@@ -153,6 +168,7 @@ async def _join(args) -> int:
     settings = PeerSettings(host=host, port=port, public_addrs=tuple(_peers(args.public_addr)),
                             bootstrap=tuple(_peers(args.peers)), kv_budget_bytes=parse_bytes(args.kv_budget),
                             idle_timeout_s=args.idle_timeout)
+    _check_port_free(host, port)
     key = args.key or str(Path(_env("MESHINFER_HOME", "~/.cache/meshinfer")).expanduser() / f"peer-{port}.key")
     peer = await launch_peer(args.model, layers, device=args.device, dtype=args.dtype, settings=settings,
                              key_path=key, threads=args.threads)
@@ -179,53 +195,89 @@ def cmd_join(args) -> int:
 # --------------------------------------------------------------------------- chat
 async def _chat(args) -> int:
     from .session import MeshClient
-    from .tokenizer import StreamDecoder
 
+    interactive = args.prompt is None and args.messages is None
+    messages = [] if interactive else _messages(args)  # bad input fails before the mesh is contacted
+    if args.context < 2:
+        raise ValueError("--context must be at least 2 tokens")
     async with MeshClient(_peers(args.peers)) as client:
         route = await client.plan()
         tok = await client.tokenizer(route)
-        context = args.context
         if not args.json:
             print(f"route: {route.describe()}", file=sys.stderr)
-        interactive = args.prompt is None and args.messages is None
-        messages = [] if interactive else _messages(args)
         if not interactive:
             prompt_ids = tok.encode_chat(messages)
             conv = client.conversation(route, max_tokens_total=len(prompt_ids) + args.max_tokens)
-            result = await _reply(conv, tok, prompt_ids, args, StreamDecoder)
+            result = await _reply(conv, tok, prompt_ids, args)
             if args.json:
                 print(json.dumps(result.__dict__))
             await conv.close()
             return 0
-        if args.system:
-            messages.append({"role": "system", "content": args.system})
-        conv = client.conversation(route, max_tokens_total=context)
-        print("meshinfer chat: type a message, /reset to start over, /exit or Ctrl-D to leave", file=sys.stderr)
+        await _repl(client, route, tok, args)
+    return 0
+
+
+async def _repl(client, route, tok, args) -> None:
+    """Interactive chat: Ctrl-C stops the current reply, Ctrl-D or /exit leaves."""
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    conv = client.conversation(route, max_tokens_total=args.context)
+    lines = _stdin_lines()
+    loop = asyncio.get_running_loop()
+    print("meshinfer chat: type a message; /reset starts over; /exit or Ctrl-D leaves; "
+          "Ctrl-C stops a reply", file=sys.stderr)
+    try:
         while True:
-            try:
-                line = await asyncio.to_thread(input, "> ")
-            except EOFError:
-                break
-            if line.strip() in ("/exit", "/quit"):
+            print("> ", end="", flush=True)
+            line = await lines.get()
+            if line is None or line.strip() in ("/exit", "/quit"):
+                print(file=sys.stderr)
                 break
             if line.strip() == "/reset":
-                messages = messages[:1] if args.system else []
+                messages = list(system)
+                print("(conversation reset)", file=sys.stderr)
                 continue
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
+            reply = asyncio.ensure_future(_reply(conv, tok, tok.encode_chat(messages), args))
+            loop.add_signal_handler(signal.SIGINT, reply.cancel)
             try:
-                result = await _reply(conv, tok, tok.encode_chat(messages), args, StreamDecoder)
+                result = await reply
+                messages.append({"role": "assistant", "content": result.text})
+            except asyncio.CancelledError:
+                print("\n(reply stopped)", file=sys.stderr)
+                messages.pop()
             except MeshError as exc:
                 print(f"error: {exc}", file=sys.stderr)
+                if "reserved context" in str(exc):
+                    print("(type /reset to start over, or start chat with a larger --context)", file=sys.stderr)
                 messages.pop()
-                continue
-            messages.append({"role": "assistant", "content": result.text})
+            finally:
+                loop.remove_signal_handler(signal.SIGINT)
+    finally:
         await conv.close()
-    return 0
 
 
-async def _reply(conv, tok, prompt_ids, args, StreamDecoder):
+def _stdin_lines() -> asyncio.Queue:
+    """Lines of stdin (None at end of file), read by a daemon thread so Ctrl-C never waits on it."""
+    import threading
+
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            loop.call_soon_threadsafe(queue.put_nowait, line.rstrip("\n"))
+        loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    threading.Thread(target=read, name="stdin", daemon=True).start()
+    return queue
+
+
+async def _reply(conv, tok, prompt_ids, args):
+    from .tokenizer import StreamDecoder
+
     stream = StreamDecoder(tok)
 
     def show(token: int) -> None:
@@ -237,9 +289,15 @@ async def _reply(conv, tok, prompt_ids, args, StreamDecoder):
     result.text = tok.decode(result.token_ids)
     if not args.json:
         sys.stdout.write(stream.flush() + "\n")
-        print(f"[{len(result.token_ids)} tokens, TTFT {result.ttft_ms:.0f} ms, "
-              f"{result.decode_tokens_per_s:.1f} tok/s, finish: {result.finish_reason}]", file=sys.stderr)
+        print(_stats_line(result), file=sys.stderr)
     return result
+
+
+def _stats_line(r) -> str:
+    n = len(r.token_ids)
+    speed = f", {r.decode_tokens_per_s:.1f} tok/s" if n > 1 else ""
+    failover = f", {len(r.failovers)} failover(s)" if getattr(r, "failovers", None) else ""
+    return f"[{n} token{'s' if n != 1 else ''}, TTFT {r.ttft_ms:.0f} ms{speed}{failover}, finish: {r.finish_reason}]"
 
 
 def cmd_chat(args) -> int:
@@ -256,7 +314,8 @@ async def _status(args) -> int:
         rtts = await client.measure_rtts()
         groups = complete_routes_summary(peers, client_rtts_ms=rtts)
         if args.json:
-            print(json.dumps({"peers": [dict(p.to_wire(), rtt_ms=rtts.get(p.peer_id)) for p in peers],
+            print(json.dumps({"peers": [dict(p.to_wire(), layers_inclusive=p.layers.cli(), rtt_ms=rtts.get(p.peer_id))
+                                        for p in peers],
                               "routes": [_group_json(g) for g in groups]}))
             return 0
         rows = [("PEER", "ADDRESS", "LAYERS", "DEVICE", "PREC", "WEIGHTS", "STATE", "RTT ms", "FREE KV")]
@@ -299,6 +358,16 @@ def cmd_bench(args) -> int:
 
 
 # --------------------------------------------------------------------------- main
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written; real defaults shown."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshinfer", description="Run one LLM split by layers across a mesh of peers.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
@@ -306,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES[name],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              formatter_class=_Formatter)
 
     model_default = _env("MESHINFER_MODEL", "qwen2.5-coder-0.5b-instruct-q4_k_m")
     peers_default = _env("MESHINFER_PEERS", DEFAULT_PEERS)
@@ -322,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-p", "--prompt", help="one user message")
     g.add_argument("--messages", help="JSON file with an OpenAI-style list of {role, content}")
     s.add_argument("--system", help="system message (with -p)")
-    s.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    s.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     s.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
     s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -338,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", default=_env("MESHINFER_LISTEN", "127.0.0.1:7700"), help="HOST:PORT (port 0: any)")
     s.add_argument("--public-addr", default=_env("MESHINFER_PUBLIC_ADDR"), help="ws://HOST:PORT others dial")
     s.add_argument("--peers", default=_env("MESHINFER_BOOTSTRAP"), help="bootstrap peers ws://A:P,ws://B:P")
-    s.add_argument("--kv-budget", default=_env("MESHINFER_KV_BUDGET", "2GiB"), help="KV cache memory (2GiB)")
+    s.add_argument("--kv-budget", default=_env("MESHINFER_KV_BUDGET", "2GiB"), help="KV cache memory")
     s.add_argument("--idle-timeout", type=float, default=300.0, help="free idle conversations after S seconds")
     s.add_argument("--key", default=_env("MESHINFER_KEY"), help="Ed25519 key file (created if missing)")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -350,23 +419,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-p", "--prompt", help="ask one question and exit")
     g.add_argument("--messages", help="JSON file with an OpenAI-style list of {role, content}")
     s.add_argument("--system", help="system message")
-    s.add_argument("--max-tokens", type=int, default=512, help="tokens to generate per reply (512)")
+    s.add_argument("--max-tokens", type=int, default=512, help="tokens to generate per reply")
     s.add_argument("--context", type=int, default=4096, help="tokens reserved for a REPL conversation")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_chat)
 
     s = add("status", "Show the peer table and which complete routes exist.")
     s.add_argument("--peers", default=peers_default, help="peers to contact [$MESHINFER_PEERS]")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_status)
 
     s = add("bench", "Benchmark a single peer against 2- and 3-peer splits on loopback.")
-    s.add_argument("--model", default=model_default)
-    s.add_argument("--splits", default="1,2,3", help="peer counts to measure (default 1,2,3)")
-    s.add_argument("--max-tokens", type=int, default=32)
-    s.add_argument("--repeats", type=int, default=3)
-    s.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
-    s.add_argument("--base-port", type=int, default=7800)
+    s.add_argument("--model", default=model_default, help="path or known name [$MESHINFER_MODEL]")
+    s.add_argument("--splits", default="1,2,3", help="peer counts to measure")
+    s.add_argument("--max-tokens", type=int, default=32, help="tokens generated per run")
+    s.add_argument("--repeats", type=int, default=3, help="timed runs per setup, after one warm-up")
+    s.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"], help="compute precision")
+    s.add_argument("--base-port", type=int, default=7800, help="first loopback port for the peers")
     s.add_argument("--out", help="also write the results as JSON here")
     s.set_defaults(func=cmd_bench)
     return p

@@ -117,3 +117,63 @@ class KVCache:
         self.capacity = 0
         self.length = 0
         return released
+
+
+class HiddenLog:
+    """The hidden states a hop sent to the next hop, kept for replay after failover.
+
+    When a later hop of a route fails, its replacement must rebuild its KV cache from the
+    hidden states of every earlier position. A hop that stays on the route keeps its own KV
+    cache and resends these instead of recomputing them. float32 on the CPU, ``(1, S, C)``:
+    4 * C bytes per token (3,584 for C = 896, about 30% of a half model's KV per token).
+
+    Args:
+        width: C, the hidden width.
+        max_tokens: most positions kept.
+    """
+
+    def __init__(self, width: int, *, max_tokens: int) -> None:
+        self.width, self.max_tokens = width, max_tokens
+        self.length = 0
+        self._buf = torch.empty(1, 0, width)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated now."""
+        return self._buf.numel() * 4
+
+    def append(self, start: int, hidden: torch.Tensor) -> None:
+        """Record ``hidden`` ``(1, T, C)`` float32 for positions ``start .. start+T-1``.
+
+        Raises:
+            PositionError: ``start`` is not the current length; CacheFull: past ``max_tokens``.
+        """
+        if start != self.length:
+            raise PositionError(f"hidden log holds {self.length} positions, got a step at {start}")
+        end = start + hidden.shape[1]
+        if end > self.max_tokens:
+            raise CacheFull(f"hidden log would hold {end} tokens, the limit is {self.max_tokens}")
+        if end > self._buf.shape[1]:
+            cap = min(self.max_tokens, -(-end // GROW_TOKENS) * GROW_TOKENS)
+            grown = torch.empty(1, cap, self.width)
+            grown[:, :self.length] = self._buf[:, :self.length]
+            self._buf = grown
+        self._buf[:, start:end] = hidden
+        self.length = end
+
+    def slice(self, start: int, stop: int) -> torch.Tensor:
+        """Positions ``[start, stop)`` as ``(1, stop-start, C)``. Raises PositionError if not held."""
+        if not 0 <= start < stop <= self.length:
+            raise PositionError(f"hidden log holds positions 0..{self.length - 1}, asked for {start}..{stop - 1}")
+        return self._buf[:, start:stop]
+
+    def truncate(self, position: int) -> None:
+        """Forget positions ``>= position`` (no-op past the end)."""
+        self.length = min(self.length, max(0, position))
+
+    def free(self) -> int:
+        """Drop the storage; return the bytes released. Safe to call twice."""
+        released = self.nbytes
+        self._buf = torch.empty(1, 0, self.width)
+        self.length = 0
+        return released

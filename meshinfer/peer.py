@@ -28,7 +28,7 @@ from .discovery import DEFAULT_GOSSIP_INTERVAL_S, DEFAULT_TTL_S, PeerTable
 from .errors import (CacheFull, ContextOverflow, InvalidInput, LayerRangeError, MeshError, PeerUnavailable, PositionError,
                      ProtocolError)
 from .executor import DeviceExecutor
-from .kv_cache import KVCache
+from .kv_cache import HiddenLog, KVCache
 from .models.llama import Shard
 from .protocol import PeerAdvert
 from .transport import CLOSE_SHUTDOWN, Link, dial
@@ -91,6 +91,7 @@ class _Conv:
     next_addrs: tuple[str, ...]
     reserved_tokens: int
     cache: KVCache
+    sent: HiddenLog | None = None  # hidden states sent to the next hop, for replay
     queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(MAX_QUEUED_STEPS))
     task: asyncio.Task | None = None
     last_active: float = field(default_factory=time.monotonic)
@@ -139,9 +140,11 @@ class Peer:
     # ------------------------------------------------------------------ accounting
     @property
     def kv_bytes_per_token(self) -> int:
-        """KV bytes one token costs across this peer's layers."""
+        """Bytes one token costs across this peer's layers: K and V, plus the float32 hidden
+        state logged for replay when this peer is not the last hop."""
         elem = torch.empty((), dtype=self.shard.dtype).element_size()
-        return 2 * len(self.shard.range) * self.cfg.num_key_value_heads * self.cfg.head_dim * elem
+        kv = 2 * len(self.shard.range) * self.cfg.num_key_value_heads * self.cfg.head_dim * elem
+        return kv + (0 if self.shard.is_last else 4 * self.cfg.hidden_size)
 
     @property
     def capacity_tokens(self) -> int:
@@ -156,7 +159,7 @@ class Peer:
     @property
     def kv_bytes_used(self) -> int:
         """Bytes of KV storage allocated now, all conversations."""
-        return sum(c.cache.nbytes for c in self.convs.values())
+        return sum(c.cache.nbytes + (c.sent.nbytes if c.sent else 0) for c in self.convs.values())
 
     def advert(self) -> PeerAdvert:
         """This peer's current advert."""
@@ -414,23 +417,29 @@ class Peer:
         if tokens > self.free_kv_tokens:
             raise CacheFull(f"conversation needs {tokens} tokens of KV cache; this peer has "
                             f"{self.free_kv_tokens} free of {self.capacity_tokens}")
-        nxt = f.get("next", dict, None)
-        nf = protocol.Fields(nxt, "open.next") if nxt else None
-        next_id = nf.str("peer_id") if nf else None
-        next_addrs = tuple(nf.str_list("addrs")) if nf else ()
-        if (run.stop < self.cfg.num_hidden_layers) != (next_id is not None):
-            raise ProtocolError("open: 'next' must name the next hop unless this hop runs the last layer")
-        prev_id = f.str("prev", None)
-        if (run.start > 0) != (prev_id is not None):
-            raise ProtocolError("open: 'prev' must name the previous hop unless this hop runs layer 0")
+        prev_id, next_id, next_addrs = self._neighbours(f, run)
         cache = KVCache(run, self.cfg.num_key_value_heads, self.cfg.head_dim, dtype=self.shard.dtype,
                         device=self.shard.device, max_tokens=tokens)
         conv = _Conv(conv_id=conv_id, run=run, owner=link, prev_id=prev_id, next_id=next_id,
-                     next_addrs=next_addrs, reserved_tokens=tokens, cache=cache)
+                     next_addrs=next_addrs, reserved_tokens=tokens, cache=cache,
+                     sent=HiddenLog(self.cfg.hidden_size, max_tokens=tokens) if next_id else None)
         self.convs[conv_id] = conv
         self._reserved_tokens += tokens
         conv.task = self._spawn(self._conv_worker(conv), f"conv {conv_id[:12]}")
         await link.send("opened", re=rid, conv=conv_id, free_kv_tokens=self.free_kv_tokens)
+
+    def _neighbours(self, f, run: LayerRange) -> tuple[str | None, str | None, tuple[str, ...]]:
+        """``prev`` and ``next`` of an open/reroute frame, checked against the hop's position."""
+        nxt = f.get("next", dict, None)
+        nf = protocol.Fields(nxt, f"{f.what}.next") if nxt else None
+        next_id = nf.str("peer_id") if nf else None
+        next_addrs = tuple(nf.str_list("addrs")) if nf else ()
+        if (run.stop < self.cfg.num_hidden_layers) != (next_id is not None):
+            raise ProtocolError(f"{f.what}: 'next' must name the next hop unless this hop runs the last layer")
+        prev_id = f.str("prev", None)
+        if (run.start > 0) != (prev_id is not None):
+            raise ProtocolError(f"{f.what}: 'prev' must name the previous hop unless this hop runs layer 0")
+        return prev_id, next_id, next_addrs
 
     async def _on_step(self, link: Link, f) -> None:
         conv = self.convs.get(f.str("conv"))
@@ -453,6 +462,10 @@ class Peer:
                                           max_elements=self.settings.max_step_tokens * self.cfg.hidden_size)
             if x.dim() != 3 or x.shape[0] != 1:
                 raise InvalidInput(f"step {seq}: hidden states must be (1, T, {self.cfg.hidden_size})")
+        if f.get("replay", bool, False) and start + x.shape[1] <= conv.cache.length <= conv.expected_start:
+            # failover replay of positions this hop kept: pass its logged output on, compute nothing
+            self._enqueue(conv, (seq, start, x.shape[1], "none", [], time.perf_counter(), True))
+            return
         if start != conv.expected_start:
             raise PositionError(f"step {seq} starts at position {start}; conversation {conv.conv_id} "
                                 f"expects position {conv.expected_start}")
@@ -463,12 +476,13 @@ class Peer:
         want = f.str("want", "none")
         if want not in ("token", "none"):
             raise ProtocolError(f"step {seq}: want {want[:40]!r} is not token or none")
+        self._enqueue(conv, (seq, start, x, want, trace, time.perf_counter(), f.get("replay", bool, False)))
         conv.expected_start = start + x.shape[1]
-        item = (seq, start, x, want, trace, time.perf_counter())
+
+    def _enqueue(self, conv: _Conv, item: tuple) -> None:
         try:
             conv.queue.put_nowait(item)
         except asyncio.QueueFull:
-            conv.expected_start = start
             raise CacheFull(f"conversation {conv.conv_id} has {MAX_QUEUED_STEPS} steps queued") from None
         conv.last_active = time.monotonic()
 
@@ -479,8 +493,29 @@ class Peer:
         length = f.int("length", lo=0, hi=self.cfg.max_position_embeddings)
         await conv.queue.join()
         await self.executor.run(conv.cache.truncate, length)
+        if conv.sent is not None:
+            conv.sent.truncate(length)
         conv.expected_start = length
         await link.send("truncated", re=f.get("id", int, None), conv=conv.conv_id, length=length)
+
+    async def _on_reroute(self, link: Link, f) -> None:
+        """Failover: the client moved this kept hop's neighbours; its cache stays."""
+        conv = self.convs.get(f.str("conv"))
+        if conv is None or conv.owner is not link:
+            raise InvalidInput("reroute: no such conversation on this connection")
+        if f.layer_range("layers") != conv.run:
+            raise LayerRangeError(f"reroute: conversation {conv.conv_id} runs layers {conv.run.cli()} here")
+        prev_id, next_id, next_addrs = self._neighbours(f, conv.run)
+        conv.prev_id, conv.next_id, conv.next_addrs = prev_id, next_id, next_addrs
+        await link.send("rerouted", re=f.get("id", int, None), conv=conv.conv_id)
+
+    async def _on_probe(self, link: Link, f) -> None:
+        """How many positions this hop holds for a conversation (failover finds stuck hops)."""
+        conv = self.convs.get(f.str("conv"))
+        if conv is None or conv.owner is not link:
+            raise InvalidInput("probe: no such conversation on this connection")
+        await link.send("probed", re=f.get("id", int, None), conv=conv.conv_id, length=conv.cache.length,
+                        queued=conv.queue.qsize())
 
     async def _on_close(self, link: Link, f) -> None:
         conv = self.convs.get(f.str("conv"))
@@ -499,9 +534,15 @@ class Peer:
     # ------------------------------------------------------------------ compute
     async def _conv_worker(self, conv: _Conv) -> None:
         while True:
-            seq, start, x, want, trace, t_recv = await conv.queue.get()
+            seq, start, x, want, trace, t_recv, replay = await conv.queue.get()
             try:
                 t0 = time.perf_counter()
+                if isinstance(x, int):  # a replayed step this hop holds: resend what it sent then
+                    if conv.next_id is not None:
+                        nxt = await self._link_to(conv.next_id, conv.next_addrs)
+                        await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, replay=True,
+                                       hidden=protocol.tensor_to_wire(conv.sent.slice(start, start + x)), trace=[])
+                    continue
                 out = await self.executor.run(self._compute, conv, x, start)
                 hop = {"peer": self.peer_id, "compute_ms": round((time.perf_counter() - t0) * 1e3, 3),
                        "queue_ms": round((t0 - t_recv) * 1e3, 3)}
@@ -511,7 +552,7 @@ class Peer:
                                               trace=trace + [hop])
                 else:
                     nxt = await self._link_to(conv.next_id, conv.next_addrs)
-                    await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want,
+                    await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, replay=replay,
                                    hidden=protocol.tensor_to_wire(out), trace=trace + [hop])
             except MeshError as exc:
                 await self._report(conv, seq, exc)
@@ -532,6 +573,8 @@ class Peer:
                                f"{start}..{start + x.shape[1] - 1}")
         if conv.run.stop == self.cfg.num_hidden_layers:
             return int(out[0, -1].argmax())
+        if conv.sent is not None:
+            conv.sent.append(start, out.float().cpu())
         return out
 
     async def _report(self, conv: _Conv, seq: int, exc: MeshError) -> None:
@@ -550,6 +593,8 @@ class Peer:
             conv.task.cancel()
             await asyncio.gather(conv.task, return_exceptions=True)
         await self.executor.run(conv.cache.free)
+        if conv.sent is not None:
+            conv.sent.free()
 
     # ------------------------------------------------------------------ background
     async def _janitor_loop(self) -> None:

@@ -200,7 +200,8 @@ def trace_from_wire(value: Any, what: str) -> list[dict]:
         peer = f.str("peer")
         if len(peer) > MAX_ID_LEN:
             raise ProtocolError(f"{what}.trace: field 'peer' is longer than {MAX_ID_LEN} characters")
-        out.append({"peer": peer, "compute_ms": f.float("compute_ms", lo=0.0), "queue_ms": f.float("queue_ms", lo=0.0)})
+        out.append({"peer": peer, "compute_ms": f.float("compute_ms", lo=0.0),
+                    "queue_ms": f.float("queue_ms", lo=0.0)})
     return out
 
 
@@ -272,6 +273,10 @@ MESSAGE_TYPES = frozenset({
     "token",      # Plast -> C the chosen token of a step
     "truncate",   # C -> P     drop cached positions >= length
     "truncated",  # P -> C
+    "reroute",    # C -> P     failover: new prev/next for a hop that stays on the route
+    "rerouted",   # P -> C
+    "probe",      # C -> P     failover: how many positions does this hop hold?
+    "probed",     # P -> C
     "close",      # C -> P     end a conversation
     "error",      # any        error reply; carries conv and seq when about a step
 })

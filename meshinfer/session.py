@@ -14,8 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .errors import (ContextOverflow, IncompatiblePeer, InvalidInput, MeshError, NoRoute, PeerUnavailable,
-                     ProtocolError)
+from .errors import IncompatiblePeer, InvalidInput, MeshError, PeerUnavailable, ProtocolError
 from .generate import check_context
 from .protocol import PeerAdvert
 from .routing import Route, plan_route
@@ -29,6 +28,15 @@ log = logging.getLogger(__name__)
 CLIENT_MAX_FRAME_BYTES = 64 << 20
 #: RTT probes per peer; the median is used.
 RTT_PROBES = 3
+#: Failure backoff of a peer: 5 s after its first failure, doubling up to 5 minutes.
+BASE_BACKOFF_S, MAX_BACKOFF_S = 5.0, 300.0
+#: A step's deadline: this floor plus DEADLINE_FACTOR x the route's estimated time for the
+#: step's tokens (decode estimate x tokens), so a 3,000-token prefill gets proportionally longer.
+DEADLINE_FLOOR_S, DEADLINE_FACTOR = 10.0, 4.0
+#: Failovers tried for one step before the error reaches the caller.
+MAX_FAILOVERS = 3
+#: Error codes that mean "this route is broken", answered by failover; others are the caller's.
+FAILOVER_CODES = frozenset({"peer_unavailable"})
 
 
 @dataclass
@@ -55,6 +63,7 @@ class ChatResult:
     ttft_ms: float = 0.0
     decode_tokens_per_s: float = 0.0
     route: list[dict] = field(default_factory=list)
+    failovers: list[dict] = field(default_factory=list)
 
 
 class MeshClient:
@@ -75,6 +84,7 @@ class MeshClient:
         self._links: dict[str, Link] = {}
         self._convs: dict[str, "Conversation"] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
+        self._failed: dict[str, tuple[float, int]] = {}  # peer id -> (excluded until, failures)
 
     async def __aenter__(self) -> "MeshClient":
         return self
@@ -136,8 +146,30 @@ class MeshClient:
                 errors.append(f"{url} answered as peer {advert.peer_id[:12]}")
                 continue
             self._links[peer.peer_id] = link
+            link.reader.add_done_callback(lambda _t, pid=peer.peer_id: self._link_closed(pid))
             return link
         raise PeerUnavailable(f"cannot reach peer {peer.peer_id[:12]}: " + "; ".join(errors or ["no address"]))
+
+    def _link_closed(self, peer_id: str) -> None:
+        """Wake every conversation routed through ``peer_id``: its connection is gone."""
+        for conv in self._convs.values():
+            if peer_id in conv.route.peer_ids:
+                conv.inbox.put_nowait((None, "closed", peer_id))
+
+    def mark_failed(self, peer_id: str) -> float:
+        """Exclude ``peer_id`` from routes for a while; return the backoff in seconds.
+
+        The backoff doubles with each failure: 5, 10, 20 ... up to :data:`MAX_BACKOFF_S`.
+        """
+        _, count = self._failed.get(peer_id, (0.0, 0))
+        backoff = min(MAX_BACKOFF_S, BASE_BACKOFF_S * 2 ** count)
+        self._failed[peer_id] = (time.monotonic() + backoff, count + 1)
+        return backoff
+
+    def backed_off(self) -> frozenset[str]:
+        """Peers still inside their failure backoff."""
+        now = time.monotonic()
+        return frozenset(pid for pid, (until, _) in self._failed.items() if until > now)
 
     # ------------------------------------------------------------------ discovery
     async def refresh(self) -> list[PeerAdvert]:
@@ -147,7 +179,8 @@ class MeshClient:
             PeerUnavailable: no bootstrap peer answered.
         """
         errors = []
-        for url in self.bootstrap:
+        known = [a for p in self.table.values() if p.peer_id not in self.backed_off() for a in p.addrs]
+        for url in dict.fromkeys(self.bootstrap + known):  # bootstrap first, then peers we learnt
             try:
                 link, advert, _ = await self._hello(url)
             except MeshError as exc:
@@ -192,14 +225,16 @@ class MeshClient:
                    compat_key=None) -> Route:
         """Refresh the table, probe RTTs and plan the fastest complete route.
 
-        Unreachable peers are excluded. Raises :class:`NoRoute` naming what is missing.
+        Unreachable peers and peers inside their failure backoff are excluded.
+        Raises :class:`NoRoute` naming what is missing.
         """
         await self.refresh()
         await self.measure_rtts()
         reachable = [p for p in self.table.values() if p.peer_id in self.rtts_ms]
         unreachable = set(self.table) - set(self.rtts_ms)
         return plan_route(reachable, client_rtts_ms=self.rtts_ms, compat_key=compat_key,
-                          exclude=frozenset(exclude) | unreachable, min_free_kv_tokens=min_free_kv_tokens)
+                          exclude=frozenset(exclude) | unreachable | self.backed_off(),
+                          min_free_kv_tokens=min_free_kv_tokens)
 
     async def tokenizer(self, route: Route) -> Tokenizer:
         """The route's tokenizer, fetched from its first hop and checked against its weights hash.
@@ -218,36 +253,60 @@ class MeshClient:
             self._tokenizers[weights_hash] = Tokenizer.from_bundle(f.get("bundle", dict))
         return self._tokenizers[weights_hash]
 
-    def conversation(self, route: Route, *, max_tokens_total: int) -> "Conversation":
-        """A new conversation over ``route`` holding at most ``max_tokens_total`` tokens."""
-        return Conversation(self, route, max_tokens_total=max_tokens_total)
+    def conversation(self, route: Route, *, max_tokens_total: int, **options) -> "Conversation":
+        """A new conversation over ``route`` holding at most ``max_tokens_total`` tokens.
+
+        ``options`` go to :class:`Conversation` (``deadline_floor_s``).
+        """
+        return Conversation(self, route, max_tokens_total=max_tokens_total, **options)
 
 
 class Conversation:
-    """One conversation over a route: prefill, decode, multi-turn reuse of the hops' KV caches.
+    """One conversation over a route: prefill, decode, multi-turn reuse, failover with replay.
 
     Args:
         client: the :class:`MeshClient`.
         route: the planned route.
         max_tokens_total: context reserved on every hop, tokens (prompt + generated, all turns).
-        step_timeout_s: deadline for one step's token, seconds.
+        deadline_floor_s: the smallest per-step deadline, seconds (see :data:`DEADLINE_FLOOR_S`).
+
+    When a hop's connection closes, a hop reports that it lost the next hop, or a step misses
+    its deadline, the conversation finds the failed hops (closed links, unanswered probes, or
+    the first hop that did not get the step), backs them off, plans a new route with the same
+    weights identity, keeps the caches of hops that stay, replays the confirmed tokens to the
+    new hops (kept hops resend their logged hidden states rather than recompute) and retries.
     """
 
     def __init__(self, client: MeshClient, route: Route, *, max_tokens_total: int,
-                 step_timeout_s: float = 120.0) -> None:
+                 deadline_floor_s: float = DEADLINE_FLOOR_S) -> None:
         import uuid
 
         self.client, self.route = client, route
         self.conv_id = uuid.uuid4().hex
         self.max_tokens_total = max_tokens_total
-        self.step_timeout_s = step_timeout_s
+        self.deadline_floor_s = deadline_floor_s
         self.inbox: asyncio.Queue = asyncio.Queue()
-        self.cached: list[int] = []  # token ids whose KV the hops hold, in order
+        self.cached: list[int] = []  # token ids sent to the route, in order
+        self.confirmed = 0  # tokens every hop is known to hold (a token came back after them)
         self.max_step_tokens = 512
+        self.failovers: list[dict] = []
         self._seq = 0
+        self._min_seq = 0  # replies to steps before this one are stale
         self._open = False
         self._compute_ms: dict[str, list[float]] = {}
         self._step_ms: list[float] = []
+
+    # ------------------------------------------------------------------ hops
+    async def _open_hop(self, i: int, hops, *, reroute: bool = False) -> None:
+        hop = hops[i]
+        link = await self.client.link(hop.peer)
+        self.max_step_tokens = min(self.max_step_tokens, link.info.get("max_step_tokens", 512))
+        nxt = hops[i + 1] if i + 1 < len(hops) else None
+        await link.request(
+            "reroute" if reroute else "open", timeout_s=self.client.request_timeout_s, conv=self.conv_id,
+            layers=[hop.layers.start, hop.layers.stop], max_tokens=self.max_tokens_total,
+            prev=hops[i - 1].peer_id if i else None,
+            next={"peer_id": nxt.peer_id, "addrs": list(nxt.peer.addrs)} if nxt else None)
 
     async def open(self) -> None:
         """Open the conversation on every hop (reserving KV), in order.
@@ -255,18 +314,10 @@ class Conversation:
         Raises:
             CacheFull: a hop has no room; PeerUnavailable: a hop is unreachable.
         """
-        hops = self.route.hops
         self.client._convs[self.conv_id] = self
         try:
-            for i, hop in enumerate(hops):
-                link = await self.client.link(hop.peer)
-                self.max_step_tokens = min(self.max_step_tokens, link.info.get("max_step_tokens", 512))
-                nxt = hops[i + 1] if i + 1 < len(hops) else None
-                await link.request(
-                    "open", timeout_s=self.client.request_timeout_s, conv=self.conv_id,
-                    layers=[hop.layers.start, hop.layers.stop], max_tokens=self.max_tokens_total,
-                    prev=hops[i - 1].peer_id if i else None,
-                    next={"peer_id": nxt.peer_id, "addrs": list(nxt.peer.addrs)} if nxt else None)
+            for i in range(len(self.route.hops)):
+                await self._open_hop(i, self.route.hops)
             self._open = True
         except BaseException:
             await self.close()
@@ -275,10 +326,11 @@ class Conversation:
     async def close(self) -> None:
         """Free the conversation on every hop. Safe to call twice."""
         self.client._convs.pop(self.conv_id, None)
-        if not self._open and not self.cached:
-            pass
         self._open = False
-        for hop in self.route.hops:
+        await self._close_on(self.route.hops)
+
+    async def _close_on(self, hops) -> None:
+        for hop in hops:
             link = self.client._links.get(hop.peer_id)
             if link is not None and not link.closed.is_set():
                 try:
@@ -286,37 +338,123 @@ class Conversation:
                 except MeshError:
                     pass
 
-    async def _truncate(self, length: int) -> None:
-        for hop in self.route.hops:
+    async def _truncate(self, length: int, hops=None) -> None:
+        for hop in hops if hops is not None else self.route.hops:
             link = await self.client.link(hop.peer)
-            await link.request("truncate", timeout_s=self.step_timeout_s, conv=self.conv_id, length=length)
+            await link.request("truncate", timeout_s=self.client.request_timeout_s, conv=self.conv_id,
+                               length=length)
         del self.cached[length:]
+        self.confirmed = min(self.confirmed, length)
 
-    async def _send_tokens(self, tokens: Sequence[int], *, want_token: bool) -> int:
+    # ------------------------------------------------------------------ steps
+    async def _send(self, tokens: Sequence[int], start: int, *, want_token: bool, replay: bool = False) -> int:
         self._seq += 1
-        first = self.client._links[self.route.hops[0].peer_id]
-        await first.send("step", conv=self.conv_id, seq=self._seq, start=len(self.cached), tokens=list(tokens),
-                         want="token" if want_token else "none")
-        self.cached.extend(tokens)
+        first = await self.client.link(self.route.hops[0].peer)
+        await first.send("step", conv=self.conv_id, seq=self._seq, start=start, tokens=list(tokens),
+                         want="token" if want_token else "none", replay=replay)
         return self._seq
 
-    async def _await_token(self, seq: int) -> tuple[int, list]:
-        deadline = time.monotonic() + self.step_timeout_s
+    def _deadline_s(self, n_tokens: int) -> float:
+        return self.deadline_floor_s + DEADLINE_FACTOR * self.route.estimated_ms_per_token / 1e3 * n_tokens
+
+    async def _await_token(self, seq: int, timeout_s: float) -> tuple[int, list]:
+        deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
             try:
                 link, msg_type, f = await asyncio.wait_for(self.inbox.get(), max(remaining, 0.001))
             except asyncio.TimeoutError:
-                raise PeerUnavailable(f"no token for step {seq} within {self.step_timeout_s:.0f} s") from None
+                raise PeerUnavailable(f"no token for step {seq} within {timeout_s:.1f} s") from None
+            if msg_type == "closed":
+                if f in self.route.peer_ids:
+                    raise PeerUnavailable(f"the connection to hop {f[:12]} closed")
+                continue
+            msg_seq = f.get("seq", int, None)
+            if msg_seq is not None and msg_seq < self._min_seq:
+                continue  # a late reply from before a failover
             if msg_type == "error":
                 raise remote_error(f)
-            if f.int("seq", lo=0, hi=1 << 62) != seq:
+            if msg_seq != seq:
                 continue
             if link.remote_id != self.route.hops[-1].peer_id:
                 raise ProtocolError(f"token for step {seq} came from {link.remote_id}, not the last hop")
-            token = f.int("token", lo=0, hi=1 << 31)
-            return token, f.get("trace", list, [])
+            return f.int("token", lo=0, hi=1 << 31), f.get("trace", list, [])
 
+    async def _step(self, tokens: Sequence[int]) -> tuple[int, list]:
+        """Append ``tokens`` (chunked) to the conversation and return the next token and its trace.
+
+        Retries through :meth:`_failover` up to :data:`MAX_FAILOVERS` times.
+        """
+        for attempt in range(MAX_FAILOVERS + 1):
+            self._min_seq = self._seq + 1
+            start = len(self.cached)
+            try:
+                seq = 0
+                for i in range(0, len(tokens), self.max_step_tokens):
+                    chunk = tokens[i:i + self.max_step_tokens]
+                    seq = await self._send(chunk, start + i, want_token=i + self.max_step_tokens >= len(tokens))
+                self.cached.extend(tokens)
+                token, trace = await self._await_token(seq, self._deadline_s(len(tokens)))
+                self.confirmed = len(self.cached)
+                return token, trace
+            except MeshError as exc:
+                del self.cached[start:]
+                if getattr(exc, "code", None) not in FAILOVER_CODES or attempt == MAX_FAILOVERS:
+                    raise
+                await self._failover(exc, in_flight=start + len(tokens))
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ failover
+    async def _probe(self, hop) -> int | None:
+        """Positions ``hop`` holds for this conversation, or None when it does not answer."""
+        link = self.client._links.get(hop.peer_id)
+        if link is None or link.closed.is_set():
+            return None
+        try:
+            _, f = await link.request("probe", timeout_s=min(2.0, self.client.request_timeout_s),
+                                      conv=self.conv_id)
+            return f.int("length", lo=0, hi=1 << 40)
+        except MeshError:
+            return None
+
+    async def _find_failed(self, in_flight: int) -> set[str]:
+        lengths = await asyncio.gather(*(self._probe(h) for h in self.route.hops))
+        failed = {h.peer_id for h, n in zip(self.route.hops, lengths) if n is None}
+        if not failed:  # everyone answers: the first hop that never got the step is stuck
+            stuck = next((h for h, n in zip(self.route.hops, lengths) if n < in_flight), None)
+            if stuck is not None:
+                failed.add(stuck.peer_id)
+        return failed
+
+    async def _failover(self, exc: MeshError, *, in_flight: int) -> None:
+        """Replace failed hops, keep the others' caches, replay the confirmed tokens."""
+        t0 = time.perf_counter()
+        failed = await self._find_failed(in_flight)
+        for pid in failed:
+            self.client.mark_failed(pid)
+        log.warning("conversation %s: %s; failing over from %s", self.conv_id[:12], exc,
+                    ", ".join(p[:12] for p in failed) or "an unknown hop")
+        old = self.route
+        try:
+            new = await asyncio.wait_for(self.client.plan(compat_key=old.compat_key),
+                                         self.client.request_timeout_s * 3)
+        except asyncio.TimeoutError:
+            raise PeerUnavailable("no new route found in time after a hop failed") from exc
+        kept = {(h.peer_id, h.layers) for h in old.hops} & {(h.peer_id, h.layers) for h in new.hops}
+        await self._close_on([h for h in old.hops if (h.peer_id, h.layers) not in kept and h.peer_id not in failed])
+        self.route = new
+        self.max_step_tokens = 512
+        for i, hop in enumerate(new.hops):
+            await self._open_hop(i, new.hops, reroute=(hop.peer_id, hop.layers) in kept)
+        await self._truncate(self.confirmed, [h for h in new.hops if (h.peer_id, h.layers) in kept])
+        history = self.cached[:self.confirmed]
+        self._min_seq = self._seq + 1
+        for i in range(0, len(history), self.max_step_tokens):
+            await self._send(history[i:i + self.max_step_tokens], i, want_token=False, replay=True)
+        self.failovers.append({"failed": sorted(failed), "reason": str(exc), "replayed_tokens": len(history),
+                               "kept_hops": len(kept), "seconds": round(time.perf_counter() - t0, 3)})
+
+    # ------------------------------------------------------------------ generation
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int | None, eos_ids=(),
                        on_token: Callable[[int], None] | None = None) -> ChatResult:
         """Greedy generation continuing this conversation.
@@ -327,7 +465,8 @@ class Conversation:
 
         Raises:
             ContextOverflow: prompt + ``max_tokens`` exceed the conversation's reserved context.
-            MeshError: a hop reported an error (its code and message are kept).
+            MeshError: a hop reported an error (its code and message are kept), or failover
+                found no route.
         """
         prompt_ids = list(prompt_ids)
         budget = check_context(len(prompt_ids), max_tokens, self.max_tokens_total,
@@ -336,17 +475,19 @@ class Conversation:
             await self.open()
         result = ChatResult(prompt_ids=prompt_ids)
         keep = 0
-        while keep < min(len(self.cached), len(prompt_ids) - 1) and self.cached[keep] == prompt_ids[keep]:
+        while keep < min(self.confirmed, len(prompt_ids) - 1) and self.cached[keep] == prompt_ids[keep]:
             keep += 1
         if keep < len(self.cached):
-            await self._truncate(keep)
+            try:
+                await self._truncate(keep)
+            except MeshError as exc:
+                if getattr(exc, "code", None) not in FAILOVER_CODES:
+                    raise
+                del self.cached[keep:]
+                self.confirmed = min(self.confirmed, keep)
+                await self._failover(exc, in_flight=keep)
         t0 = time.perf_counter()
-        rest = prompt_ids[keep:]
-        seqs = []
-        for i in range(0, len(rest), self.max_step_tokens):
-            chunk = rest[i:i + self.max_step_tokens]
-            seqs.append(await self._send_tokens(chunk, want_token=i + self.max_step_tokens >= len(rest)))
-        token, _ = await self._await_token(seqs[-1])
+        token, _ = await self._step(prompt_ids[keep:])
         result.ttft_ms = (time.perf_counter() - t0) * 1e3
         eos = set(eos_ids)
         t1 = time.perf_counter()
@@ -361,13 +502,13 @@ class Conversation:
             if len(result.token_ids) >= budget:
                 break
             ts = time.perf_counter()
-            seq = await self._send_tokens([token], want_token=True)
-            token, trace = await self._await_token(seq)
+            token, trace = await self._step([token])
             self._record(trace, (time.perf_counter() - ts) * 1e3)
             decode_steps += 1
         elapsed = time.perf_counter() - t1
         result.decode_tokens_per_s = decode_steps / elapsed if decode_steps and elapsed > 0 else 0.0
         result.route = self.hop_stats()
+        result.failovers = list(self.failovers)
         return result
 
     def _record(self, trace: list, step_ms: float) -> None:
@@ -402,5 +543,3 @@ class Conversation:
                          network_ms_per_token=round(network * w / total, 3)).__dict__
                 for h, c, w in zip(hops, compute, weights)]
 
-
-__all__ = ["MeshClient", "Conversation", "ChatResult", "HopStats", "NoRoute", "ContextOverflow"]

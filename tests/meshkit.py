@@ -64,3 +64,15 @@ def file_hash(path: Path) -> str:
     from meshinfer.weights.identity import weights_hash
 
     return weights_hash(path)
+
+
+async def crash(peer: Peer) -> None:
+    """Kill ``peer`` as a power cut would: no goodbye frames, sockets dropped, server gone."""
+    peer._closing = True
+    if peer._server is not None:
+        peer._server.close()
+    for link in list(peer._all_links):
+        link.ws.transport.abort()
+    for task in list(peer._tasks):
+        task.cancel()
+    await asyncio.gather(*peer._tasks, return_exceptions=True)

@@ -1,0 +1,132 @@
+"""Failover with replay on an in-process mesh of a tiny model: 3 hops plus a standby middle."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from meshkit import crash, file_hash, start_peer, wait_for_tables
+from meshinfer.config import LayerRange
+from meshinfer.errors import NoRoute
+from meshinfer.generate import greedy_generate, load_shard
+from meshinfer.session import MeshClient
+from meshinfer.tokenizer import Tokenizer
+from tiny import random_weights, tiny_config, write_gguf
+
+N_TOKENS = 30
+PROMPT = [{"role": "user", "content": "tell me a long story about meshes and hops"}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("failover")
+    cfg = tiny_config("qwen2", context=256)
+    path = write_gguf(d / "tiny.gguf", cfg, random_weights(cfg, seed=7))
+    tok = Tokenizer.from_gguf(path)
+    ids = tok.encode_chat(PROMPT)
+    expected = greedy_generate(load_shard(path), ids, max_tokens=N_TOKENS).token_ids
+    return path, file_hash(path), tok, ids, expected
+
+
+async def start_mesh(tiny, **settings):
+    """Hops [0,1) [1,3) [3,4) and a standby [1,3); returns (first, middles, last)."""
+    path, digest, tok, _, _ = tiny
+    first = await start_peer(load_shard(path, LayerRange(0, 1)), weights_hash=digest, bundle=tok.to_bundle(),
+                             **settings)
+    rest = [await start_peer(load_shard(path, r), weights_hash=digest, bootstrap=first.addrs, **settings)
+            for r in (LayerRange(1, 3), LayerRange(1, 3), LayerRange(3, 4))]
+    await wait_for_tables([first, *rest])
+    return first, rest[:2], rest[2]
+
+
+async def run_with_fault(tiny, fault, **settings):
+    """Generate N_TOKENS greedily while ``fault(conversation, middle_peer, on_token)`` strikes."""
+    path, digest, tok, ids, expected = tiny
+    first, middles, last = await start_mesh(tiny, **settings)
+    try:
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan()
+            mid = next(p for p in middles if p.peer_id == route.hops[1].peer_id)
+            standby = next(p for p in middles if p is not mid)
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, deadline_floor_s=1.0)
+            hook = await fault(conv, mid)
+            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=(), on_token=hook)
+            await conv.close()
+            return out, mid, standby, first, last, conv
+    finally:
+        for p in (first, *middles, last):
+            await p.close()
+
+
+async def test_middle_hop_killed_mid_generation(tiny):
+    async def fault(conv, mid):
+        def on_token(_):
+            if len(conv.cached) - len(tiny[3]) == 9:  # after 10 generated tokens
+                asyncio.ensure_future(crash(mid))
+        return on_token
+
+    out, mid, standby, first, last, conv = await run_with_fault(tiny, fault)
+    assert out.token_ids == tiny[4]
+    assert len(out.failovers) == 1 and out.failovers[0]["failed"] == [mid.peer_id]
+    assert out.failovers[0]["kept_hops"] == 2 and out.failovers[0]["seconds"] > 0
+    assert conv.route.peer_ids == (first.peer_id, standby.peer_id, last.peer_id)
+
+
+async def test_middle_hop_stalls(tiny):
+    release = threading.Event()
+
+    async def fault(conv, mid):
+        real = mid._compute
+
+        def stuck(c, x, start):
+            if start >= len(tiny[3]) + 10:
+                release.wait(30)  # the device thread hangs; the event loop still answers
+            return real(c, x, start)
+
+        mid._compute = stuck
+        return None
+
+    try:
+        out, mid, standby, first, last, conv = await run_with_fault(tiny, fault)
+    finally:
+        release.set()
+    assert out.token_ids == tiny[4]
+    assert [f["failed"] for f in out.failovers] == [[mid.peer_id]]
+    assert "no token" in out.failovers[0]["reason"]
+
+
+async def test_middle_hop_killed_during_prefill(tiny):
+    async def fault(conv, mid):
+        real = mid._on_step
+
+        async def on_step(link, f):
+            await real(link, f)
+            asyncio.ensure_future(crash(mid))  # dies after the first prefill chunk arrives
+
+        mid._on_step = on_step
+        return None
+
+    out, mid, standby, first, last, conv = await run_with_fault(tiny, fault, max_step_tokens=8)
+    assert out.token_ids == tiny[4]
+    assert [f["failed"] for f in out.failovers] == [[mid.peer_id]]
+    assert out.failovers[0]["replayed_tokens"] == 0
+
+
+async def test_no_route_left_gives_a_clear_error_in_bounded_time(tiny):
+    path, digest, tok, ids, _ = tiny
+    first, middles, last = await start_mesh(tiny)
+    try:
+        async with MeshClient(list(first.addrs), request_timeout_s=2.0) as client:
+            route = await client.plan()
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, deadline_floor_s=1.0)
+            await conv.generate(ids, max_tokens=2, eos_ids=())
+            for p in middles:
+                await crash(p)
+            async with asyncio.timeout(60):
+                with pytest.raises(NoRoute, match="layers 1-2 have no ready peer"):
+                    await conv.generate(ids + [5, 6], max_tokens=3, eos_ids=())
+    finally:
+        for p in (first, *middles, last):
+            await p.close()
