@@ -15,36 +15,48 @@ from meshinfer.session import MeshClient
 from meshinfer.tokenizer import Tokenizer
 from tiny import random_weights, tiny_config, write_gguf
 
-N_TOKENS = 30
+N_TOKENS = 50
 PROMPT = [{"role": "user", "content": "tell me a long story about meshes and hops"}]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("failover")
-    cfg = tiny_config("qwen2", context=256)
-    path = write_gguf(d / "tiny.gguf", cfg, random_weights(cfg, seed=7))
-    tok = Tokenizer.from_gguf(path)
-    ids = tok.encode_chat(PROMPT)
-    expected = greedy_generate(load_shard(path), ids, max_tokens=N_TOKENS).token_ids
-    return path, file_hash(path), tok, ids, expected
+@pytest.fixture(scope="module", params=["tiny", pytest.param("default", marks=pytest.mark.realmodel)])
+def model(request, tmp_path_factory):
+    """(shard factory, weights hash, tokenizer, prompt ids, uninterrupted tokens, standby range)."""
+    if request.param == "tiny":
+        cfg = tiny_config("qwen2", context=256)
+        path = write_gguf(tmp_path_factory.mktemp("failover") / "tiny.gguf", cfg, random_weights(cfg, seed=7))
+        tok = Tokenizer.from_gguf(path)
+        ids = tok.encode_chat(PROMPT)
+        factory = lambda r: load_shard(path, r)  # noqa: E731
+        bounds = (0, 1, 3, 4)
+    else:
+        from conftest import model_path
+        from realmodels import DEFAULT, load_cases, shard_of
+
+        path = model_path(DEFAULT)
+        tok = Tokenizer.from_gguf(path)
+        ids = load_cases(DEFAULT)["prime"]["prompt_ids"]
+        factory = lambda r: shard_of(DEFAULT, r.start, r.stop)  # noqa: E731
+        bounds = (0, 8, 16, 24)
+    whole = factory(LayerRange(bounds[0], bounds[-1]))
+    expected = greedy_generate(whole, ids, max_tokens=N_TOKENS).token_ids
+    return factory, file_hash(path), tok, ids, expected, bounds
 
 
-async def start_mesh(tiny, **settings):
-    """Hops [0,1) [1,3) [3,4) and a standby [1,3); returns (first, middles, last)."""
-    path, digest, tok, _, _ = tiny
-    first = await start_peer(load_shard(path, LayerRange(0, 1)), weights_hash=digest, bundle=tok.to_bundle(),
-                             **settings)
-    rest = [await start_peer(load_shard(path, r), weights_hash=digest, bootstrap=first.addrs, **settings)
-            for r in (LayerRange(1, 3), LayerRange(1, 3), LayerRange(3, 4))]
+async def start_mesh(model, **settings):
+    """Hops over ``bounds`` plus a standby for the middle range; returns (first, middles, last)."""
+    factory, digest, tok, _, _, (a, b, c, d) = model
+    first = await start_peer(factory(LayerRange(a, b)), weights_hash=digest, bundle=tok.to_bundle(), **settings)
+    rest = [await start_peer(factory(r), weights_hash=digest, bootstrap=first.addrs, **settings)
+            for r in (LayerRange(b, c), LayerRange(b, c), LayerRange(c, d))]
     await wait_for_tables([first, *rest])
     return first, rest[:2], rest[2]
 
 
-async def run_with_fault(tiny, fault, **settings):
-    """Generate N_TOKENS greedily while ``fault(conversation, middle_peer, on_token)`` strikes."""
-    path, digest, tok, ids, expected = tiny
-    first, middles, last = await start_mesh(tiny, **settings)
+async def run_with_fault(model, fault, **settings):
+    """Generate N_TOKENS greedily while ``fault(conversation, middle_peer)`` strikes."""
+    ids = model[3]
+    first, middles, last = await start_mesh(model, **settings)
     try:
         async with MeshClient(list(first.addrs)) as client:
             route = await client.plan()
@@ -60,28 +72,29 @@ async def run_with_fault(tiny, fault, **settings):
             await p.close()
 
 
-async def test_middle_hop_killed_mid_generation(tiny):
+async def test_middle_hop_killed_mid_generation(model):
     async def fault(conv, mid):
         def on_token(_):
-            if len(conv.cached) - len(tiny[3]) == 9:  # after 10 generated tokens
+            if len(conv.cached) - len(model[3]) == 9:  # after 10 generated tokens
                 asyncio.ensure_future(crash(mid))
         return on_token
 
-    out, mid, standby, first, last, conv = await run_with_fault(tiny, fault)
-    assert out.token_ids == tiny[4]
+    out, mid, standby, first, last, conv = await run_with_fault(model, fault)
+    print("failover:", out.failovers)
+    assert out.token_ids == model[4]
     assert len(out.failovers) == 1 and out.failovers[0]["failed"] == [mid.peer_id]
     assert out.failovers[0]["kept_hops"] == 2 and out.failovers[0]["seconds"] > 0
     assert conv.route.peer_ids == (first.peer_id, standby.peer_id, last.peer_id)
 
 
-async def test_middle_hop_stalls(tiny):
+async def test_middle_hop_stalls(model):
     release = threading.Event()
 
     async def fault(conv, mid):
         real = mid._compute
 
         def stuck(c, x, start):
-            if start >= len(tiny[3]) + 10:
+            if start >= len(model[3]) + 10:
                 release.wait(30)  # the device thread hangs; the event loop still answers
             return real(c, x, start)
 
@@ -89,15 +102,15 @@ async def test_middle_hop_stalls(tiny):
         return None
 
     try:
-        out, mid, standby, first, last, conv = await run_with_fault(tiny, fault)
+        out, mid, standby, first, last, conv = await run_with_fault(model, fault)
     finally:
         release.set()
-    assert out.token_ids == tiny[4]
+    assert out.token_ids == model[4]
     assert [f["failed"] for f in out.failovers] == [[mid.peer_id]]
     assert "no token" in out.failovers[0]["reason"]
 
 
-async def test_middle_hop_killed_during_prefill(tiny):
+async def test_middle_hop_killed_during_prefill(model):
     async def fault(conv, mid):
         real = mid._on_step
 
@@ -108,15 +121,15 @@ async def test_middle_hop_killed_during_prefill(tiny):
         mid._on_step = on_step
         return None
 
-    out, mid, standby, first, last, conv = await run_with_fault(tiny, fault, max_step_tokens=8)
-    assert out.token_ids == tiny[4]
+    out, mid, standby, first, last, conv = await run_with_fault(model, fault, max_step_tokens=8)
+    assert out.token_ids == model[4]
     assert [f["failed"] for f in out.failovers] == [[mid.peer_id]]
     assert out.failovers[0]["replayed_tokens"] == 0
 
 
-async def test_no_route_left_gives_a_clear_error_in_bounded_time(tiny):
-    path, digest, tok, ids, _ = tiny
-    first, middles, last = await start_mesh(tiny)
+async def test_no_route_left_gives_a_clear_error_in_bounded_time(model):
+    ids, (_, b, c, _) = model[3], model[5]
+    first, middles, last = await start_mesh(model)
     try:
         async with MeshClient(list(first.addrs), request_timeout_s=2.0) as client:
             route = await client.plan()
@@ -125,7 +138,7 @@ async def test_no_route_left_gives_a_clear_error_in_bounded_time(tiny):
             for p in middles:
                 await crash(p)
             async with asyncio.timeout(60):
-                with pytest.raises(NoRoute, match="layers 1-2 have no ready peer"):
+                with pytest.raises(NoRoute, match=f"layers {b}-{c - 1} have no ready peer"):
                     await conv.generate(ids + [5, 6], max_tokens=3, eos_ids=())
     finally:
         for p in (first, *middles, last):
