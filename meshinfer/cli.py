@@ -166,7 +166,8 @@ async def _join(args) -> int:
     host, port = _listen(args.listen)
     layers = LayerRange.parse(args.layers) if args.layers else None
     settings = PeerSettings(host=host, port=port, public_addrs=tuple(_peers(args.public_addr)),
-                            bootstrap=tuple(_peers(args.peers)), kv_budget_bytes=parse_bytes(args.kv_budget),
+                            bootstrap=tuple(_peers(args.peers)),
+                            kv_budget_bytes=None if args.kv_budget == "auto" else parse_bytes(args.kv_budget),
                             idle_timeout_s=args.idle_timeout)
     _check_port_free(host, port)
     key = args.key or str(Path(_env("MESHINFER_HOME", "~/.cache/meshinfer")).expanduser() / f"peer-{port}.key")
@@ -407,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", default=_env("MESHINFER_LISTEN", "127.0.0.1:7700"), help="HOST:PORT (port 0: any)")
     s.add_argument("--public-addr", default=_env("MESHINFER_PUBLIC_ADDR"), help="ws://HOST:PORT others dial")
     s.add_argument("--peers", default=_env("MESHINFER_BOOTSTRAP"), help="bootstrap peers ws://A:P,ws://B:P")
-    s.add_argument("--kv-budget", default=_env("MESHINFER_KV_BUDGET", "2GiB"), help="KV cache memory")
+    s.add_argument("--kv-budget", default=_env("MESHINFER_KV_BUDGET", "auto"),
+                   help="KV cache memory, e.g. 2GiB; auto: half the memory free at start")
     s.add_argument("--idle-timeout", type=float, default=300.0, help="free idle conversations after S seconds")
     s.add_argument("--key", default=_env("MESHINFER_KEY"), help="Ed25519 key file (created if missing)")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -61,7 +61,8 @@ class PeerSettings:
         public_addrs: URLs others should dial (default: ``ws://host:port`` once bound).
         bootstrap: URLs of peers to learn the mesh from.
         max_step_tokens: most tokens in one step frame; sets the frame limit.
-        kv_budget_bytes: KV-cache memory this peer may use for all conversations.
+        kv_budget_bytes: KV-cache memory this peer may use for all conversations; None:
+            :func:`default_kv_budget` of the device when the peer starts.
         idle_timeout_s: a conversation with no step for this long is freed.
         gossip_interval_s, advert_ttl_s: see :mod:`meshinfer.discovery`.
         request_timeout_s: deadline of control requests (hello, ping, get_peers).
@@ -72,7 +73,7 @@ class PeerSettings:
     public_addrs: tuple[str, ...] = ()
     bootstrap: tuple[str, ...] = ()
     max_step_tokens: int = 512
-    kv_budget_bytes: int = 2 << 30
+    kv_budget_bytes: int | None = None
     idle_timeout_s: float = 300.0
     gossip_interval_s: float = DEFAULT_GOSSIP_INTERVAL_S
     advert_ttl_s: float = DEFAULT_TTL_S
@@ -130,6 +131,7 @@ class Peer:
         self._reserved_tokens = 0
         self._server = None
         self.addrs: tuple[str, ...] = ()
+        self.kv_budget_bytes = self.settings.kv_budget_bytes or default_kv_budget(executor.device)
         self.max_frame_bytes = (self.settings.max_step_tokens * self.cfg.hidden_size * 4
                                 + FRAME_OVERHEAD_BYTES)
         self._dialing: dict[str, asyncio.Future] = {}
@@ -149,7 +151,7 @@ class Peer:
     @property
     def capacity_tokens(self) -> int:
         """Tokens of KV the budget holds in all."""
-        return self.settings.kv_budget_bytes // self.kv_bytes_per_token
+        return self.kv_budget_bytes // self.kv_bytes_per_token
 
     @property
     def free_kv_tokens(self) -> int:
@@ -666,6 +668,27 @@ class Peer:
 def new_conversation_id() -> str:
     """A random conversation id (UUID4 hex)."""
     return uuid.uuid4().hex
+
+
+#: Share of the memory free at start-up that a peer's KV budget takes by default.
+DEFAULT_KV_SHARE = 0.5
+
+
+def default_kv_budget(device: torch.device) -> int:
+    """Default KV budget, bytes: half the device memory free now (CUDA: ``mem_get_info``;
+    CPU and MPS: the system's available RAM), at least 64 MiB."""
+    free = 0
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                info = dict(line.split(":", 1) for line in f)
+            free = int(info["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            import os
+            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return max(64 << 20, int(free * DEFAULT_KV_SHARE))
 
 
 async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "cpu", dtype: str = "f32",

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .errors import IncompatiblePeer, InvalidInput, MeshError, PeerUnavailable, ProtocolError
+from .errors import CacheFull, IncompatiblePeer, InvalidInput, MeshError, PeerUnavailable, ProtocolError
 from .generate import check_context
 from .protocol import PeerAdvert
 from .routing import Route, plan_route
@@ -295,9 +295,11 @@ class Conversation:
         self._open = False
         self._compute_ms: dict[str, list[float]] = {}
         self._step_ms: list[float] = []
+        self._opening = 0
 
     # ------------------------------------------------------------------ hops
     async def _open_hop(self, i: int, hops, *, reroute: bool = False) -> None:
+        self._opening = i
         hop = hops[i]
         link = await self.client.link(hop.peer)
         self.max_step_tokens = min(self.max_step_tokens, link.info.get("max_step_tokens", 512))
@@ -315,13 +317,27 @@ class Conversation:
             CacheFull: a hop has no room; PeerUnavailable: a hop is unreachable.
         """
         self.client._convs[self.conv_id] = self
-        try:
-            for i in range(len(self.route.hops)):
-                await self._open_hop(i, self.route.hops)
-            self._open = True
-        except BaseException:
-            await self.close()
-            raise
+        full: set[str] = set()
+        for attempt in range(MAX_FAILOVERS + 1):
+            try:
+                for i in range(len(self.route.hops)):
+                    await self._open_hop(i, self.route.hops)
+                self._open = True
+                return
+            except CacheFull as exc:  # that hop is full: plan around it with what we need
+                await self._close_on(self.route.hops)
+                full.add(self._refusing_hop(exc))
+                if attempt == MAX_FAILOVERS:
+                    raise
+                log.info("a hop has no room (%s); planning around it", exc)
+                self.route = await self.client.plan(compat_key=self.route.compat_key, exclude=frozenset(full),
+                                                    min_free_kv_tokens=self.max_tokens_total)
+            except BaseException:
+                await self.close()
+                raise
+
+    def _refusing_hop(self, exc: MeshError) -> str:
+        return getattr(exc, "peer_id", None) or self.route.hops[self._opening].peer_id
 
     async def close(self) -> None:
         """Free the conversation on every hop. Safe to call twice."""

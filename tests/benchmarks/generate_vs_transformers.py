@@ -4,7 +4,7 @@ Both run the same GGUF file (transformers dequantizes it on load), the same chat
 greedy decoding, the same thread count, f32 and bf16, each in a fresh process after one
 warm-up generation, alternating A B A B. Prints a markdown table of medians.
 
-    pip install transformers     # benchmark-only dependency
+    pip install transformers accelerate     # benchmark-only dependencies
     python tests/benchmarks/generate_vs_transformers.py [--threads 2] [--tokens 64] [--runs 3]
 """
 

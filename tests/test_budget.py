@@ -1,0 +1,112 @@
+"""KV budgets, context limits, long prompts and repeated use on an in-process tiny-model mesh."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from meshkit import file_hash, mesh, start_peer, wait_for_tables
+from meshinfer.config import LayerRange
+from meshinfer.errors import CacheFull, ContextOverflow
+from meshinfer.generate import greedy_generate, load_shard
+from meshinfer.session import MeshClient
+from meshinfer.tokenizer import Tokenizer
+from tiny import random_weights, tiny_config, write_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg = tiny_config("qwen2", context=4096)
+    path = write_gguf(tmp_path_factory.mktemp("budget") / "tiny.gguf", cfg, random_weights(cfg, seed=11))
+    return path, file_hash(path), Tokenizer.from_gguf(path), load_shard(path)
+
+
+def expected(tiny, ids, n):
+    return greedy_generate(tiny[3], ids, max_tokens=n).token_ids
+
+
+async def test_full_budget_is_refused_and_the_next_conversation_goes_elsewhere(tiny):
+    path, digest, tok, _ = tiny
+    per_token = 2 * 2 * 2 * 8 * 4 + 4 * 32  # K+V of layers 2-3 is on the last hop; hop 1 also logs C floats
+    first = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=tok.to_bundle())
+    small = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=first.addrs,
+                             kv_budget_bytes=150 * 2 * 2 * 2 * 8 * 4)  # 150 tokens
+    big = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=first.addrs,
+                           kv_budget_bytes=10_000 * per_token)
+    try:
+        await wait_for_tables([first, small, big])
+        assert small.free_kv_tokens == 150
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan()
+            ids = tok.encode_chat([{"role": "user", "content": "fill me"}])
+            # force the small peer first, as a planner with stale adverts would
+            forced = type(route)(hops=(route.hops[0], type(route.hops[1])(small.advert(), LayerRange(2, 4))),
+                                 estimated_ms_per_token=1.0, compat_key=route.compat_key)
+            conv = client.conversation(forced, max_tokens_total=140)
+            out = await conv.generate(ids, max_tokens=4, eos_ids=())
+            assert out.token_ids == expected(tiny, ids, 4) and small.free_kv_tokens == 10
+            second = client.conversation(forced, max_tokens_total=140)
+            out2 = await second.generate(ids, max_tokens=4, eos_ids=())
+            assert second.route.peer_ids[1] == big.peer_id  # refused by small, planned around it
+            assert out2.token_ids == out.token_ids
+            with pytest.raises(CacheFull, match="needs 140 tokens of KV cache; this peer has 10 free of 150"):
+                await client._links[small.peer_id].request(
+                    "open", timeout_s=5, conv="x", layers=[2, 4], max_tokens=140, prev=first.peer_id)
+            await conv.close()
+            await second.close()
+    finally:
+        for p in (big, small, first):
+            await p.close()
+
+
+async def test_prompt_beyond_context_is_refused_before_any_allocation(tiny):
+    path, digest, tok, _ = tiny
+    async with mesh([load_shard(path, LayerRange(0, 2)), load_shard(path, LayerRange(2, 4))],
+                    weights_hash=digest, bundle=tok.to_bundle()) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            route = await client.plan()
+            conv = client.conversation(route, max_tokens_total=4096)
+            with pytest.raises(ContextOverflow, match=r"prompt \(4000 tokens\) \+ max_tokens \(200\) = 4200 "
+                                                      r"exceeds the conversation's reserved context of 4096"):
+                await conv.generate([65] * 4000, max_tokens=200, eos_ids=())
+            assert all(not p.convs and p.kv_bytes_used == 0 for p in peers)
+            too_big = client.conversation(route, max_tokens_total=5000)
+            with pytest.raises(ContextOverflow, match="asks for 5000 tokens; the model's context is 4096"):
+                await too_big.generate([65] * 10, max_tokens=5, eos_ids=())
+            assert all(not p.convs for p in peers)
+            at_limit = client.conversation(route, max_tokens_total=4096)
+            out = await at_limit.generate([65] * 4090, max_tokens=None, eos_ids=())
+            assert out.finish_reason == "length" and len(out.token_ids) == 6
+            await at_limit.close()
+
+
+async def test_long_prompt_crosses_hops_in_chunks(tiny):
+    path, digest, tok, _ = tiny
+    ids = tok.encode(("a long prompt about meshes, hops and routes. " * 80))[:3000]
+    assert len(ids) == 3000
+    async with mesh([load_shard(path, LayerRange(0, 2)), load_shard(path, LayerRange(2, 4))],
+                    weights_hash=digest, bundle=tok.to_bundle(), max_step_tokens=512) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            conv = client.conversation(await client.plan(), max_tokens_total=3010)
+            out = await conv.generate(ids, max_tokens=5, eos_ids=())
+            await conv.close()
+    assert out.token_ids == expected(tiny, ids, 5)
+
+
+async def test_twenty_conversations_in_a_row_memory_stays_flat(tiny):
+    path, digest, tok, _ = tiny
+    async with mesh([load_shard(path, LayerRange(0, 2)), load_shard(path, LayerRange(2, 4))],
+                    weights_hash=digest, bundle=tok.to_bundle()) as peers:
+        baseline = [(p.kv_bytes_used, p.free_kv_tokens, len(p._tasks)) for p in peers]
+        async with MeshClient(list(peers[0].addrs)) as client:
+            route = await client.plan()
+            for i in range(20):
+                ids = tok.encode_chat([{"role": "user", "content": "x" * (5 + 37 * i % 300)}])
+                n = 1 + (7 * i) % 12
+                conv = client.conversation(route, max_tokens_total=len(ids) + n)
+                out = await conv.generate(ids, max_tokens=n, eos_ids=())
+                await conv.close()
+                assert out.token_ids == expected(tiny, ids, n), i
+        await asyncio.sleep(0.2)
+        assert [(p.kv_bytes_used, p.free_kv_tokens, len(p._tasks)) for p in peers] == baseline
