@@ -211,7 +211,7 @@ async def _chat(args) -> int:
             conv = client.conversation(route, max_tokens_total=len(prompt_ids) + args.max_tokens)
             result = await _reply(conv, tok, prompt_ids, args)
             if args.json:
-                print(json.dumps(result.__dict__))
+                print(json.dumps(result.to_dict()))
             await conv.close()
             return 0
         await _repl(client, route, tok, args)

@@ -575,8 +575,9 @@ class Peer:
                                f"{start}..{start + x.shape[1] - 1}")
         if conv.run.stop == self.cfg.num_hidden_layers:
             return int(out[0, -1].argmax())
+        out = out.float().cpu()  # the wire form (float32), copied off the device on its own thread
         if conv.sent is not None:
-            conv.sent.append(start, out.float().cpu())
+            conv.sent.append(start, out)
         return out
 
     async def _report(self, conv: _Conv, seq: int, exc: MeshError) -> None:

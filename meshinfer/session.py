@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .errors import CacheFull, IncompatiblePeer, InvalidInput, MeshError, PeerUnavailable, ProtocolError
-from .generate import check_context
+from .generate import Generation, check_context
 from .protocol import PeerAdvert
 from .routing import Route, plan_route
 from .tokenizer import Tokenizer
@@ -53,15 +53,9 @@ class HopStats:
 
 
 @dataclass
-class ChatResult:
-    """What ``meshinfer chat --json`` prints."""
+class ChatResult(Generation):
+    """What ``meshinfer chat --json`` prints: a :class:`Generation` plus the route and failovers."""
 
-    prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str = "length"
-    ttft_ms: float = 0.0
-    decode_tokens_per_s: float = 0.0
     route: list[dict] = field(default_factory=list)
     failovers: list[dict] = field(default_factory=list)
 

@@ -284,3 +284,21 @@ def test_bf16_shard_stays_close_to_f32(tiny):
     a, b = whole(ids, 0, logits="all"), half(ids, 0, logits="all")
     assert b.dtype == torch.float32 and half.dtype == torch.bfloat16
     assert ((a - b).abs().max() / a.abs().max()).item() < 0.05
+
+
+async def test_hop_reuses_the_connection_the_next_peer_dialed(tiny, monkeypatch):
+    """Peer 2 dialed peer 1 (its bootstrap); peer 1 forwards over that link and never dials."""
+    path, digest, tok, _ = tiny
+    shards = split(lambda r: load_shard(path, r), [0, 2, 4])
+    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle()) as peers:
+        first, second = peers
+        inbound = first.links[second.peer_id]
+        assert inbound in first._all_links and getattr(inbound, "reader", None) is None  # accepted, not dialed
+
+        async def no_dialing(*args, **kwargs):
+            raise AssertionError("peer 1 dialed peer 2 instead of reusing its connection")
+
+        monkeypatch.setattr(first, "_dial_any", no_dialing)
+        async with MeshClient(list(first.addrs)) as client:
+            _, ids, out = await ask(client, tok)
+        assert out.token_ids == reference(tiny, ids)

@@ -27,7 +27,7 @@ from meshinfer.kv_cache import GROW_TOKENS, KVCache
 from meshinfer.tokenizer import Tokenizer
 from meshinfer.weights import open_weights
 from meshinfer.weights.gguf_file import GGUFFile
-from tiny import random_weights, tiny_config, write_gguf, write_hf_dir
+from tiny import add_model_metadata, random_weights, tiny_config, write_gguf, write_hf_dir
 
 ARCHS = ("qwen2", "llama")  # qwen2: q/k/v bias, untied head; llama: tied head, Q/K permutation
 IDS = torch.tensor([[1, 5, 258, 100, 7, 42]])  # (1, 6)
@@ -97,13 +97,7 @@ def write_typed_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, Q | None]]
     """A tiny qwen2 GGUF (metadata + embedding) holding extra tensors of the given raw types."""
     cfg = tiny_config("qwen2")
     wr = gguf.GGUFWriter(str(path), "qwen2")
-    wr.add_block_count(cfg.num_hidden_layers)
-    wr.add_context_length(cfg.max_position_embeddings)
-    wr.add_embedding_length(cfg.hidden_size)
-    wr.add_feed_forward_length(cfg.intermediate_size)
-    wr.add_head_count(cfg.num_attention_heads)
-    wr.add_head_count_kv(cfg.num_key_value_heads)
-    wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_model_metadata(wr, cfg)
     wr.add_tensor("token_embd.weight", np.zeros((cfg.vocab_size, cfg.hidden_size), np.float32))
     for name, (data, qtype) in tensors.items():
         wr.add_tensor(name, data, raw_dtype=qtype)

@@ -88,11 +88,8 @@ def gguf_name(hf: str) -> str:
             "lm_head.weight": "output.weight"}[hf]
 
 
-def write_gguf(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> Path:
-    """Write ``weights`` as an F32 GGUF with tokenizer metadata, the way llama.cpp would."""
-    import gguf
-
-    wr = gguf.GGUFWriter(str(path), cfg.architecture)
+def add_model_metadata(wr, cfg: ModelConfig) -> None:
+    """The ``{arch}.*`` hyper-parameters of ``cfg`` on a ``gguf.GGUFWriter``."""
     wr.add_block_count(cfg.num_hidden_layers)
     wr.add_context_length(cfg.max_position_embeddings)
     wr.add_embedding_length(cfg.hidden_size)
@@ -100,6 +97,14 @@ def write_gguf(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -
     wr.add_head_count(cfg.num_attention_heads)
     wr.add_head_count_kv(cfg.num_key_value_heads)
     wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
+def write_gguf(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> Path:
+    """Write ``weights`` as an F32 GGUF with tokenizer metadata, the way llama.cpp would."""
+    import gguf
+
+    wr = gguf.GGUFWriter(str(path), cfg.architecture)
+    add_model_metadata(wr, cfg)
     wr.add_rope_freq_base(cfg.rope_theta)
     wr.add_tokenizer_model("gpt2")
     wr.add_tokenizer_pre("qwen2")
