@@ -9,7 +9,6 @@ the median first-token latency (TTFT) for a ~30-token prompt and the median deco
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -73,20 +72,37 @@ async def _measure(url: str, n_peers: int, max_tokens: int, repeats: int) -> dic
                 "hops": runs[-1].route}
 
 
-def run_bench(args) -> int:
-    """Run the benchmark described in the module docstring; print a markdown table."""
+def run_bench(*, model: str, splits: list[int], max_tokens: int, repeats: int, dtype: str, base_port: int,
+              progress=None) -> tuple[str, list[dict]]:
+    """Run the benchmark described in the module docstring.
+
+    Args:
+        model: path or known model name.
+        splits: peer counts to measure, e.g. ``[1, 2, 3]``.
+        max_tokens: tokens generated per conversation.
+        repeats: timed conversations per setup (after one warm-up).
+        dtype: ``f32``, ``bf16`` or ``f16``.
+        base_port: first loopback port used by the peers.
+        progress: called with a one-line summary after each setup.
+
+    Returns:
+        ``(header, results)``: a one-line description of the run and one dict per setup.
+
+    Raises:
+        RuntimeError: a peer failed to start.
+    """
     from .weights import open_weights
     from .weights.identity import weights_hash
     from .weights.registry import resolve_model
 
-    path = resolve_model(args.model)
+    path = resolve_model(model)
     num_layers = open_weights(path).config.num_hidden_layers
     results = []
-    for n in [int(x) for x in args.splits.split(",")]:
+    for n in splits:
         with tempfile.TemporaryDirectory() as tmp:
-            procs = _start_peers(str(path), even_splits(num_layers, n), args.base_port, args.dtype, Path(tmp))
+            procs = _start_peers(str(path), even_splits(num_layers, n), base_port, dtype, Path(tmp))
             try:
-                r = asyncio.run(_measure(f"ws://127.0.0.1:{args.base_port}", n, args.max_tokens, args.repeats))
+                r = asyncio.run(_measure(f"ws://127.0.0.1:{base_port}", n, max_tokens, repeats))
             finally:
                 for p in procs:
                     p.terminate()
@@ -94,16 +110,20 @@ def run_bench(args) -> int:
                     p.wait(30)
         r["peers"] = n
         results.append(r)
-        print(f"{n} peer(s): TTFT {r['ttft_ms']:.0f} ms, {r['decode_tokens_per_s']:.2f} tok/s", file=sys.stderr)
+        if progress:
+            progress(f"{n} peer(s): TTFT {r['ttft_ms']:.0f} ms, {r['decode_tokens_per_s']:.2f} tok/s")
+    header = (f"model {path.name} (weights {weights_hash(path)[:12]}), {dtype}, CPU "
+              f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {repeats} runs after a "
+              f"warm-up, {max_tokens} new tokens")
+    return header, results
+
+
+def markdown_table(results: list[dict]) -> str:
+    """The results of :func:`run_bench` as a markdown table, relative to the first setup."""
     base = results[0]["decode_tokens_per_s"] or 1.0
-    print(f"model {path.name} (weights {weights_hash(path)[:12]}), {args.dtype}, CPU {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, {args.repeats} runs after a warm-up, {args.max_tokens} new tokens")
-    print()
-    print("| peers | route | prompt tokens | first token ms | decode tok/s | vs 1 peer |")
-    print("|---:|---|---:|---:|---:|---:|")
+    lines = ["| peers | route | prompt tokens | first token ms | decode tok/s | vs 1 peer |",
+             "|---:|---|---:|---:|---:|---:|"]
     for r in results:
-        print(f"| {r['peers']} | {r['route']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | "
-              f"{r['decode_tokens_per_s']:.2f} | {r['decode_tokens_per_s'] / base:.2f} |")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    return 0
+        lines.append(f"| {r['peers']} | {r['route']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | "
+                     f"{r['decode_tokens_per_s']:.2f} | {r['decode_tokens_per_s'] / base:.2f} |")
+    return "\n".join(lines)

@@ -353,9 +353,17 @@ def cmd_status(args) -> int:
 
 # --------------------------------------------------------------------------- bench
 def cmd_bench(args) -> int:
-    from .bench import run_bench
+    from .bench import markdown_table, run_bench
 
-    return run_bench(args)
+    header, results = run_bench(model=args.model, splits=[int(x) for x in args.splits.split(",")],
+                                max_tokens=args.max_tokens, repeats=args.repeats, dtype=args.dtype,
+                                base_port=args.base_port, progress=lambda line: print(line, file=sys.stderr))
+    print(header)
+    print()
+    print(markdown_table(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
 
 
 # --------------------------------------------------------------------------- main

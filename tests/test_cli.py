@@ -99,3 +99,15 @@ def test_pull_prints_path_last(tmp_path):
     out = meshinfer("pull", "smollm2-135m-instruct-q4_1", "-q", env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == str(cached)
+
+
+def test_bench_measures_single_peer_and_split(tiny_gguf, tmp_path):
+    from meshinfer.bench import even_splits
+
+    assert even_splits(24, 5) == [(0, 3), (4, 8), (9, 13), (14, 18), (19, 23)]
+    out = meshinfer("bench", "--model", str(tiny_gguf), "--splits", "1,2", "--max-tokens", "3", "--repeats", "1",
+                    "--base-port", "7950", "--out", str(tmp_path / "b.json"), timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "| 1 |" in out.stdout and "| 2 |" in out.stdout and "[0-1] ->" in out.stdout
+    rows = json.loads((tmp_path / "b.json").read_text())
+    assert [r["peers"] for r in rows] == [1, 2] and all(r["decode_tokens_per_s"] > 0 for r in rows)
