@@ -1,6 +1,6 @@
 """The ``meshinfer`` command line: the only module that prints.
 
-Subcommands: pull, generate, join, chat, status, bench. Every flag that names a peer list or
+Subcommands: pull, generate, join, chat, status, netsim, bench. Every flag that names a peer list or
 a model also reads an environment variable (``MESHINFER_PEERS``, ``MESHINFER_MODEL``).
 A user's mistake ends with a one-line ``error: ...`` on stderr and exit status 2.
 """
@@ -30,6 +30,8 @@ EXAMPLES = {
     "chat": "examples:\n  meshinfer chat --peers ws://127.0.0.1:7700\n"
             "  meshinfer chat -p 'Explain RoPE in one paragraph' --json",
     "status": "examples:\n  meshinfer status --peers ws://127.0.0.1:7700\n  meshinfer status --json",
+    "netsim": "examples:\n  meshinfer netsim --target 127.0.0.1:7701 --listen 127.0.0.1:7801 --rtt-ms 100\n"
+              "  # then start the first peer with --peers ws://127.0.0.1:7801 (or a client with --peers)",
     "bench": "examples:\n  meshinfer bench\n  meshinfer bench --splits 1,2 --max-tokens 64 --out docs/bench.json",
 }
 
@@ -351,6 +353,29 @@ def cmd_status(args) -> int:
     return _run(_status(args))
 
 
+# --------------------------------------------------------------------------- netsim
+async def _netsim(args) -> int:
+    from .netsim import NetSim
+
+    host, port = _listen(args.listen)
+    target_host, target_port = _listen(args.target)
+    rate = parse_bytes(args.bandwidth) if args.bandwidth else None
+    sim = await NetSim(target_host, target_port, rtt_ms=args.rtt_ms, bandwidth_bytes_per_s=rate,
+                       host=host, port=port).start()
+    print(f"netsim: {host}:{sim.port} -> {target_host}:{target_port}, +{args.rtt_ms:g} ms RTT"
+          + (f", {rate} bytes/s each way" if rate else ""), flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await sim.close()
+    return 0
+
+
+def cmd_netsim(args) -> int:
+    return _run(_netsim(args))
+
+
 # --------------------------------------------------------------------------- bench
 def cmd_bench(args) -> int:
     from .bench import markdown_table, run_bench
@@ -438,6 +463,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--peers", default=peers_default, help="peers to contact [$MESHINFER_PEERS]")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_status)
+
+    s = add("netsim", "Proxy TCP with added RTT and a bandwidth cap, to rehearse a WAN route.")
+    s.add_argument("--listen", default="127.0.0.1:7800", help="HOST:PORT to accept on")
+    s.add_argument("--target", required=True, help="HOST:PORT to forward to (a peer)")
+    s.add_argument("--rtt-ms", type=float, default=100.0, help="round-trip time to add, ms")
+    s.add_argument("--bandwidth", help="per-direction cap per connection, bytes/s, e.g. 10MB")
+    s.set_defaults(func=cmd_netsim)
 
     s = add("bench", "Benchmark a single peer against 2- and 3-peer splits on loopback.")
     s.add_argument("--model", default=model_default, help="path or known name [$MESHINFER_MODEL]")
