@@ -71,6 +71,27 @@ def load_or_create_key(path: str | os.PathLike):
     return key
 
 
+#: Fewest bytes a mesh key file may hold (after surrounding whitespace is stripped).
+MIN_MESH_KEY_BYTES = 16
+
+
+def load_mesh_key(path: str | os.PathLike) -> bytes:
+    """The shared key of a private mesh: the contents of ``path``, surrounding whitespace stripped.
+
+    Make one with ``head -c 32 /dev/urandom | base64 > mesh.key`` and give every member a copy.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it holds fewer than :data:`MIN_MESH_KEY_BYTES` bytes.
+    """
+    p = Path(path).expanduser()
+    key = p.read_bytes().strip()
+    if len(key) < MIN_MESH_KEY_BYTES:
+        raise ValueError(f"mesh key file {p} holds {len(key)} bytes; a mesh key needs at least "
+                         f"{MIN_MESH_KEY_BYTES} (make one with: head -c 32 /dev/urandom | base64 > {p.name})")
+    return key
+
+
 def peer_id_of(key) -> str:
     """Peer id of an Ed25519 private or public key: hex of SHA-256(raw public key)[:16]."""
     from cryptography.hazmat.primitives import serialization

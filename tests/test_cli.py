@@ -49,6 +49,8 @@ def test_generate_json(tiny_gguf):
     (["generate", "-p", "x", "--model", "no-such-model"], "no-such-model"),
     (["generate", "-p", "x", "--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1"], "no bootstrap peer answered"),
+    (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1", "--mesh-key-file", "/nonexistent/mesh.key"],
+     "--mesh-key-file /nonexistent/mesh.key: No such file or directory"),
 ])
 def test_user_mistakes_give_one_line_errors(tiny_gguf, args, message):
     if "--model" not in args and args[0] != "chat":
