@@ -164,6 +164,11 @@ def mesh_mac(mesh_key: bytes, label: bytes, first: bytes, second: bytes) -> byte
     return hmac.new(mesh_key, label + first + second, hashlib.sha256).digest()
 
 
+def check_mac(mesh_key: bytes, mac: bytes, label: bytes, first: bytes, second: bytes) -> bool:
+    """True when ``mac`` is :func:`mesh_mac` of the same input (compared in constant time)."""
+    return hmac.compare_digest(mac, mesh_mac(mesh_key, label, first, second))
+
+
 def new_nonce() -> bytes:
     """A fresh random handshake nonce of :data:`NONCE_BYTES` bytes."""
     return os.urandom(NONCE_BYTES)
@@ -199,8 +204,7 @@ def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None,
     if not check_proof(advert.public_key, proof, WELCOME_LABEL, hello_nonce, welcome_nonce):
         raise Unauthenticated(f"peer {advert.peer_id[:12]} could not prove it holds its key")
     if mesh_key is not None:
-        mac = f.get("mac", bytes, b"")
-        if not hmac.compare_digest(mac, mesh_mac(mesh_key, MESH_WELCOME_LABEL, hello_nonce, welcome_nonce)):
+        if not check_mac(mesh_key, f.get("mac", bytes, b""), MESH_WELCOME_LABEL, hello_nonce, welcome_nonce):
             raise Unauthenticated(f"peer {advert.peer_id[:12]} does not hold this mesh key")
     return advert, welcome_nonce
 

@@ -12,7 +12,6 @@ Every task the peer starts is tracked and cancelled in :meth:`Peer.close`.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import random
 import time
@@ -23,9 +22,8 @@ from typing import Any
 import torch
 import websockets
 
-from . import protocol
+from . import discovery, protocol
 from .config import LayerRange
-from . import discovery
 from .discovery import DEFAULT_GOSSIP_INTERVAL_S, DEFAULT_TTL_S, PeerTable, peer_id_of, sign_advert, verify_advert
 from .errors import (CacheFull, ContextOverflow, InvalidInput, LayerRangeError, MeshError, PeerUnavailable, PositionError,
                      ProtocolError, Unauthenticated)
@@ -394,9 +392,8 @@ class Peer:
             raise ProtocolError("auth: this connection is already authenticated")
         hello_nonce, welcome_nonce = link.info["hello_nonce"], link.info["welcome_nonce"]
         mesh_key = self.settings.mesh_key
-        if mesh_key is not None and not hmac.compare_digest(
-                f.get("mac", bytes, b""), discovery.mesh_mac(mesh_key, discovery.MESH_HELLO_LABEL, welcome_nonce,
-                                                             hello_nonce)):
+        if mesh_key is not None and not discovery.check_mac(mesh_key, f.get("mac", bytes, b""),
+                                                            discovery.MESH_HELLO_LABEL, welcome_nonce, hello_nonce):
             raise Unauthenticated(PRIVATE_MESH)
         claimed = link.info["claimed"]
         if claimed is not None:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from . import discovery
-from .errors import CacheFull, IncompatiblePeer, InvalidInput, MeshError, PeerUnavailable, ProtocolError, Unauthenticated
+from .errors import (CacheFull, IncompatiblePeer, InvalidInput, MeshError, PeerUnavailable, ProtocolError,
+                     Unauthenticated)
 from .generate import Generation, check_context
 from .protocol import PeerAdvert
 from .routing import Route, plan_route

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -67,6 +68,16 @@ async def test_a_welcome_proves_the_peer_key_for_this_hello_only(tiny):
         await peer.close()
 
 
+async def test_the_client_ignores_adverts_that_do_not_verify(tiny):
+    path, digest, _, _ = tiny
+    async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest) as [first, second]:
+        honest = first.table.get(second.peer_id)
+        first.table.remove(second.peer_id)
+        first.table.merge([replace(honest, addrs=("ws://evil:1",), seq=honest.seq + 1000)])  # bypasses the peer's check
+        async with MeshClient(list(first.addrs)) as client:
+            assert [ad.peer_id for ad in await client.refresh()] == [first.peer_id]
+
+
 async def test_private_mesh_with_the_key_equals_greedy_generate(tiny):
     _, _, tok, whole = tiny
     async with private_mesh(tiny) as peers:
@@ -95,7 +106,8 @@ async def test_private_mesh_refuses_a_client_without_the_key(tiny):
                                {"t": "open", "conv": "c", "layers": [0, 2], "max_tokens": 8},
                                {"t": "auth", "mac": b"\0" * 32}, {"t": "ping"})
         assert replies[0]["t"] == "welcome" and replies[0]["private"] is True
-        assert [(r["t"], r["code"], r["message"]) for r in replies[1:]] == [("error", "unauthenticated", PRIVATE_MESH)] * 4
+        refused = ("error", "unauthenticated", PRIVATE_MESH)
+        assert [(r["t"], r["code"], r["message"]) for r in replies[1:]] == [refused] * 4
         assert not any(p.convs for p in peers)
 
 
@@ -116,3 +128,12 @@ def test_mesh_key_file_must_hold_enough_bytes(tmp_path):
         discovery.load_mesh_key(tmp_path / "short.key")
     (tmp_path / "ok.key").write_text(KEY.decode() + "\n")
     assert discovery.load_mesh_key(tmp_path / "ok.key") == KEY
+
+
+def test_mesh_key_file_option_and_environment(monkeypatch):
+    from meshinfer.cli import build_parser
+
+    assert build_parser().parse_args(["status", "--mesh-key-file", "m.key"]).mesh_key_file == "m.key"
+    monkeypatch.setenv("MESHINFER_MESH_KEY_FILE", "/keys/mesh.key")
+    assert [build_parser().parse_args([cmd]).mesh_key_file for cmd in ("join", "chat", "status")] == \
+        ["/keys/mesh.key"] * 3
