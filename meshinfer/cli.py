@@ -68,6 +68,18 @@ def _peers(text: str | None) -> list[str]:
     return urls
 
 
+def _mesh_key(args) -> bytes | None:
+    """The private mesh's key from ``--mesh-key-file``, or None for an open mesh."""
+    from .discovery import load_mesh_key
+
+    if not args.mesh_key_file:
+        return None
+    try:
+        return load_mesh_key(args.mesh_key_file)
+    except OSError as exc:
+        raise ValueError(f"--mesh-key-file {args.mesh_key_file}: {exc.strerror or exc}") from exc
+
+
 def _messages(args) -> list[dict]:
     if getattr(args, "messages", None):
         try:
@@ -170,7 +182,7 @@ async def _join(args) -> int:
     settings = PeerSettings(host=host, port=port, public_addrs=tuple(_peers(args.public_addr)),
                             bootstrap=tuple(_peers(args.peers)),
                             kv_budget_bytes=None if args.kv_budget == "auto" else parse_bytes(args.kv_budget),
-                            idle_timeout_s=args.idle_timeout)
+                            idle_timeout_s=args.idle_timeout, mesh_key=_mesh_key(args))
     _check_port_free(host, port)
     key = args.key or str(Path(_env("MESHINFER_HOME", "~/.cache/meshinfer")).expanduser() / f"peer-{port}.key")
     peer = await launch_peer(args.model, layers, device=args.device, dtype=args.dtype, settings=settings,
@@ -203,7 +215,7 @@ async def _chat(args) -> int:
     messages = [] if interactive else _messages(args)  # bad input fails before the mesh is contacted
     if args.context < 2:
         raise ValueError("--context must be at least 2 tokens")
-    async with MeshClient(_peers(args.peers)) as client:
+    async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args)) as client:
         route = await client.plan()
         tok = await client.tokenizer(route)
         if not args.json:
@@ -312,7 +324,7 @@ async def _status(args) -> int:
     from .routing import complete_routes_summary
     from .session import MeshClient
 
-    async with MeshClient(_peers(args.peers)) as client:
+    async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args)) as client:
         peers = await client.refresh()
         rtts = await client.measure_rtts()
         groups = complete_routes_summary(peers, client_rtts_ms=rtts)
@@ -413,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     model_default = _env("MESHINFER_MODEL", "qwen2.5-coder-0.5b-instruct-q4_k_m")
     peers_default = _env("MESHINFER_PEERS", DEFAULT_PEERS)
+    mesh_key_default = _env("MESHINFER_MESH_KEY_FILE")
 
     s = add("pull", "Download a known model into the cache, verify its sha256, print its path.")
     s.add_argument("name", nargs="?", help="model name (default: the project's default model)")
@@ -445,6 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache memory, e.g. 2GiB; auto: half the memory free at start")
     s.add_argument("--idle-timeout", type=float, default=300.0, help="free idle conversations after S seconds")
     s.add_argument("--key", default=_env("MESHINFER_KEY"), help="Ed25519 key file (created if missing)")
+    s.add_argument("--mesh-key-file", default=mesh_key_default,
+                   help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     s.set_defaults(func=cmd_join)
 
@@ -456,12 +471,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--system", help="system message")
     s.add_argument("--max-tokens", type=int, default=512, help="tokens to generate per reply")
     s.add_argument("--context", type=int, default=4096, help="tokens reserved for a REPL conversation")
+    s.add_argument("--mesh-key-file", default=mesh_key_default,
+                   help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_chat)
 
     s = add("status", "Show the peer table and which complete routes exist.")
     s.add_argument("--peers", default=peers_default, help="peers to contact [$MESHINFER_PEERS]")
     s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--mesh-key-file", default=mesh_key_default,
+                   help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
     s.set_defaults(func=cmd_status)
 
     s = add("netsim", "Proxy TCP with added RTT and a bandwidth cap, to rehearse a WAN route.")

@@ -1,7 +1,12 @@
-"""Peer identity keys and the gossiped peer table.
+"""Peer identity keys, signed adverts, handshake proofs and the gossiped peer table.
 
 Each peer has an Ed25519 key (``cryptography``); its peer id is the first 16 bytes of the
-SHA-256 of the raw public key, in hex. Adverts spread by gossip: every
+SHA-256 of the raw public key, in hex. A peer signs its advert (:func:`sign_advert`), and
+every receiver drops adverts whose signature or peer id does not match the key they carry
+(:func:`verify_advert`), so nobody can speak for another peer id. The handshake proofs
+(:func:`prove`, :func:`check_welcome`) bind a connection to a key; see docs/security.md.
+
+Adverts spread by gossip: every
 ``gossip_interval_s`` a peer sends its own fresh advert plus every record it holds to each
 peer it knows. A record lives ``ttl_s`` seconds after the origin last refreshed it: relays
 forward the *remaining* TTL, never a fresh one, so a peer that dies disappears from every
@@ -11,12 +16,14 @@ table within ``ttl_s`` plus one gossip interval (documented in docs/architecture
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .errors import ProtocolError, Unauthenticated
 from .protocol import PeerAdvert
 
 #: Seconds a record stays valid without a refresh. 5 gossip rounds: a peer survives a few
@@ -24,6 +31,18 @@ from .protocol import PeerAdvert
 DEFAULT_TTL_S = 10.0
 #: Seconds between gossip rounds (and RTT probes).
 DEFAULT_GOSSIP_INTERVAL_S = 2.0
+#: Longest ``ttl_s`` a merged advert keeps, seconds. ``ttl_s`` is not signed (relays rewrite
+#: it), so a relay can keep a record of a dead peer alive for at most this long.
+MAX_TTL_S = 60.0
+#: Bytes of a handshake nonce (``hello`` and ``welcome`` each carry one).
+NONCE_BYTES = 32
+
+#: Domain labels: a signature made for one purpose never verifies for another.
+ADVERT_LABEL = b"meshinfer-advert\0"
+WELCOME_LABEL = b"meshinfer-welcome\0"
+HELLO_LABEL = b"meshinfer-hello\0"
+MESH_WELCOME_LABEL = b"welcome\0"
+MESH_HELLO_LABEL = b"hello\0"
 
 
 def load_or_create_key(path: str | os.PathLike):
@@ -52,6 +71,27 @@ def load_or_create_key(path: str | os.PathLike):
     return key
 
 
+#: Fewest bytes a mesh key file may hold (after surrounding whitespace is stripped).
+MIN_MESH_KEY_BYTES = 16
+
+
+def load_mesh_key(path: str | os.PathLike) -> bytes:
+    """The shared key of a private mesh: the contents of ``path``, surrounding whitespace stripped.
+
+    Make one with ``head -c 32 /dev/urandom | base64 > mesh.key`` and give every member a copy.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it holds fewer than :data:`MIN_MESH_KEY_BYTES` bytes.
+    """
+    p = Path(path).expanduser()
+    key = p.read_bytes().strip()
+    if len(key) < MIN_MESH_KEY_BYTES:
+        raise ValueError(f"mesh key file {p} holds {len(key)} bytes; a mesh key needs at least "
+                         f"{MIN_MESH_KEY_BYTES} (make one with: head -c 32 /dev/urandom | base64 > {p.name})")
+    return key
+
+
 def peer_id_of(key) -> str:
     """Peer id of an Ed25519 private or public key: hex of SHA-256(raw public key)[:16]."""
     from cryptography.hazmat.primitives import serialization
@@ -59,6 +99,114 @@ def peer_id_of(key) -> str:
     public = key.public_key() if hasattr(key, "public_key") else key
     raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def public_key_hex(key) -> str:
+    """Hex of the raw 32-byte Ed25519 public key of a private or public key."""
+    from cryptography.hazmat.primitives import serialization
+
+    public = key.public_key() if hasattr(key, "public_key") else key
+    return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
+
+
+def _public_key(hex_key: str):
+    """The Ed25519 public key of ``hex_key``, or None when it is not 32 bytes of hex."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    try:
+        return Ed25519PublicKey.from_public_bytes(bytes.fromhex(hex_key))
+    except ValueError:
+        return None
+
+
+def _verifies(public, sig: bytes, message: bytes) -> bool:
+    from cryptography.exceptions import InvalidSignature
+
+    try:
+        public.verify(sig, message)
+        return True
+    except InvalidSignature:
+        return False
+
+
+def sign_advert(advert: PeerAdvert, key) -> PeerAdvert:
+    """``advert`` with ``public_key`` and ``sig`` set: signed by ``key`` over every field but
+    ``sig`` and ``ttl_s`` (:meth:`PeerAdvert.signed_bytes`)."""
+    advert = replace(advert, public_key=public_key_hex(key), sig="")
+    return replace(advert, sig=key.sign(ADVERT_LABEL + advert.signed_bytes()).hex())
+
+
+def verify_advert(advert: PeerAdvert) -> bool:
+    """True when ``advert.peer_id`` is the id of ``advert.public_key`` and ``sig`` verifies."""
+    public = _public_key(advert.public_key)
+    if public is None or peer_id_of(public) != advert.peer_id:
+        return False
+    try:
+        sig = bytes.fromhex(advert.sig)
+    except ValueError:
+        return False
+    return _verifies(public, sig, ADVERT_LABEL + advert.signed_bytes())
+
+
+def prove(key, label: bytes, first: bytes, second: bytes) -> bytes:
+    """Ed25519 signature of ``label + first + second`` (a handshake proof)."""
+    return key.sign(label + first + second)
+
+
+def check_proof(public_key: str, proof: bytes, label: bytes, first: bytes, second: bytes) -> bool:
+    """True when ``proof`` is the signature of ``label + first + second`` by ``public_key`` (hex)."""
+    public = _public_key(public_key)
+    return public is not None and _verifies(public, proof, label + first + second)
+
+
+def mesh_mac(mesh_key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    """HMAC-SHA256 of ``label + first + second`` under the private mesh's shared key."""
+    return hmac.new(mesh_key, label + first + second, hashlib.sha256).digest()
+
+
+def check_mac(mesh_key: bytes, mac: bytes, label: bytes, first: bytes, second: bytes) -> bool:
+    """True when ``mac`` is :func:`mesh_mac` of the same input (compared in constant time)."""
+    return hmac.compare_digest(mac, mesh_mac(mesh_key, label, first, second))
+
+
+def new_nonce() -> bytes:
+    """A fresh random handshake nonce of :data:`NONCE_BYTES` bytes."""
+    return os.urandom(NONCE_BYTES)
+
+
+def read_nonce(f, what: str, default=...) -> bytes | None:
+    """The ``nonce`` field of a hello or welcome; exactly :data:`NONCE_BYTES` bytes."""
+    nonce = f.get("nonce", bytes, default)
+    if nonce is not None and len(nonce) != NONCE_BYTES:
+        raise ProtocolError(f"{what}: field 'nonce' must be {NONCE_BYTES} bytes, got {len(nonce)}")
+    return nonce
+
+
+def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None,
+                  mesh_key: bytes | None = None) -> tuple[PeerAdvert, bytes]:
+    """Check a ``welcome`` answering a hello that carried ``hello_nonce``.
+
+    Returns:
+        (the answering peer's advert, its welcome nonce).
+
+    Raises:
+        ProtocolError: a missing or mistyped field.
+        Unauthenticated: the advert's signature, the proof of its key or the mesh-key MAC does
+            not verify, or the peer is not ``expect_id``.
+    """
+    advert = PeerAdvert.from_wire(f.get("advert", dict))
+    welcome_nonce = read_nonce(f, "welcome")
+    proof = f.get("proof", bytes)
+    if not verify_advert(advert):
+        raise Unauthenticated(f"peer {advert.peer_id[:12]} sent an advert whose signature does not verify")
+    if expect_id is not None and advert.peer_id != expect_id:
+        raise Unauthenticated(f"answered as peer {advert.peer_id[:12]}, not {expect_id[:12]}")
+    if not check_proof(advert.public_key, proof, WELCOME_LABEL, hello_nonce, welcome_nonce):
+        raise Unauthenticated(f"peer {advert.peer_id[:12]} could not prove it holds its key")
+    if mesh_key is not None:
+        if not check_mac(mesh_key, f.get("mac", bytes, b""), MESH_WELCOME_LABEL, hello_nonce, welcome_nonce):
+            raise Unauthenticated(f"peer {advert.peer_id[:12]} does not hold this mesh key")
+    return advert, welcome_nonce
 
 
 class PeerTable:
@@ -75,14 +223,17 @@ class PeerTable:
         self._records: dict[str, tuple[PeerAdvert, float]] = {}
 
     def merge(self, adverts: Iterable[PeerAdvert]) -> int:
-        """Store adverts that are newer (larger ``seq``) than what is held; return how many."""
+        """Store adverts that are newer (larger ``seq``) than what is held; return how many.
+
+        A record lives at most :data:`MAX_TTL_S` seconds whatever ``ttl_s`` it arrives with.
+        """
         now, taken = self._clock(), 0
         for ad in adverts:
             if ad.peer_id == self.self_id or ad.ttl_s <= 0:
                 continue
             held = self._records.get(ad.peer_id)
             if held is None or ad.seq > held[0].seq:
-                self._records[ad.peer_id] = (ad, now + ad.ttl_s)
+                self._records[ad.peer_id] = (ad, now + min(ad.ttl_s, MAX_TTL_S))
                 taken += 1
         return taken
 

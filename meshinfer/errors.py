@@ -91,6 +91,12 @@ class PeerUnavailable(MeshError):
     code = "peer_unavailable"
 
 
+class Unauthenticated(MeshError):
+    """A remote could not prove its key (or the mesh key), or acted before proving it."""
+
+    code = "unauthenticated"
+
+
 class IncompatiblePeer(MeshError):
     """A peer's weights hash, precision or protocol differs from the rest of the route."""
 

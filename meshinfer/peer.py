@@ -22,11 +22,11 @@ from typing import Any
 import torch
 import websockets
 
-from . import protocol
+from . import discovery, protocol
 from .config import LayerRange
-from .discovery import DEFAULT_GOSSIP_INTERVAL_S, DEFAULT_TTL_S, PeerTable
+from .discovery import DEFAULT_GOSSIP_INTERVAL_S, DEFAULT_TTL_S, PeerTable, peer_id_of, sign_advert, verify_advert
 from .errors import (CacheFull, ContextOverflow, InvalidInput, LayerRangeError, MeshError, PeerUnavailable, PositionError,
-                     ProtocolError)
+                     ProtocolError, Unauthenticated)
 from .executor import DeviceExecutor
 from .kv_cache import HiddenLog, KVCache
 from .models.llama import Shard
@@ -50,6 +50,8 @@ MAX_KNOWN_PEERS = 256
 MAX_ADVERT_BYTES = 16 * 1024
 #: Largest gossip payload, bytes: below every peer's frame limit whatever its hidden size.
 GOSSIP_BUDGET_BYTES = FRAME_OVERHEAD_BYTES // 2
+#: What a connection that has not proven the mesh key is told, whatever it asks.
+PRIVATE_MESH = "this mesh is private: pass its key with --mesh-key-file (or MESHINFER_MESH_KEY_FILE)"
 
 
 @dataclass
@@ -66,6 +68,9 @@ class PeerSettings:
         idle_timeout_s: a conversation with no step for this long is freed.
         gossip_interval_s, advert_ttl_s: see :mod:`meshinfer.discovery`.
         request_timeout_s: deadline of control requests (hello, ping, get_peers).
+        mesh_key: shared secret of a private mesh, or None for an open one. Every connection
+            must prove it (an HMAC over the handshake nonces) before anything else is accepted;
+            it never crosses the wire.
     """
 
     host: str = "127.0.0.1"
@@ -78,6 +83,7 @@ class PeerSettings:
     gossip_interval_s: float = DEFAULT_GOSSIP_INTERVAL_S
     advert_ttl_s: float = DEFAULT_TTL_S
     request_timeout_s: float = 10.0
+    mesh_key: bytes | None = None
 
 
 @dataclass
@@ -105,22 +111,24 @@ class Peer:
     Args:
         shard: the loaded layers.
         executor: the device thread that owns ``shard``.
-        peer_id: this peer's id (see :func:`meshinfer.discovery.peer_id_of`).
+        key: this peer's Ed25519 private key; its id is :func:`meshinfer.discovery.peer_id_of` of it,
+            and it signs the peer's adverts and handshake proofs.
         weights_hash: sha256 of the weights file (the identity of the model).
         precision: compute precision identity, e.g. ``"f32"``.
         tokenizer_bundle: what ``get_tokenizer`` returns (``Tokenizer.to_bundle()``).
         settings: :class:`PeerSettings`.
     """
 
-    def __init__(self, shard: Shard, executor: DeviceExecutor, *, peer_id: str, weights_hash: str,
+    def __init__(self, shard: Shard, executor: DeviceExecutor, *, key, weights_hash: str,
                  precision: str, tokenizer_bundle: dict | None, settings: PeerSettings | None = None) -> None:
         self.shard, self.executor = shard, executor
         self.cfg = shard.cfg
-        self.peer_id, self.weights_hash, self.precision = peer_id, weights_hash, precision
+        self.key, self.peer_id = key, peer_id_of(key)
+        self.weights_hash, self.precision = weights_hash, precision
         self.tokenizer_bundle = tokenizer_bundle
         self.settings = settings or PeerSettings()
         self.state = protocol.JOINING
-        self.table = PeerTable(peer_id)
+        self.table = PeerTable(self.peer_id)
         self.compute_ms_per_token = 0.0
         self.rtts_ms: dict[str, float] = {}
         self.convs: dict[str, _Conv] = {}
@@ -164,14 +172,14 @@ class Peer:
         return sum(c.cache.nbytes + (c.sent.nbytes if c.sent else 0) for c in self.convs.values())
 
     def advert(self) -> PeerAdvert:
-        """This peer's current advert."""
-        return PeerAdvert(
+        """This peer's current advert, signed by its key."""
+        return sign_advert(PeerAdvert(
             peer_id=self.peer_id, addrs=self.addrs, protocol_version=protocol.PROTOCOL_VERSION,
             weights_hash=self.weights_hash, architecture=self.cfg.architecture,
             num_layers=self.cfg.num_hidden_layers, layers=self.shard.range, device=str(self.executor.device),
             precision=self.precision, state=self.state, free_kv_tokens=self.free_kv_tokens,
             compute_ms_per_token=round(self.compute_ms_per_token, 3), rtts_ms=dict(self.rtts_ms),
-            seq=self._seq, ttl_s=self.settings.advert_ttl_s)
+            seq=self._seq, ttl_s=self.settings.advert_ttl_s), self.key)
 
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self, coro, name: str) -> asyncio.Task:
@@ -308,22 +316,36 @@ class Peer:
             self._all_links.add(link)
             link.reader.add_done_callback(lambda _t, lk=link: self._forget_link(lk))
             try:
-                _, f = await link.request("hello", timeout_s=self.settings.request_timeout_s, role="peer",
-                                          peer_id=self.peer_id, advert=self.advert().to_wire())
-                remote = PeerAdvert.from_wire(f.get("advert", dict))
+                remote = await self._handshake(link, expect_id)
             except MeshError as exc:
                 await link.close()
                 errors.append(f"{url}: {exc}")
                 continue
-            if expect_id and remote.peer_id != expect_id:
-                await link.close()
-                errors.append(f"{url} is peer {remote.peer_id[:12]}, not {expect_id[:12]}")
-                continue
             link.remote_id, link.role = remote.peer_id, "peer"
+            link.info["authed"] = True
             self._merge([remote])
             self.links.setdefault(remote.peer_id, link)
             return link
         raise PeerUnavailable(f"cannot reach peer {(expect_id or '?')[:12]}: " + "; ".join(errors or ["no address"]))
+
+    async def _handshake(self, link: Link, expect_id: str | None) -> PeerAdvert:
+        """Dialer side: hello, check the welcome's proofs, answer with ``auth``; the remote's advert.
+
+        Raises:
+            Unauthenticated: the remote could not prove its key (or the mesh key), or is not
+                ``expect_id``; or it refused this peer's proofs.
+            ProtocolError, PeerUnavailable: a malformed welcome, a closed or silent connection.
+        """
+        timeout_s, mesh_key = self.settings.request_timeout_s, self.settings.mesh_key
+        hello_nonce = discovery.new_nonce()
+        _, f = await link.request("hello", timeout_s=timeout_s, role="peer", nonce=hello_nonce,
+                                  advert=self.advert().to_wire())
+        remote, welcome_nonce = discovery.check_welcome(f, hello_nonce, expect_id=expect_id, mesh_key=mesh_key)
+        auth = {"proof": discovery.prove(self.key, discovery.HELLO_LABEL, welcome_nonce, hello_nonce)}
+        if mesh_key is not None:
+            auth["mac"] = discovery.mesh_mac(mesh_key, discovery.MESH_HELLO_LABEL, welcome_nonce, hello_nonce)
+        await link.request("auth", timeout_s=timeout_s, **auth)
+        return remote
 
     def _forget_link(self, link: Link) -> None:
         self._all_links.discard(link)
@@ -334,6 +356,8 @@ class Peer:
     async def _on_message(self, link: Link, msg_type: str, f) -> None:
         if link.role is None and msg_type != "hello":
             raise ProtocolError(f"the first frame must be hello, got {msg_type}")
+        if self.settings.mesh_key is not None and not link.info.get("authed") and msg_type not in ("hello", "auth"):
+            raise Unauthenticated(PRIVATE_MESH)
         handler = getattr(self, f"_on_{msg_type}", None)
         if handler is None:
             raise ProtocolError(f"a peer does not accept {msg_type} frames")
@@ -345,17 +369,48 @@ class Peer:
         role = f.str("role")
         if role not in ("client", "peer"):
             raise ProtocolError(f"hello: role {role!r} is not client or peer")
-        if role == "peer":
-            remote = PeerAdvert.from_wire(f.get("advert", dict))
-            link.remote_id = remote.peer_id
-            self._merge([remote])
-            self.links.setdefault(remote.peer_id, link)
+        claimed = PeerAdvert.from_wire(f.get("advert", dict)) if role == "peer" else None
+        hello_nonce = discovery.read_nonce(f, "hello", None if role == "client" else ...) or b""
+        if claimed is not None and not verify_advert(claimed):
+            raise Unauthenticated(f"hello: the advert of peer {claimed.peer_id[:12]} does not verify against "
+                                  f"its public key")
+        welcome_nonce = discovery.new_nonce()
         link.role = role
-        await link.send("welcome", re=f.get("id", int, None), advert=self.advert().to_wire(),
-                        max_step_tokens=self.settings.max_step_tokens, max_frame_bytes=self.max_frame_bytes)
+        link.info.update(hello_nonce=hello_nonce, welcome_nonce=welcome_nonce, claimed=claimed)
+        extra = {}
+        if self.settings.mesh_key is not None:
+            extra["mac"] = discovery.mesh_mac(self.settings.mesh_key, discovery.MESH_WELCOME_LABEL, hello_nonce,
+                                              welcome_nonce)
+        await link.send("welcome", re=f.get("id", int, None), advert=self.advert().to_wire(), nonce=welcome_nonce,
+                        proof=discovery.prove(self.key, discovery.WELCOME_LABEL, hello_nonce, welcome_nonce),
+                        private=self.settings.mesh_key is not None, max_step_tokens=self.settings.max_step_tokens,
+                        max_frame_bytes=self.max_frame_bytes, **extra)
+
+    async def _on_auth(self, link: Link, f) -> None:
+        """Accepting side: check the dialer's proofs; a peer's connection counts as that peer's only now."""
+        if link.info.get("authed"):
+            raise ProtocolError("auth: this connection is already authenticated")
+        hello_nonce, welcome_nonce = link.info["hello_nonce"], link.info["welcome_nonce"]
+        mesh_key = self.settings.mesh_key
+        if mesh_key is not None and not discovery.check_mac(mesh_key, f.get("mac", bytes, b""),
+                                                            discovery.MESH_HELLO_LABEL, welcome_nonce, hello_nonce):
+            raise Unauthenticated(PRIVATE_MESH)
+        claimed = link.info["claimed"]
+        if claimed is not None:
+            if not discovery.check_proof(claimed.public_key, f.get("proof", bytes), discovery.HELLO_LABEL,
+                                         welcome_nonce, hello_nonce):
+                raise Unauthenticated(f"auth: the proof does not match the key of peer {claimed.peer_id[:12]}")
+            link.remote_id = claimed.peer_id
+            self._merge([claimed])
+            self.links.setdefault(claimed.peer_id, link)
+        link.info["authed"] = True
+        await link.send("authed", re=f.get("id", int, None))
 
     async def _on_welcome(self, link: Link, f) -> None:
         raise ProtocolError("unexpected welcome")
+
+    async def _on_authed(self, link: Link, f) -> None:
+        raise ProtocolError("unexpected authed")
 
     async def _on_ping(self, link: Link, f) -> None:
         await link.send("pong", re=f.get("id", int, None))
@@ -370,6 +425,8 @@ class Peer:
     async def _on_gossip(self, link: Link, f) -> None:
         if link.role != "peer":
             raise ProtocolError("gossip is only accepted from peers")
+        if link.remote_id is None:
+            raise Unauthenticated("gossip: this peer has not proven its key; send auth after welcome")
         raw = f.get("adverts", list)
         ads = []
         for d in raw[:1024]:
@@ -380,7 +437,7 @@ class Peer:
         self._merge(ads)
 
     def _merge(self, ads: list[PeerAdvert]) -> None:
-        """Merge adverts into the table, dropping oversized ones and new peers once it is full."""
+        """Merge adverts into the table, dropping oversized or unsigned ones and new peers once it is full."""
         known = {a.peer_id for a in self.table.adverts()}
         keep = []
         for ad in ads:
@@ -389,6 +446,9 @@ class Peer:
             size = protocol.wire_size(ad.to_wire())
             if size > MAX_ADVERT_BYTES:
                 log.debug("dropping the advert of %s: %d bytes, over %d", ad.peer_id[:12], size, MAX_ADVERT_BYTES)
+                continue
+            if not verify_advert(ad):
+                log.debug("dropping an advert for %s: its signature does not verify", ad.peer_id[:12])
                 continue
             known.add(ad.peer_id)
             keep.append(ad)
@@ -709,7 +769,7 @@ async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "c
     Raises:
         ModelNotFound, WeightsError, LayerRangeError, DeviceError: bad arguments or files.
     """
-    from .discovery import load_or_create_key, peer_id_of
+    from .discovery import load_or_create_key
     from .executor import parse_device
     from .generate import load_shard, parse_dtype
     from .tokenizer import Tokenizer
@@ -738,9 +798,8 @@ async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "c
         else:
             from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
             key = Ed25519PrivateKey.generate()
-        peer = Peer(shard, executor, peer_id=peer_id_of(key), weights_hash=digest, precision=dtype,
+        peer = Peer(shard, executor, key=key, weights_hash=digest, precision=dtype,
                     tokenizer_bundle=bundle, settings=settings)
-        peer.key = key
         peer.owns_executor = True
         await peer.start(warmup=warmup)
         return peer

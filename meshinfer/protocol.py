@@ -64,7 +64,11 @@ class PeerAdvert:
         compute_ms_per_token: measured decode time of its whole range per token, milliseconds.
         rtts_ms: the peer's measured round-trip times to other peers, by peer id, milliseconds.
         seq: per-peer counter, larger means newer.
-        ttl_s: seconds the record stays valid after it was received, unless refreshed.
+        ttl_s: seconds the record stays valid after it was received, unless refreshed. Not
+            signed: relays rewrite it to the remaining lifetime.
+        public_key: hex of the peer's raw 32-byte Ed25519 public key (``peer_id`` derives from it).
+        sig: hex Ed25519 signature of :meth:`signed_bytes` by that key (see
+            :func:`meshinfer.discovery.sign_advert`).
     """
 
     peer_id: str
@@ -82,6 +86,8 @@ class PeerAdvert:
     rtts_ms: dict[str, float] = field(default_factory=dict, hash=False, compare=False)
     seq: int = 0
     ttl_s: float = 15.0
+    public_key: str = ""
+    sig: str = ""
 
     @property
     def compat_key(self) -> tuple[str, str, int, int]:
@@ -95,7 +101,20 @@ class PeerAdvert:
                 "num_layers": self.num_layers, "layers": [self.layers.start, self.layers.stop],
                 "device": self.device, "precision": self.precision, "state": self.state,
                 "free_kv_tokens": self.free_kv_tokens, "compute_ms_per_token": self.compute_ms_per_token,
-                "rtts_ms": dict(self.rtts_ms), "seq": self.seq, "ttl_s": self.ttl_s}
+                "rtts_ms": dict(self.rtts_ms), "seq": self.seq, "ttl_s": self.ttl_s,
+                "public_key": self.public_key, "sig": self.sig}
+
+    def signed_bytes(self) -> bytes:
+        """Canonical encoding of every field but ``sig`` and ``ttl_s``: what the signature covers.
+
+        Keys are sorted (``rtts_ms`` too) and numbers keep the types :meth:`from_wire` gives
+        them, so a signer and a verifier build the same bytes from equal adverts.
+        """
+        d = self.to_wire()
+        del d["sig"], d["ttl_s"]
+        d["compute_ms_per_token"] = float(d["compute_ms_per_token"])
+        d["rtts_ms"] = {k: float(d["rtts_ms"][k]) for k in sorted(d["rtts_ms"])}
+        return msgpack.packb({k: d[k] for k in sorted(d)}, use_bin_type=True)
 
     @classmethod
     def from_wire(cls, d: Any) -> "PeerAdvert":
@@ -120,7 +139,8 @@ class PeerAdvert:
                    free_kv_tokens=f.int("free_kv_tokens", lo=0, hi=1 << 40),
                    compute_ms_per_token=f.float("compute_ms_per_token", lo=0.0),
                    rtts_ms={k: float(v) for k, v in rtts.items()}, seq=f.int("seq", lo=0, hi=1 << 62),
-                   ttl_s=f.float("ttl_s", lo=0.0, hi=3600.0))
+                   ttl_s=f.float("ttl_s", lo=0.0, hi=3600.0), public_key=f.str("public_key", ""),
+                   sig=f.str("sig", ""))
 
 
 def _finite(v: object) -> bool:
@@ -258,8 +278,10 @@ def tensor_from_wire(d: Any, *, max_elements: int, width: int | None = None) -> 
 # --------------------------------------------------------------------------- messages
 #: Message types. Direction: C client, P peer. See docs/protocol.md.
 MESSAGE_TYPES = frozenset({
-    "hello",      # C/P -> P   first frame: role, peer id, version
-    "welcome",    # P -> C/P   reply to hello: the peer's advert
+    "hello",      # C/P -> P   first frame: role, nonce; peers add their signed advert
+    "welcome",    # P -> C/P   reply to hello: the peer's signed advert, nonce and proof
+    "auth",       # C/P -> P   proof of the dialer's key (peers) and of the mesh key (private mesh)
+    "authed",     # P -> C/P   reply to auth
     "get_peers",  # C/P -> P   ask for the peer table
     "peers",      # P -> C/P   adverts
     "gossip",     # P -> P     adverts pushed periodically

@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .errors import CacheFull, IncompatiblePeer, InvalidInput, MeshError, PeerUnavailable, ProtocolError
+from . import discovery
+from .errors import (CacheFull, IncompatiblePeer, InvalidInput, MeshError, PeerUnavailable, ProtocolError,
+                     Unauthenticated)
 from .generate import Generation, check_context
 from .protocol import PeerAdvert
 from .routing import Route, plan_route
@@ -66,13 +68,16 @@ class MeshClient:
     Args:
         bootstrap: peer URLs (``ws://host:port``) to learn the mesh from.
         request_timeout_s: deadline of control requests, seconds.
+        mesh_key: the shared key of a private mesh, or None.
     """
 
-    def __init__(self, bootstrap: Sequence[str], *, request_timeout_s: float = 10.0) -> None:
+    def __init__(self, bootstrap: Sequence[str], *, request_timeout_s: float = 10.0,
+                 mesh_key: bytes | None = None) -> None:
         if not bootstrap:
             raise InvalidInput("no peers to contact: pass --peers ws://HOST:PORT")
         self.bootstrap = list(bootstrap)
         self.request_timeout_s = request_timeout_s
+        self.mesh_key = mesh_key
         self.table: dict[str, PeerAdvert] = {}
         self.rtts_ms: dict[str, float] = {}
         self._links: dict[str, Link] = {}
@@ -110,9 +115,16 @@ class MeshClient:
         link = await dial(url, max_bytes=CLIENT_MAX_FRAME_BYTES, on_message=self._on_message,
                           open_timeout_s=self.request_timeout_s)
         try:
-            _, f = await link.request("hello", timeout_s=self.request_timeout_s, role="client")
-            advert = PeerAdvert.from_wire(f.get("advert", dict))
+            nonce = discovery.new_nonce()
+            _, f = await link.request("hello", timeout_s=self.request_timeout_s, role="client", nonce=nonce)
+            advert, welcome_nonce = discovery.check_welcome(f, nonce, mesh_key=self.mesh_key)
             link.info["max_step_tokens"] = f.int("max_step_tokens", lo=1, hi=1 << 20)
+            if self.mesh_key is not None:
+                mac = discovery.mesh_mac(self.mesh_key, discovery.MESH_HELLO_LABEL, welcome_nonce, nonce)
+                await link.request("auth", timeout_s=self.request_timeout_s, mac=mac)
+            elif f.get("private", bool, False):
+                raise Unauthenticated(f"{url}: this mesh is private: pass its key with --mesh-key-file "
+                                      f"(or MESHINFER_MESH_KEY_FILE)")
         except MeshError:
             await link.close()
             raise
@@ -169,20 +181,25 @@ class MeshClient:
     async def refresh(self) -> list[PeerAdvert]:
         """Fetch the peer table from the first bootstrap peer that answers.
 
+        Adverts whose signature does not verify are ignored.
+
         Raises:
             PeerUnavailable: no bootstrap peer answered.
+            Unauthenticated: no peer answered, and some refused this client (a private mesh
+                without its key) or could not prove their keys.
         """
-        errors = []
+        errors, refused = [], False
         known = [a for p in self.table.values() if p.peer_id not in self.backed_off() for a in p.addrs]
         for url in dict.fromkeys(self.bootstrap + known):  # bootstrap first, then peers we learnt
             try:
                 link, advert, _ = await self._hello(url)
             except MeshError as exc:
                 errors.append(str(exc))
+                refused |= isinstance(exc, Unauthenticated)
                 continue
             try:
                 _, f = await link.request("get_peers", timeout_s=self.request_timeout_s)
-                ads = [PeerAdvert.from_wire(d) for d in f.get("adverts", list)]
+                ads = [ad for ad in map(PeerAdvert.from_wire, f.get("adverts", list)) if discovery.verify_advert(ad)]
             except MeshError as exc:
                 errors.append(f"{url}: {exc}")
                 await link.close()
@@ -194,7 +211,7 @@ class MeshClient:
                 await link.close()
             self.table = {ad.peer_id: ad for ad in ads}
             return ads
-        raise PeerUnavailable("no bootstrap peer answered: " + "; ".join(errors))
+        raise (Unauthenticated if refused else PeerUnavailable)("no bootstrap peer answered: " + "; ".join(errors))
 
     async def measure_rtts(self, peers: Sequence[PeerAdvert] | None = None) -> dict[str, float]:
         """Ping each peer :data:`RTT_PROBES` times; store and return the median RTT in ms."""

@@ -10,7 +10,6 @@ from typing import Sequence
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshinfer.config import LayerRange
-from meshinfer.discovery import peer_id_of
 from meshinfer.executor import DeviceExecutor
 from meshinfer.models.llama import Shard
 from meshinfer.peer import Peer, PeerSettings
@@ -22,7 +21,7 @@ async def start_peer(shard: Shard, *, weights_hash: str, precision: str = "f32",
                      bootstrap: Sequence[str] = (), **settings) -> Peer:
     """A started peer serving ``shard`` on 127.0.0.1:0 with fast gossip."""
     opts = dict(FAST) | settings
-    peer = Peer(shard, DeviceExecutor("cpu"), peer_id=peer_id_of(Ed25519PrivateKey.generate()),
+    peer = Peer(shard, DeviceExecutor("cpu"), key=Ed25519PrivateKey.generate(),
                 weights_hash=weights_hash, precision=precision, tokenizer_bundle=bundle,
                 settings=PeerSettings(bootstrap=tuple(bootstrap), **opts))
     peer.owns_executor = True

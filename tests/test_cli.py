@@ -49,6 +49,8 @@ def test_generate_json(tiny_gguf):
     (["generate", "-p", "x", "--model", "no-such-model"], "no-such-model"),
     (["generate", "-p", "x", "--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1"], "no bootstrap peer answered"),
+    (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1", "--mesh-key-file", "/nonexistent/mesh.key"],
+     "--mesh-key-file /nonexistent/mesh.key: No such file or directory"),
 ])
 def test_user_mistakes_give_one_line_errors(tiny_gguf, args, message):
     if "--model" not in args and args[0] != "chat":
@@ -88,6 +90,31 @@ def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_private_mesh_needs_the_key_file(tiny_gguf, tmp_path):
+    (tmp_path / "mesh.key").write_text("a shared secret of 32 characters\n")
+    env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
+    env.pop("MESHINFER_MESH_KEY_FILE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(tiny_gguf),
+                             "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env | {"MESHINFER_MESH_KEY_FILE": str(tmp_path / "mesh.key")})
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"ready: peer (\w+) serving .* at (ws://127\.0\.0\.1:\d+)", line)
+        assert m, line + proc.stderr.read() if proc.poll() is not None else line
+        refused = meshinfer("status", "--peers", m.group(2), env=env)
+        assert refused.returncode == 2
+        assert refused.stderr.strip().splitlines()[-1] == (
+            f"error: no bootstrap peer answered: {m.group(2)}: this mesh is private: pass its key with "
+            f"--mesh-key-file (or MESHINFER_MESH_KEY_FILE)")
+        status = meshinfer("status", "--peers", m.group(2), "--json", "--mesh-key-file", str(tmp_path / "mesh.key"),
+                           env=env)
+        assert status.returncode == 0, status.stderr
+        assert [p["peer_id"][:12] for p in json.loads(status.stdout)["peers"]] == [m.group(1)]
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_pull_prints_path_last(tmp_path):

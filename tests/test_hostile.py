@@ -22,12 +22,14 @@ import msgpack
 import pytest
 import torch
 import websockets
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshkit import file_hash, mesh, split
 from meshinfer import peer as peer_module
 from meshinfer import protocol
 from meshinfer.config import LayerRange
-from meshinfer.errors import ProtocolError
+from meshinfer.discovery import HELLO_LABEL, MAX_TTL_S, NONCE_BYTES, peer_id_of, sign_advert
+from meshinfer.errors import LayerRangeError, ProtocolError
 from meshinfer.generate import greedy_generate, load_shard
 from meshinfer.protocol import PeerAdvert
 from meshinfer.session import MeshClient
@@ -40,6 +42,8 @@ VOCAB = 260  # 256 bytes + 1 merge + 3 specials
 WIDTH = 32  # hidden size C
 MAX_STEP = 512  # PeerSettings.max_step_tokens default
 TASK_SLACK = 3  # transient tasks (gossip rounds, hello-timer closes) a peer may hold above its baseline
+ROGUE_KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))  # the identity rogue peers use by default
+NONCE = bytes(range(NONCE_BYTES))
 
 
 # --------------------------------------------------------------------------- fixtures and helpers
@@ -127,12 +131,17 @@ class Raw:
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
-    async def connect(cls, peer, *, role: str | None = "client", advert: dict | None = None, **kw) -> "Raw":
+    async def connect(cls, peer, *, role: str | None = "client", advert: dict | None = None, key=ROGUE_KEY,
+                      **kw) -> "Raw":
+        """Connect and say hello as ``role``; a peer also proves ``key`` (the key of ``advert``)."""
         ws = await websockets.connect(peer.addrs[0], max_size=None, compression=None, ping_interval=None, **kw)
         raw = cls(ws)
         if role is not None:
-            reply = await raw.request("hello", role=role, **({"advert": advert} if advert else {}))
+            reply = await raw.request("hello", role=role, nonce=NONCE, **({"advert": advert} if advert else {}))
             assert reply["t"] == "welcome", reply
+            if role == "peer":
+                reply = await raw.request("auth", proof=key.sign(HELLO_LABEL + reply["nonce"] + NONCE))
+                assert reply["t"] == "authed", reply
         return raw
 
     async def _read(self) -> None:
@@ -190,12 +199,23 @@ def small_socket(port: int) -> socket.socket:
     return sock
 
 
-def rogue_advert(digest: str, peer_id: str = "r0gue" * 6 + "00", **changes) -> dict:
-    """A well-formed advert of a peer that does not exist (no address, short TTL)."""
-    ad = PeerAdvert(peer_id=peer_id, addrs=(), protocol_version=protocol.PROTOCOL_VERSION, weights_hash=digest,
-                    architecture="qwen2", num_layers=4, layers=LayerRange(0, 2), device="cpu", precision="f32",
-                    ttl_s=1.0).to_wire()
-    return ad | changes
+def rogue_advert(digest: str, *, key=ROGUE_KEY, **changes) -> dict:
+    """An advert of a peer that does not exist (no address, short TTL) with ``changes``, signed by ``key``.
+
+    The id is ``key``'s unless ``changes`` names another (then the signature is valid but the
+    advert is not). Changes that make it malformed leave it unsigned.
+    """
+    ad = PeerAdvert(peer_id=peer_id_of(key), addrs=(), protocol_version=protocol.PROTOCOL_VERSION,
+                    weights_hash=digest, architecture="qwen2", num_layers=4, layers=LayerRange(0, 2), device="cpu",
+                    precision="f32", ttl_s=1.0).to_wire() | changes
+    try:
+        return sign_advert(PeerAdvert.from_wire(ad), key).to_wire()
+    except (ProtocolError, LayerRangeError):
+        return ad
+
+
+def new_key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.generate()
 
 
 def f32(t: torch.Tensor, **changes) -> dict:
@@ -329,15 +349,16 @@ async def test_gossip_floods_and_bad_numbers_are_dropped(tiny):
         raw = await Raw.connect(peer, role="peer", advert=rogue_advert(digest, ttl_s=30.0))
         try:
             await raw.send("gossip", adverts=list(range(10_000)))
-            await raw.send("gossip", adverts=[rogue_advert(digest, peer_id=f"n{i}", ttl_s=math.nan)
+            await raw.send("gossip", adverts=[rogue_advert(digest, key=new_key(), ttl_s=math.nan)
                                               for i in range(300)])
-            junk = [rogue_advert(digest, peer_id="a", compute_ms_per_token=math.inf),
-                    rogue_advert(digest, peer_id="b", seq=1 << 63), rogue_advert(digest, peer_id="c", ttl_s=-1.0),
-                    rogue_advert(digest, peer_id="d", rtts_ms={"e": -1.0}), {"peer_id": "f"}, None, "advert",
-                    rogue_advert(digest, peer_id="good", ttl_s=30.0)]
+            good = rogue_advert(digest, key=new_key(), ttl_s=30.0)
+            junk = [rogue_advert(digest, key=new_key(), compute_ms_per_token=math.inf),
+                    rogue_advert(digest, key=new_key(), seq=1 << 63), rogue_advert(digest, key=new_key(), ttl_s=-1.0),
+                    rogue_advert(digest, key=new_key(), rtts_ms={"e": -1.0}), {"peer_id": "f"}, None, "advert", good]
             await raw.send("gossip", adverts=junk)
             assert (await raw.request("ping"))["t"] == "pong"  # every gossip above has been handled
-            assert sorted(a.peer_id for a in peer.table.adverts()) == sorted(["good", rogue_advert(digest)["peer_id"]])
+            assert sorted(a.peer_id for a in peer.table.adverts()) == sorted([good["peer_id"],
+                                                                              rogue_advert(digest)["peer_id"]])
         finally:
             await raw.close()
         for ad in peer.table.adverts():
@@ -351,14 +372,14 @@ async def test_rogue_peer_cannot_grow_the_peer_table_beyond_its_cap(tiny):
         digest = peer.weights_hash
         raw = await Raw.connect(peer, role="peer", advert=rogue_advert(digest))
         try:
-            for batch in range(4):
-                await raw.send("gossip", adverts=[rogue_advert(digest, peer_id=f"fake{batch}-{i}", ttl_s=60.0)
-                                                  for i in range(300)])
-            big = rogue_advert(digest, peer_id="big", addrs=[f"ws://{i}" + "x" * 4000 for i in range(20)])
+            for batch in range(8):  # 150 signed adverts (about 90 KB) fit one frame
+                await raw.send("gossip", adverts=[rogue_advert(digest, key=new_key(), ttl_s=60.0)
+                                                  for i in range(150)])
+            big = rogue_advert(digest, key=new_key(), addrs=[f"ws://{i}" + "x" * 4000 for i in range(20)])
             await raw.send("gossip", adverts=[big])
             await raw.request("ping")
             assert len(peer.table) == peer_module.MAX_KNOWN_PEERS
-            assert peer.table.get("big") is None
+            assert peer.table.get(big["peer_id"]) is None
             payload = peer._gossip_payload()
             assert payload[0]["peer_id"] == peer.peer_id
             assert protocol.wire_size(payload) <= peer_module.GOSSIP_BUDGET_BYTES < peer.max_frame_bytes
@@ -379,11 +400,11 @@ async def test_silent_fake_peers_do_not_pile_up_gossip_tasks(tiny):
             peer = peers[0]
             raw = await Raw.connect(peer, role="peer", advert=rogue_advert(peer.weights_hash))
             try:
-                await raw.send("gossip", adverts=[rogue_advert(peer.weights_hash, peer_id=f"mute{i}", addrs=[url],
-                                                               ttl_s=60.0) for i in range(100)])
+                mute = [rogue_advert(peer.weights_hash, key=new_key(), addrs=[url], ttl_s=60.0) for i in range(100)]
+                await raw.send("gossip", adverts=mute)
                 await raw.request("ping")
                 await asyncio.sleep(1.0)  # 10 gossip rounds of 0.1 s; each dial waits 5 s
-                assert sum(1 for ad in peer.table.adverts() if ad.peer_id.startswith("mute")) == 100
+                assert sum(1 for ad in peer.table.adverts() if ad.peer_id in {m["peer_id"] for m in mute}) == 100
                 assert len(peer._tasks) <= peer.test_task_baseline + 101 + TASK_SLACK
             finally:
                 await raw.close()
@@ -403,7 +424,7 @@ async def test_gossip_from_a_rogue_cannot_break_the_link_between_honest_peers(ti
         raw = await Raw.connect(first, role="peer", advert=rogue_advert(first.weights_hash))
         try:
             for i in range(3):  # each about 75 KB: one fits a frame, three together do not
-                await raw.send("gossip", adverts=[rogue_advert(first.weights_hash, peer_id=f"big{i}", ttl_s=60.0,
+                await raw.send("gossip", adverts=[rogue_advert(first.weights_hash, key=new_key(), ttl_s=60.0,
                                                                rtts_ms={f"{j:064d}": 1.0 for j in range(1000)})])
             await raw.request("ping")
             await asyncio.sleep(0.5)  # 5 gossip rounds
@@ -873,20 +894,99 @@ async def test_later_hop_takes_steps_only_from_the_named_previous_peer(tiny):
         await assert_healthy(tiny, peers)
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: adverts are not signed, so a rogue can speak for another "
-                                      "peer id; the fix is a signed hello and signed adverts")
 async def test_rogue_cannot_speak_for_another_peer(tiny):
     async with serving(tiny, (0, 2, 4)) as peers:
         first, second = peers
         lie = rogue_advert(first.weights_hash, peer_id=second.peer_id, layers=[2, 4], addrs=[], seq=1 << 62,
                            ttl_s=3600.0)
-        raw = await Raw.connect(first, role="peer", advert=lie)
+        raw = await Raw.connect(first, role=None)
+        try:
+            assert await raw.error("hello", role="peer", nonce=NONCE, advert=lie) == (
+                "unauthenticated", f"hello: the advert of peer {second.peer_id[:12]} does not verify against its "
+                                   f"public key")
+        finally:
+            await raw.close()
+        raw = await Raw.connect(first, role="peer", advert=rogue_advert(first.weights_hash))
         try:
             await raw.send("gossip", adverts=[lie])
             await raw.request("ping")
             assert first.table.get(second.peer_id).addrs == second.addrs
+            assert first.links[second.peer_id].remote_id == second.peer_id
         finally:
             await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+def forged(ad: dict) -> dict:
+    """``ad`` with one bit of its signature flipped."""
+    sig = bytearray.fromhex(ad["sig"])
+    sig[0] ^= 1
+    return ad | {"sig": sig.hex()}
+
+
+BAD_SIGNATURES = {
+    "forged signature": lambda d, k: forged(rogue_advert(d, key=k)),
+    "no signature": lambda d, k: rogue_advert(d, key=k) | {"sig": "", "public_key": ""},
+    "another peer's id": lambda d, k: rogue_advert(d, key=k, peer_id=peer_id_of(new_key())),
+    "another peer's key": lambda d, k: rogue_advert(d, key=k) | {"public_key": rogue_advert(d)["public_key"]},
+    "addrs changed after signing": lambda d, k: rogue_advert(d, key=k) | {"addrs": ["ws://evil:1"]},
+    "seq changed after signing": lambda d, k: rogue_advert(d, key=k) | {"seq": 1 << 40},
+    "layers changed after signing": lambda d, k: rogue_advert(d, key=k) | {"layers": [0, 4]},
+    "rtts changed after signing": lambda d, k: rogue_advert(d, key=k) | {"rtts_ms": {"x": 0.0}},
+}
+
+
+@pytest.mark.parametrize("make", BAD_SIGNATURES.values(), ids=BAD_SIGNATURES.keys())
+async def test_adverts_that_do_not_verify_are_dropped(tiny, make):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raw = await Raw.connect(peer, role="peer", advert=rogue_advert(peer.weights_hash))
+        try:
+            bad, good = make(peer.weights_hash, new_key()), rogue_advert(peer.weights_hash, key=new_key(), ttl_s=5.0)
+            await raw.send("gossip", adverts=[bad, good])
+            await raw.request("ping")
+            assert peer.table.get(bad["peer_id"]) is None
+            assert peer.table.get(good["peer_id"]) is not None
+        finally:
+            await raw.close()
+
+
+async def test_a_relay_cannot_keep_a_record_alive_beyond_the_ttl_cap(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raw = await Raw.connect(peer, role="peer", advert=rogue_advert(peer.weights_hash))
+        try:
+            ad = rogue_advert(peer.weights_hash, key=new_key(), ttl_s=3600.0)
+            await raw.send("gossip", adverts=[ad])
+            await raw.request("ping")
+            assert [a.ttl_s <= MAX_TTL_S for a in peer.table.adverts() if a.peer_id == ad["peer_id"]] == [True]
+        finally:
+            await raw.close()
+
+
+async def test_a_dialer_that_cannot_prove_its_key_is_refused(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        ad = rogue_advert(peer.weights_hash)
+        raw = await Raw.connect(peer, role=None)
+        try:
+            welcome = await raw.request("hello", role="peer", nonce=NONCE, advert=ad)
+            assert welcome["t"] == "welcome"
+            wrong = new_key().sign(HELLO_LABEL + welcome["nonce"] + NONCE)
+            assert await raw.error("auth", proof=wrong) == (
+                "unauthenticated", f"auth: the proof does not match the key of peer {ad['peer_id'][:12]}")
+            stale = ROGUE_KEY.sign(HELLO_LABEL + bytes(NONCE_BYTES) + NONCE)  # a proof for another welcome
+            assert await raw.error("auth", proof=stale) == (
+                "unauthenticated", f"auth: the proof does not match the key of peer {ad['peer_id'][:12]}")
+            assert await raw.error("gossip", adverts=[ad]) == (
+                "unauthenticated", "gossip: this peer has not proven its key; send auth after welcome")
+            await raw.request("open", conv="u", layers=[2, 4], max_tokens=8, prev=ad["peer_id"])
+            assert await raw.error("step", conv="u", seq=1, start=0, hidden=f32(torch.zeros(1, 1, WIDTH))) == (
+                "protocol_error", "step 1: this connection may not send steps for conversation u")
+            assert ad["peer_id"] not in peer.links and peer.table.get(ad["peer_id"]) is None
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
 
 
 async def test_unread_client_does_not_block_the_link_between_hops(tiny):
@@ -923,7 +1023,7 @@ FUZZ_FRAMES = 12_000  # frames generated: a batch cut short by a close loses its
 FUZZ_CONNECTIONS = 4
 FUZZ_BATCH = 8
 ERROR_CODES = {"protocol_error", "version_mismatch", "invalid_input", "bad_positions", "context_overflow",
-               "bad_layer_range", "cache_full", "peer_unavailable"}
+               "bad_layer_range", "cache_full", "peer_unavailable", "unauthenticated"}
 WEIRD = [None, True, False, 0, -1, 1, 7, 255, 1 << 31, (1 << 63) - 1, -(1 << 63), (1 << 64) - 1, 0.5, math.nan,
          math.inf, -math.inf, "", "f1", "token", "none", "f32", "x" * 5000, b"", b"\0" * 129, [], [0, 4], [4, 0],
          [0, 2, 4], [1] * 600, [[[[[]]]]], {}, {"a": 1}, {"peer_id": "p", "addrs": []}]
@@ -931,9 +1031,10 @@ WEIRD = [None, True, False, 0, -1, 1, 7, 255, 1 << 31, (1 << 63) - 1, -(1 << 63)
 
 def fuzz_templates(digest: str) -> list[dict]:
     """Valid frames of every type a peer accepts, as maps to mutate."""
-    ad = rogue_advert(digest, peer_id="fuzzer" + "0" * 26, ttl_s=0.5)
+    ad = rogue_advert(digest, key=Ed25519PrivateKey.from_private_bytes(b"f" * 32), ttl_s=0.5)
     hidden = f32(torch.zeros(1, 2, WIDTH))
-    return [{"t": "hello", "role": "client"}, {"t": "hello", "role": "peer", "advert": ad},
+    return [{"t": "hello", "role": "client"}, {"t": "hello", "role": "peer", "advert": ad, "nonce": NONCE},
+            {"t": "auth", "id": 10, "proof": bytes(64)},
             {"t": "ping", "id": 1}, {"t": "pong", "re": 1}, {"t": "get_peers", "id": 2},
             {"t": "get_tokenizer", "id": 3},
             {"t": "open", "id": 4, "conv": "f1", "layers": [0, 4], "max_tokens": 8},

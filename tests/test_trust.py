@@ -1,0 +1,139 @@
+"""Identity and private meshes: welcome proofs a client checks, and the shared mesh key."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import msgpack
+import pytest
+import websockets
+
+from meshkit import file_hash, mesh, split, start_peer
+from meshinfer import discovery, protocol
+from meshinfer.errors import Unauthenticated
+from meshinfer.generate import greedy_generate, load_shard
+from meshinfer.peer import PRIVATE_MESH
+from meshinfer.session import MeshClient
+from meshinfer.tokenizer import Tokenizer
+from tiny import random_weights, tiny_config, write_gguf
+
+MESSAGES = [{"role": "user", "content": "a private word"}]
+KEY = b"correct horse battery staple 32b"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(gguf path, weights hash, tokenizer, whole-model shard) of a tiny random qwen2 model."""
+    d = tmp_path_factory.mktemp("trust")
+    cfg = tiny_config("qwen2", context=256)
+    path = write_gguf(d / "tiny.gguf", cfg, random_weights(cfg))
+    return path, file_hash(path), Tokenizer.from_gguf(path), load_shard(path)
+
+
+def private_mesh(tiny, bounds=(0, 2, 4), key=KEY):
+    path, digest, tok, _ = tiny
+    return mesh(split(lambda r: load_shard(path, r), list(bounds)), weights_hash=digest, bundle=tok.to_bundle(),
+                mesh_key=key)
+
+
+async def frames(url: str, *msgs: dict) -> list[dict]:
+    """Send ``msgs`` on one raw connection; the reply to each."""
+    async with websockets.connect(url, compression=None) as ws:
+        out = []
+        for i, m in enumerate(msgs):
+            await ws.send(msgpack.packb({"v": protocol.PROTOCOL_VERSION, "id": i, **m}, use_bin_type=True))
+            out.append(msgpack.unpackb(await ws.recv()))
+        return out
+
+
+async def welcome_for(peer, nonce: bytes) -> protocol.Fields:
+    [reply] = await frames(peer.addrs[0], {"t": "hello", "role": "client", "nonce": nonce})
+    return protocol.Fields(reply, "welcome")
+
+
+async def test_a_welcome_proves_the_peer_key_for_this_hello_only(tiny):
+    path, digest, tok, _ = tiny
+    peer = await start_peer(load_shard(path), weights_hash=digest)
+    try:
+        nonce = discovery.new_nonce()
+        advert, _ = discovery.check_welcome(await welcome_for(peer, nonce), nonce, expect_id=peer.peer_id)
+        assert advert.peer_id == peer.peer_id
+        replayed = await welcome_for(peer, discovery.new_nonce())  # what an impostor could have recorded
+        with pytest.raises(Unauthenticated, match=f"peer {peer.peer_id[:12]} could not prove it holds its key"):
+            discovery.check_welcome(replayed, nonce)
+        with pytest.raises(Unauthenticated, match=f"answered as peer {peer.peer_id[:12]}, not 0000"):
+            discovery.check_welcome(await welcome_for(peer, nonce), nonce, expect_id="0" * 32)
+    finally:
+        await peer.close()
+
+
+async def test_the_client_ignores_adverts_that_do_not_verify(tiny):
+    path, digest, _, _ = tiny
+    async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest) as [first, second]:
+        honest = first.table.get(second.peer_id)
+        first.table.remove(second.peer_id)
+        first.table.merge([replace(honest, addrs=("ws://evil:1",), seq=honest.seq + 1000)])  # bypasses the peer's check
+        async with MeshClient(list(first.addrs)) as client:
+            assert [ad.peer_id for ad in await client.refresh()] == [first.peer_id]
+
+
+async def test_private_mesh_with_the_key_equals_greedy_generate(tiny):
+    _, _, tok, whole = tiny
+    async with private_mesh(tiny) as peers:
+        assert all(p.table.get(q.peer_id) for p in peers for q in peers if q is not p)  # peers gossip with the key
+        async with MeshClient(list(peers[0].addrs), mesh_key=KEY) as client:
+            route = await client.plan()
+            conv = client.conversation(route, max_tokens_total=96)
+            ids = tok.encode_chat(MESSAGES)
+            try:
+                out = await conv.generate(ids, max_tokens=8, eos_ids=())
+            finally:
+                await conv.close()
+    assert len(route.hops) == 2
+    assert out.token_ids == greedy_generate(whole, ids, max_tokens=8, eos_ids=()).token_ids
+
+
+async def test_private_mesh_refuses_a_client_without_the_key(tiny):
+    async with private_mesh(tiny) as peers:
+        url = peers[0].addrs[0]
+        with pytest.raises(Unauthenticated, match=f"no bootstrap peer answered: {url}: this mesh is private: "
+                                                  f"pass its key with --mesh-key-file"):
+            await MeshClient([url]).refresh()
+        with pytest.raises(Unauthenticated, match=f"{peers[0].peer_id[:12]} does not hold this mesh key"):
+            await MeshClient([url], mesh_key=b"w" * 32).refresh()
+        replies = await frames(url, {"t": "hello", "role": "client"}, {"t": "get_peers"},
+                               {"t": "open", "conv": "c", "layers": [0, 2], "max_tokens": 8},
+                               {"t": "auth", "mac": b"\0" * 32}, {"t": "ping"})
+        assert replies[0]["t"] == "welcome" and replies[0]["private"] is True
+        refused = ("error", "unauthenticated", PRIVATE_MESH)
+        assert [(r["t"], r["code"], r["message"]) for r in replies[1:]] == [refused] * 4
+        assert not any(p.convs for p in peers)
+
+
+async def test_a_peer_without_the_key_cannot_join_a_private_mesh(tiny):
+    path, digest, _, _ = tiny
+    async with private_mesh(tiny, bounds=(0, 4)) as [member]:
+        outsider = await start_peer(load_shard(path), weights_hash=digest, bootstrap=member.addrs)
+        try:
+            await asyncio.sleep(0.5)  # 5 gossip rounds
+            assert len(outsider.table) == 0 and len(member.table) == 0 and not member.links
+        finally:
+            await outsider.close()
+
+
+def test_mesh_key_file_must_hold_enough_bytes(tmp_path):
+    (tmp_path / "short.key").write_text("tiny\n")
+    with pytest.raises(ValueError, match="holds 4 bytes; a mesh key needs at least 16"):
+        discovery.load_mesh_key(tmp_path / "short.key")
+    (tmp_path / "ok.key").write_text(KEY.decode() + "\n")
+    assert discovery.load_mesh_key(tmp_path / "ok.key") == KEY
+
+
+def test_mesh_key_file_option_and_environment(monkeypatch):
+    from meshinfer.cli import build_parser
+
+    assert build_parser().parse_args(["status", "--mesh-key-file", "m.key"]).mesh_key_file == "m.key"
+    monkeypatch.setenv("MESHINFER_MESH_KEY_FILE", "/keys/mesh.key")
+    assert [build_parser().parse_args([cmd]).mesh_key_file for cmd in ("join", "chat", "status")] == \
+        ["/keys/mesh.key"] * 3
