@@ -337,7 +337,7 @@ class Conversation:
                 return
             except CacheFull as exc:  # that hop is full: plan around it with what we need
                 await self._close_on(self.route.hops)
-                full.add(self._refusing_hop(exc))
+                full.add(self.route.hops[self._opening].peer_id)
                 if attempt == MAX_FAILOVERS:
                     raise
                 log.info("a hop has no room (%s); planning around it", exc)
@@ -346,9 +346,6 @@ class Conversation:
             except BaseException:
                 await self.close()
                 raise
-
-    def _refusing_hop(self, exc: MeshError) -> str:
-        return getattr(exc, "peer_id", None) or self.route.hops[self._opening].peer_id
 
     async def close(self) -> None:
         """Free the conversation on every hop. Safe to call twice."""
