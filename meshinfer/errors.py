@@ -73,6 +73,12 @@ class CacheFull(MeshError):
     code = "cache_full"
 
 
+class RateLimited(MeshError):
+    """A client went over a peer's per-client limit (conversations, steps/s or bytes/s)."""
+
+    code = "rate_limited"
+
+
 class ProtocolError(MeshError):
     """A wire message is malformed: bad msgpack, unknown type, missing or mistyped field."""
 

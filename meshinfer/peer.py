@@ -25,8 +25,8 @@ import websockets
 from . import discovery, protocol
 from .config import LayerRange
 from .discovery import DEFAULT_GOSSIP_INTERVAL_S, DEFAULT_TTL_S, PeerTable, peer_id_of, sign_advert, verify_advert
-from .errors import (CacheFull, ContextOverflow, InvalidInput, LayerRangeError, MeshError, PeerUnavailable, PositionError,
-                     ProtocolError, Unauthenticated)
+from .errors import (CacheFull, ContextOverflow, InvalidInput, LayerRangeError, MeshError, PeerUnavailable,
+                     PositionError, ProtocolError, RateLimited, Unauthenticated)
 from .executor import DeviceExecutor
 from .kv_cache import HiddenLog, KVCache
 from .models.llama import Shard
@@ -84,6 +84,38 @@ class PeerSettings:
     advert_ttl_s: float = DEFAULT_TTL_S
     request_timeout_s: float = 10.0
     mesh_key: bytes | None = None
+    client_limits: "ClientLimits" = field(default_factory=lambda: ClientLimits())
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    """What one client host (by IP address) may use of a peer; beyond it, ``rate_limited``.
+
+    Attributes:
+        conversations: conversations open at once, all its connections together.
+        steps_per_s: step frames per second, sustained (token bucket, bursts of 2 s).
+        bytes_per_s: frame bytes per second, sustained (token bucket, bursts of 2 s).
+    """
+
+    conversations: int = 64
+    steps_per_s: float = 200.0
+    bytes_per_s: float = 32 * 2 ** 20
+
+
+class _Bucket:
+    """A token bucket: ``rate`` per second, holding at most ``burst``."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst, self.level, self.t = rate, burst, burst, time.monotonic()
+
+    def take(self, amount: float) -> bool:
+        now = time.monotonic()
+        self.level = min(self.burst, self.level + (now - self.t) * self.rate)
+        self.t = now
+        if amount > self.level:
+            return False
+        self.level -= amount
+        return True
 
 
 @dataclass
@@ -146,6 +178,7 @@ class Peer:
         self._gossiping: set[str] = set()  # peer ids with a gossip exchange in flight
         self._closing = False
         self.owns_executor = False
+        self._buckets: dict[str, tuple[_Bucket, _Bucket]] = {}
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -356,12 +389,25 @@ class Peer:
     async def _on_message(self, link: Link, msg_type: str, f) -> None:
         if link.role is None and msg_type != "hello":
             raise ProtocolError(f"the first frame must be hello, got {msg_type}")
+        if link.role == "client":
+            self._charge(link, msg_type)
         if self.settings.mesh_key is not None and not link.info.get("authed") and msg_type not in ("hello", "auth"):
             raise Unauthenticated(PRIVATE_MESH)
         handler = getattr(self, f"_on_{msg_type}", None)
         if handler is None:
             raise ProtocolError(f"a peer does not accept {msg_type} frames")
         await handler(link, f)
+
+    def _charge(self, link: Link, msg_type: str) -> None:
+        """Count a client's frame against its host's :class:`ClientLimits`."""
+        host = _client_host(link)
+        limits = self.settings.client_limits
+        steps, volume = self._buckets.setdefault(host, (_Bucket(limits.steps_per_s, 2 * limits.steps_per_s),
+                                                        _Bucket(limits.bytes_per_s, 2 * limits.bytes_per_s)))
+        if not volume.take(link.last_frame_bytes):
+            raise RateLimited(f"client {host} sends more than {limits.bytes_per_s:.0f} bytes/s")
+        if msg_type == "step" and not steps.take(1):
+            raise RateLimited(f"client {host} sends more than {limits.steps_per_s:g} steps/s")
 
     async def _on_hello(self, link: Link, f) -> None:
         if link.role is not None:
@@ -476,6 +522,9 @@ class Peer:
                                   f"{self.cfg.max_position_embeddings} tokens")
         if sum(1 for c in self.convs.values() if c.owner is link) >= MAX_CONVERSATIONS_PER_LINK:
             raise CacheFull(f"this connection already holds {MAX_CONVERSATIONS_PER_LINK} conversations")
+        host, limit = _client_host(link), self.settings.client_limits.conversations
+        if link.role == "client" and sum(1 for c in self.convs.values() if _client_host(c.owner) == host) >= limit:
+            raise RateLimited(f"client {host} already holds {limit} conversations on this peer")
         if tokens > self.free_kv_tokens:
             raise CacheFull(f"conversation needs {tokens} tokens of KV cache; this peer has "
                             f"{self.free_kv_tokens} free of {self.capacity_tokens}")
@@ -664,6 +713,7 @@ class Peer:
         while True:
             await asyncio.sleep(min(5.0, self.settings.idle_timeout_s / 2))
             now = time.monotonic()
+            self._buckets = {h: b for h, b in self._buckets.items() if b[1].level < b[1].burst}  # drop idle hosts
             for conv in list(self.convs.values()):
                 if now - conv.last_active > self.settings.idle_timeout_s and conv.queue.empty():
                     log.info("conversation %s idle for %.0f s; freeing it", conv.conv_id, now - conv.last_active)
@@ -724,6 +774,12 @@ class Peer:
             log.debug("gossip to %s failed: %s", peer_id[:12], exc)
         finally:
             self._gossiping.discard(peer_id)
+
+
+def _client_host(link: Link) -> str:
+    """The IP address a client connection comes from (its limits are per host)."""
+    addr = getattr(link.ws, "remote_address", None)
+    return str(addr[0]) if addr else "?"
 
 
 def new_conversation_id() -> str:

@@ -54,6 +54,7 @@ class Link:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._bad_frames = 0
+        self.last_frame_bytes = 0
         self.closed = asyncio.Event()
 
     async def send(self, msg_type: str, **fields: Any) -> None:
@@ -101,6 +102,7 @@ class Link:
     async def _dispatch(self, frame: bytes | str) -> None:
         context: dict[str, Any] = {}
         try:
+            self.last_frame_bytes = len(frame)
             msg_type, f = protocol.decode(frame, max_bytes=self.max_bytes)
             context = _reply_context(f)
             re = f.get("re", int, None)

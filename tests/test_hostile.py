@@ -31,6 +31,7 @@ from meshinfer.config import LayerRange
 from meshinfer.discovery import HELLO_LABEL, MAX_TTL_S, NONCE_BYTES, peer_id_of, sign_advert
 from meshinfer.errors import LayerRangeError, ProtocolError
 from meshinfer.generate import greedy_generate, load_shard
+from meshinfer.peer import ClientLimits
 from meshinfer.protocol import PeerAdvert
 from meshinfer.session import MeshClient
 from meshinfer.tokenizer import Tokenizer
@@ -787,7 +788,7 @@ async def test_open_flood_on_one_connection_is_capped(tiny):
 
 
 async def test_two_hundred_connections_each_with_a_conversation(tiny):
-    async with serving(tiny) as peers:
+    async with serving(tiny, client_limits=ClientLimits(conversations=1000)) as peers:
         peer = peers[0]
         raws = await asyncio.gather(*(Raw.connect(peer) for _ in range(200)))
         try:
@@ -1145,3 +1146,31 @@ async def test_seeded_fuzzer_leaves_the_peer_serving_at_baseline(tiny):
         print(f"fuzz: {stats['handled']} frames handled over {stats['connections']} connections, "
               f"{stats['replies']} replies, "
               f"closes {sorted(stats['close_codes'])}, {elapsed:.1f} s")
+
+
+async def test_per_client_limits_refuse_clearly_and_others_go_on(tiny):
+    limits = ClientLimits(conversations=3, steps_per_s=5.0, bytes_per_s=1e9)
+    async with serving(tiny, client_limits=limits) as peers:
+        peer = peers[0]
+        raws = [await Raw.connect(peer) for _ in range(2)]
+        try:
+            for i in range(4):  # 3 conversations from this host, over two connections
+                await raws[i % 2].send("open", id=i + 1, conv=f"c{i}", layers=[0, 4], max_tokens=64)
+            replies = [await raws[i % 2].recv() for i in range(4)]
+            assert [r["t"] for r in replies] == ["opened", "opened", "opened", "error"]
+            assert (replies[3]["code"], replies[3]["message"]) == (
+                "rate_limited", "client 127.0.0.1 already holds 3 conversations on this peer")
+            for k in range(12):  # bursts of 2 s at 5 steps/s: the 11th step in a row is refused
+                await raws[0].send("step", conv="c0", seq=k + 1, start=k, tokens=[k % VOCAB], want="none")
+            errors = [r for r in [await raws[0].recv(timeout_s=5) for _ in range(2)] if r["t"] == "error"]
+            assert errors and errors[0]["code"] == "rate_limited"
+            assert errors[0]["message"] == "client 127.0.0.1 sends more than 5 steps/s"
+            other = await Raw.connect(peer, local_addr=("127.0.0.2", 0))  # another host is served
+            reply = await other.request("open", conv="other", layers=[0, 4], max_tokens=8)
+            assert reply["t"] == "opened"
+            await other.close()
+        finally:
+            for raw in raws:
+                await raw.close()
+        await asyncio.sleep(2.5)  # the bucket refills: the limited host is served again
+        await assert_healthy(tiny, peers)
