@@ -89,6 +89,25 @@ class Generation:
     ttft_ms: float = 0.0
     decode_tokens_per_s: float = 0.0
 
+    def accept(self, token: int, *, budget: int, eos: set[int],
+               on_token: Callable[[int], None] | None = None) -> bool:
+        """Record a chosen token; return False once generation ends.
+
+        An end-of-generation id ends it with ``finish_reason`` "stop" (the id is not kept);
+        reaching ``budget`` tokens ends it with "length".
+        """
+        if token in eos:
+            self.finish_reason = "stop"
+            return False
+        self.token_ids.append(token)
+        if on_token:
+            on_token(token)
+        return len(self.token_ids) < budget
+
+    def set_decode_rate(self, decode_steps: int, elapsed_s: float) -> None:
+        """``decode_tokens_per_s`` from the decode steps run and their wall time, seconds."""
+        self.decode_tokens_per_s = decode_steps / elapsed_s if decode_steps and elapsed_s > 0 else 0.0
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -125,20 +144,10 @@ def greedy_generate(shard: Shard, prompt_ids: Sequence[int], *, max_tokens: int 
         out.ttft_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
         decode_steps = 0
-        for _ in range(budget):
-            token = int(logits[0, -1].argmax())
-            if token in eos:
-                out.finish_reason = "stop"
-                break
-            out.token_ids.append(token)
-            if on_token:
-                on_token(token)
-            if len(out.token_ids) == budget:
-                break
-            logits = shard(torch.tensor([[token]]), cache.length, cache)  # (1, 1, V)
+        while out.accept(int(logits[0, -1].argmax()), budget=budget, eos=eos, on_token=on_token):
+            logits = shard(torch.tensor([[out.token_ids[-1]]]), cache.length, cache)  # (1, 1, V)
             decode_steps += 1
-        elapsed = time.perf_counter() - t1
-        out.decode_tokens_per_s = decode_steps / elapsed if decode_steps and elapsed > 0 else 0.0
+        out.set_decode_rate(decode_steps, time.perf_counter() - t1)
     finally:
         cache.free()
     return out

@@ -516,21 +516,12 @@ class Conversation:
         eos = set(eos_ids)
         t1 = time.perf_counter()
         decode_steps = 0
-        while True:
-            if token in eos:
-                result.finish_reason = "stop"
-                break
-            result.token_ids.append(token)
-            if on_token:
-                on_token(token)
-            if len(result.token_ids) >= budget:
-                break
+        while result.accept(token, budget=budget, eos=eos, on_token=on_token):
             ts = time.perf_counter()
             token, trace = await self._step([token])
             self._record(trace, (time.perf_counter() - ts) * 1e3)
             decode_steps += 1
-        elapsed = time.perf_counter() - t1
-        result.decode_tokens_per_s = decode_steps / elapsed if decode_steps and elapsed > 0 else 0.0
+        result.set_decode_rate(decode_steps, time.perf_counter() - t1)
         result.route = self.hop_stats()
         result.failovers = list(self.failovers)
         return result
