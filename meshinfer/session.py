@@ -69,15 +69,18 @@ class MeshClient:
         bootstrap: peer URLs (``ws://host:port``) to learn the mesh from.
         request_timeout_s: deadline of control requests, seconds.
         mesh_key: the shared key of a private mesh, or None.
+        insecure: allow plain ``ws://`` to non-loopback peers (otherwise refused; ``wss://``
+            peers are pinned to the certificate fingerprint in their signed advert).
     """
 
     def __init__(self, bootstrap: Sequence[str], *, request_timeout_s: float = 10.0,
-                 mesh_key: bytes | None = None) -> None:
+                 mesh_key: bytes | None = None, insecure: bool = False) -> None:
         if not bootstrap:
             raise InvalidInput("no peers to contact: pass --peers ws://HOST:PORT")
         self.bootstrap = list(bootstrap)
         self.request_timeout_s = request_timeout_s
         self.mesh_key = mesh_key
+        self.insecure = insecure
         self.table: dict[str, PeerAdvert] = {}
         self.rtts_ms: dict[str, float] = {}
         self._links: dict[str, Link] = {}
@@ -113,11 +116,15 @@ class MeshClient:
 
     async def _hello(self, url: str) -> tuple[Link, PeerAdvert, int]:
         link = await dial(url, max_bytes=CLIENT_MAX_FRAME_BYTES, on_message=self._on_message,
-                          open_timeout_s=self.request_timeout_s)
+                          open_timeout_s=self.request_timeout_s, insecure=self.insecure)
         try:
             nonce = discovery.new_nonce()
             _, f = await link.request("hello", timeout_s=self.request_timeout_s, role="client", nonce=nonce)
-            advert, welcome_nonce = discovery.check_welcome(f, nonce, mesh_key=self.mesh_key)
+            try:
+                advert, welcome_nonce = discovery.check_welcome(f, nonce, mesh_key=self.mesh_key,
+                                                                tls_fingerprint=link.tls_fingerprint)
+            except Unauthenticated as exc:
+                raise Unauthenticated(f"{url}: {exc}") from exc
             link.info["max_step_tokens"] = f.int("max_step_tokens", lo=1, hi=1 << 20)
             if self.mesh_key is not None:
                 mac = discovery.mesh_mac(self.mesh_key, discovery.MESH_HELLO_LABEL, welcome_nonce, nonce)

@@ -51,6 +51,10 @@ def test_generate_json(tiny_gguf):
     (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1"], "no bootstrap peer answered"),
     (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1", "--mesh-key-file", "/nonexistent/mesh.key"],
      "--mesh-key-file /nonexistent/mesh.key: No such file or directory"),
+    (["join", "--listen", "0.0.0.0:0"], "refusing to listen on 0.0.0.0 without TLS: pass --tls self-signed "
+                                        "(or --tls-cert/--tls-key), or --insecure to serve plain ws://"),
+    (["chat", "-p", "x", "--peers", "ws://10.0.0.5:7700"], "ws://10.0.0.5:7700 is plain ws:// to another "
+                                                           "machine: frames would travel unencrypted"),
 ])
 def test_user_mistakes_give_one_line_errors(tiny_gguf, args, message):
     if "--model" not in args and args[0] != "chat":
