@@ -121,6 +121,26 @@ def test_private_mesh_needs_the_key_file(tiny_gguf, tmp_path):
         proc.wait()
 
 
+def test_join_with_a_self_signed_certificate_serves_wss(tiny_gguf, tmp_path):
+    env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
+    env.pop("MESHINFER_MESH_KEY_FILE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(tiny_gguf),
+                             "--listen", "127.0.0.1:0", "--key", str(tmp_path / "k.pem"), "--tls", "self-signed"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"ready: peer (\w+) serving .* at (wss://127\.0\.0\.1:\d+)", line)
+        assert m, line + proc.stderr.read() if proc.poll() is not None else line
+        assert oct(os.stat(tmp_path / "k.pem.tls-key.pem").st_mode & 0o777) == "0o600"
+        status = meshinfer("status", "--peers", m.group(2), "--json", env=env)
+        assert status.returncode == 0, status.stderr
+        [peer] = json.loads(status.stdout)["peers"]
+        assert peer["peer_id"].startswith(m.group(1))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_pull_prints_path_last(tmp_path):
     """The smaller real model, already verified in the default cache, is found without downloading."""
     from conftest import model_path
