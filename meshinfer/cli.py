@@ -203,7 +203,8 @@ async def _join(args) -> int:
                             bootstrap=tuple(_peers(args.peers)),
                             kv_budget_bytes=None if args.kv_budget == "auto" else parse_bytes(args.kv_budget),
                             idle_timeout_s=args.idle_timeout, mesh_key=_mesh_key(args),
-                            tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure)
+                            tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure,
+                            tls_ca=args.tls_ca)
     _check_port_free(host, port)
     _warn_plain(list(settings.bootstrap), args.insecure)
     key = args.key or str(Path(_env("MESHINFER_HOME", "~/.cache/meshinfer")).expanduser() / f"peer-{port}.key")
@@ -238,7 +239,8 @@ async def _chat(args) -> int:
     if args.context < 2:
         raise ValueError("--context must be at least 2 tokens")
     _warn_plain(_peers(args.peers), args.insecure)
-    async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure) as client:
+    async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
+                          tls_ca=args.tls_ca) as client:
         route = await client.plan()
         tok = await client.tokenizer(route)
         if not args.json:
@@ -348,7 +350,8 @@ async def _status(args) -> int:
     from .session import MeshClient
 
     _warn_plain(_peers(args.peers), args.insecure)
-    async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure) as client:
+    async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
+                          tls_ca=args.tls_ca) as client:
         peers = await client.refresh()
         rtts = await client.measure_rtts()
         groups = complete_routes_summary(peers, client_rtts_ms=rtts)
@@ -476,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=_env("MESHINFER_DEVICE", "cpu"), help="cpu, cuda, cuda:N or mps")
     s.add_argument("--dtype", default=_env("MESHINFER_DTYPE", "f32"), choices=["f32", "bf16", "f16"])
     s.add_argument("--listen", default=_env("MESHINFER_LISTEN", "127.0.0.1:7700"), help="HOST:PORT (port 0: any)")
-    s.add_argument("--public-addr", default=_env("MESHINFER_PUBLIC_ADDR"), help="ws://HOST:PORT others dial")
+    s.add_argument("--public-addr", default=_env("MESHINFER_PUBLIC_ADDR"), help="wss://HOST:PORT others dial (ws:// without TLS)")
     s.add_argument("--peers", default=_env("MESHINFER_BOOTSTRAP"), help="bootstrap peers ws://A:P,ws://B:P")
     s.add_argument("--kv-budget", default=_env("MESHINFER_KV_BUDGET", "auto"),
                    help="KV cache memory, e.g. 2GiB; auto: half the memory free at start")
@@ -492,6 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     s.add_argument("--insecure", action="store_true",
                    help="allow plain ws:// to or from other machines (unencrypted)")
+    s.add_argument("--tls-ca", default=None,
+                   help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
     s.set_defaults(func=cmd_join)
 
     s = add("chat", "Chat with the model through the mesh (REPL without -p).")
@@ -505,6 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mesh-key-file", default=mesh_key_default,
                    help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
     s.add_argument("--insecure", action="store_true", help="allow plain ws:// to other machines (unencrypted)")
+    s.add_argument("--tls-ca", default=None,
+                   help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_chat)
 
@@ -514,6 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mesh-key-file", default=mesh_key_default,
                    help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
     s.add_argument("--insecure", action="store_true", help="allow plain ws:// to other machines (unencrypted)")
+    s.add_argument("--tls-ca", default=None,
+                   help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
     s.set_defaults(func=cmd_status)
 
     s = add("netsim", "Proxy TCP with added RTT and a bandwidth cap, to rehearse a WAN route.")

@@ -74,6 +74,8 @@ class PeerSettings:
             it never crosses the wire.
         tls_cert, tls_key: PEM certificate and key to serve ``wss://`` with; None: plain ``ws://``.
         insecure: allow plain ``ws://`` on a non-loopback address, listening and dialing.
+        tls_ca: PEM file of CA certificates that the certificates of the peers this one dials
+            must chain to, on top of pinning; None: pinning only.
     """
 
     host: str = "127.0.0.1"
@@ -90,6 +92,7 @@ class PeerSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     insecure: bool = False
+    tls_ca: str | None = None
 
 
 @dataclass
@@ -228,10 +231,16 @@ class Peer:
         """Warm up, listen, start gossip and the idle janitor; then state is ``ready``.
 
         Raises:
-            InvalidInput: a non-loopback host without TLS or ``insecure``; unreadable TLS files.
+            InvalidInput: a non-loopback host without TLS or ``insecure``; unreadable TLS files;
+                a public address whose scheme is not the one served.
         """
         s = self.settings
         tls.check_listen(s.host, tls=s.tls_cert is not None, insecure=s.insecure)
+        scheme = "wss" if s.tls_cert is not None else "ws"
+        wrong = [a for a in s.public_addrs if not a.startswith(f"{scheme}://")]
+        if wrong:
+            raise InvalidInput(f"public address {wrong[0]} does not start with {scheme}://, the scheme this "
+                               f"peer serves")
         ssl_context = None
         if s.tls_cert is not None:
             ssl_context = tls.server_context(s.tls_cert, s.tls_key or s.tls_cert)
@@ -242,7 +251,6 @@ class Peer:
                                               ssl=ssl_context, ping_interval=20, ping_timeout=20, compression=None)
         port = self._server.sockets[0].getsockname()[1]
         host = s.host if s.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        scheme = "wss" if ssl_context is not None else "ws"
         self.addrs = tuple(s.public_addrs) or (f"{scheme}://{host}:{port}",)
         self.port = port
         self.state = protocol.READY
@@ -327,7 +335,7 @@ class Peer:
         for url in addrs:
             try:
                 link = await dial(url, max_bytes=self.max_frame_bytes, on_message=self._on_message,
-                                  insecure=self.settings.insecure)
+                                  insecure=self.settings.insecure, tls_ca=self.settings.tls_ca)
             except (PeerUnavailable, InvalidInput) as exc:
                 errors.append(str(exc))
                 continue

@@ -71,16 +71,17 @@ class MeshClient:
         mesh_key: the shared key of a private mesh, or None.
         insecure: allow plain ``ws://`` to non-loopback peers (otherwise refused; ``wss://``
             peers are pinned to the certificate fingerprint in their signed advert).
+        tls_ca: PEM file of CA certificates ``wss://`` peers' certificates must also chain to.
     """
 
     def __init__(self, bootstrap: Sequence[str], *, request_timeout_s: float = 10.0,
-                 mesh_key: bytes | None = None, insecure: bool = False) -> None:
+                 mesh_key: bytes | None = None, insecure: bool = False, tls_ca: str | None = None) -> None:
         if not bootstrap:
             raise InvalidInput("no peers to contact: pass --peers ws://HOST:PORT")
         self.bootstrap = list(bootstrap)
         self.request_timeout_s = request_timeout_s
         self.mesh_key = mesh_key
-        self.insecure = insecure
+        self.insecure, self.tls_ca = insecure, tls_ca
         self.table: dict[str, PeerAdvert] = {}
         self.rtts_ms: dict[str, float] = {}
         self._links: dict[str, Link] = {}
@@ -116,7 +117,8 @@ class MeshClient:
 
     async def _hello(self, url: str) -> tuple[Link, PeerAdvert, int]:
         link = await dial(url, max_bytes=CLIENT_MAX_FRAME_BYTES, on_message=self._on_message,
-                          open_timeout_s=self.request_timeout_s, insecure=self.insecure)
+                          open_timeout_s=self.request_timeout_s, insecure=self.insecure,
+                          tls_ca=self.tls_ca)
         try:
             nonce = discovery.new_nonce()
             _, f = await link.request("hello", timeout_s=self.request_timeout_s, role="client", nonce=nonce)

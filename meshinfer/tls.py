@@ -5,7 +5,8 @@ self-signed one it makes on first start (``--tls self-signed``). Dialers do not 
 a host name; they pin the certificate by peer id instead: the SHA-256 of the certificate the
 server presented must equal the ``tls_fingerprint`` in the peer's signed advert, and the
 peer's Ed25519 welcome proof covers that fingerprint, so a man in the middle that presents
-its own certificate cannot produce a valid welcome. See docs/security.md.
+its own certificate cannot produce a valid welcome. With a CA file (``--tls-ca``) the
+certificate must also chain to one of its CAs and name the host dialed. See docs/security.md.
 
 Plain ``ws://`` is allowed on loopback addresses only, unless the caller passes ``insecure``.
 """
@@ -124,13 +125,27 @@ def server_context(cert_path: str | os.PathLike, key_path: str | os.PathLike) ->
     return ctx
 
 
-def pinning_context() -> ssl.SSLContext:
-    """A client SSL context that checks no CA and no host name: the caller must pin the
-    server's certificate (:func:`peer_fingerprint`) against the peer's signed fingerprint."""
+def client_context(ca_file: str | os.PathLike | None = None) -> ssl.SSLContext:
+    """A client SSL context for dialing ``wss://`` peers.
+
+    Without ``ca_file`` it checks no CA and no host name: the caller must pin the server's
+    certificate (:func:`peer_fingerprint`) against the peer's signed fingerprint, which the
+    handshake does. With ``ca_file`` the certificate must also chain to one of its CAs and
+    name the host dialed (for meshes whose peers hold CA-signed certificates).
+
+    Raises:
+        InvalidInput: ``ca_file`` cannot be read.
+    """
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
+    if ca_file is None:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+    try:
+        ctx.load_verify_locations(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidInput(f"cannot load CA certificates from {ca_file}: {exc}") from exc
     return ctx
 
 

@@ -166,19 +166,21 @@ def remote_error(f: Any) -> MeshError:
 
 
 async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s: float = 5.0,
-               insecure: bool = False) -> Link:
+               insecure: bool = False, tls_ca: str | None = None) -> Link:
     """Open a websocket to ``url`` and start its reader task (kept in ``link.reader``).
 
     ``wss://`` checks no CA: ``link.tls_fingerprint`` holds the SHA-256 of the certificate the
     server presented, for the handshake to pin against the peer's signed advert. Plain ``ws://``
-    to a non-loopback host is refused unless ``insecure`` (see :mod:`meshinfer.tls`).
+    to a non-loopback host is refused unless ``insecure`` (see :mod:`meshinfer.tls`). With
+    ``tls_ca`` (a PEM file of CA certificates) the server's certificate must also chain to one
+    of them and name the host in ``url``.
 
     Raises:
-        InvalidInput: plain ``ws://`` to another machine without ``insecure``.
+        InvalidInput: plain ``ws://`` to another machine without ``insecure``; an unreadable ``tls_ca``.
         PeerUnavailable: the address cannot be reached within ``open_timeout_s`` seconds.
     """
     tls.check_plain_url(url, insecure=insecure)
-    ssl_context = tls.pinning_context() if url.startswith("wss://") else None
+    ssl_context = tls.client_context(tls_ca) if url.startswith("wss://") else None
     try:
         ws = await websockets.connect(url, max_size=max_bytes, open_timeout=open_timeout_s, ssl=ssl_context,
                                       ping_interval=20, ping_timeout=20, compression=None)

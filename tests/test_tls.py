@@ -11,7 +11,7 @@ import pytest
 
 from meshkit import file_hash, start_peer, wait_for_tables
 from meshinfer import protocol, tls
-from meshinfer.errors import InvalidInput, Unauthenticated
+from meshinfer.errors import InvalidInput, PeerUnavailable, Unauthenticated
 from meshinfer.generate import greedy_generate, load_shard
 from meshinfer.session import MeshClient
 from meshinfer.tokenizer import Tokenizer
@@ -58,7 +58,7 @@ class Recorder:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _accept(self, reader, writer) -> None:
-        upstream = tls.pinning_context() if self.ssl_context else None
+        upstream = tls.client_context() if self.ssl_context else None
         r2, w2 = await asyncio.open_connection("127.0.0.1", self.port, ssl=upstream)
         for a, b in ((reader, w2), (r2, writer)):
             t = asyncio.get_running_loop().create_task(self._pump(a, b))
@@ -187,6 +187,54 @@ async def test_a_relay_with_its_own_certificate_is_refused(tiny, certs):
                 assert [a.peer_id for a in await client.refresh()] == [peer.peer_id]
     finally:
         await peer.close()
+
+
+def ca_signed(tmp_path, host: str) -> tuple[str, str, str]:
+    """(CA cert, leaf cert, leaf key) PEM paths: a CA and a certificate it signed for IP ``host``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("test CA")).issuer_name(name("test CA"))
+          .public_key(ca_key.public_key()).serial_number(1).not_valid_before(now - datetime.timedelta(days=1))
+          .not_valid_after(now + datetime.timedelta(days=2))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
+    leaf = (x509.CertificateBuilder().subject_name(name(host)).issuer_name(ca.subject)
+            .public_key(leaf_key.public_key()).serial_number(2).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    paths = [tmp_path / "ca.pem", tmp_path / "leaf.pem", tmp_path / "leaf.key"]
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(leaf_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                serialization.NoEncryption()))
+    return tuple(map(str, paths))
+
+
+async def test_a_ca_signed_certificate_is_checked_against_tls_ca(tiny, certs, tmp_path):
+    from meshinfer.config import LayerRange
+
+    ca, cert, key = ca_signed(tmp_path, "127.0.0.1")
+    peer = await tls_peer(tiny, LayerRange(0, 4), (cert, key))
+    other = await tls_peer(tiny, LayerRange(0, 4), certs[0])  # self-signed: not from that CA
+    try:
+        async with MeshClient([peer.addrs[0]], tls_ca=ca) as client:
+            assert [a.peer_id for a in await client.refresh()] == [peer.peer_id]
+        with pytest.raises(PeerUnavailable, match=f"cannot reach {other.addrs[0]}: .*certificate verify failed"):
+            await MeshClient([other.addrs[0]], tls_ca=ca).refresh()
+    finally:
+        await peer.close()
+        await other.close()
 
 
 def test_self_signed_certificate_is_kept_and_its_key_private(tmp_path):
