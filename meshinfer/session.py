@@ -66,7 +66,7 @@ class MeshClient:
     """Find peers, measure them, plan routes and open conversations.
 
     Args:
-        bootstrap: peer URLs (``ws://host:port``) to learn the mesh from.
+        bootstrap: peer URLs (``wss://host:port``, or ``ws://`` on loopback) to learn the mesh from.
         request_timeout_s: deadline of control requests, seconds.
         mesh_key: the shared key of a private mesh, or None.
         insecure: allow plain ``ws://`` to non-loopback peers (otherwise refused; ``wss://``
