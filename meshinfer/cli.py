@@ -16,6 +16,7 @@ import re
 import signal
 import sys
 import time
+from urllib.parse import urlsplit
 from pathlib import Path
 
 from .errors import MeshError
@@ -25,9 +26,13 @@ EXAMPLES = {
     "pull": "examples:\n  meshinfer pull\n  meshinfer pull smollm2-135m-instruct-q4_1",
     "generate": "examples:\n  meshinfer generate -p 'Write a haiku about routers'\n"
                 "  meshinfer generate --model smollm2-135m-instruct-q4_1 --messages chat.json --json",
-    "join": "examples:\n  meshinfer join --layers 0-11 --listen 0.0.0.0:7700\n"
-            "  meshinfer join --layers 12-23 --listen 0.0.0.0:7701 --peers ws://10.0.0.5:7700 --device cuda",
+    "join": "examples:\n  meshinfer join --layers 0-11 --listen 0.0.0.0:7700 --tls self-signed\n"
+            "  meshinfer join --layers 12-23 --listen 0.0.0.0:7701 --tls self-signed --peers wss://10.0.0.5:7700 "
+            "--device cuda\n"
+            "  meshinfer join --listen 0.0.0.0:7700 --tls-cert peer.crt --tls-key peer.key\n"
+            "  meshinfer join --listen 0.0.0.0:7700 --insecure   # plain ws://, trusted network only",
     "chat": "examples:\n  meshinfer chat --peers ws://127.0.0.1:7700\n"
+            "  meshinfer chat --peers wss://10.0.0.5:7700\n"
             "  meshinfer chat -p 'Explain RoPE in one paragraph' --json",
     "status": "examples:\n  meshinfer status --peers ws://127.0.0.1:7700\n  meshinfer status --json",
     "netsim": "examples:\n  meshinfer netsim --target 127.0.0.1:7701 --listen 127.0.0.1:7801 --rtt-ms 100\n"
@@ -78,6 +83,16 @@ def _mesh_key(args) -> bytes | None:
         return load_mesh_key(args.mesh_key_file)
     except OSError as exc:
         raise ValueError(f"--mesh-key-file {args.mesh_key_file}: {exc.strerror or exc}") from exc
+
+
+def _warn_plain(urls: list[str], insecure: bool) -> None:
+    """One stderr line when ``--insecure`` lets plain ws:// reach another machine."""
+    from .tls import is_loopback
+
+    plain = [u for u in urls if u.startswith("ws://") and not is_loopback(urlsplit(u).hostname or "")]
+    if insecure and plain:
+        print(f"warning: plain ws:// to {', '.join(plain)}: prompts and tokens travel unencrypted",
+              file=sys.stderr)
 
 
 def _messages(args) -> list[dict]:
@@ -177,16 +192,24 @@ async def _join(args) -> int:
     from .config import LayerRange
     from .peer import PeerSettings, launch_peer
 
+    from .tls import check_listen
+
     host, port = _listen(args.listen)
     layers = LayerRange.parse(args.layers) if args.layers else None
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    check_listen(host, tls=bool(args.tls or args.tls_cert), insecure=args.insecure)
     settings = PeerSettings(host=host, port=port, public_addrs=tuple(_peers(args.public_addr)),
                             bootstrap=tuple(_peers(args.peers)),
                             kv_budget_bytes=None if args.kv_budget == "auto" else parse_bytes(args.kv_budget),
-                            idle_timeout_s=args.idle_timeout, mesh_key=_mesh_key(args))
+                            idle_timeout_s=args.idle_timeout, mesh_key=_mesh_key(args),
+                            tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure,
+                            tls_ca=args.tls_ca)
     _check_port_free(host, port)
+    _warn_plain(list(settings.bootstrap), args.insecure)
     key = args.key or str(Path(_env("MESHINFER_HOME", "~/.cache/meshinfer")).expanduser() / f"peer-{port}.key")
     peer = await launch_peer(args.model, layers, device=args.device, dtype=args.dtype, settings=settings,
-                             key_path=key, threads=args.threads)
+                             key_path=key, threads=args.threads, tls_self_signed=bool(args.tls))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -215,7 +238,9 @@ async def _chat(args) -> int:
     messages = [] if interactive else _messages(args)  # bad input fails before the mesh is contacted
     if args.context < 2:
         raise ValueError("--context must be at least 2 tokens")
-    async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args)) as client:
+    _warn_plain(_peers(args.peers), args.insecure)
+    async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
+                          tls_ca=args.tls_ca) as client:
         route = await client.plan()
         tok = await client.tokenizer(route)
         if not args.json:
@@ -324,7 +349,9 @@ async def _status(args) -> int:
     from .routing import complete_routes_summary
     from .session import MeshClient
 
-    async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args)) as client:
+    _warn_plain(_peers(args.peers), args.insecure)
+    async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
+                          tls_ca=args.tls_ca) as client:
         peers = await client.refresh()
         rtts = await client.measure_rtts()
         groups = complete_routes_summary(peers, client_rtts_ms=rtts)
@@ -452,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=_env("MESHINFER_DEVICE", "cpu"), help="cpu, cuda, cuda:N or mps")
     s.add_argument("--dtype", default=_env("MESHINFER_DTYPE", "f32"), choices=["f32", "bf16", "f16"])
     s.add_argument("--listen", default=_env("MESHINFER_LISTEN", "127.0.0.1:7700"), help="HOST:PORT (port 0: any)")
-    s.add_argument("--public-addr", default=_env("MESHINFER_PUBLIC_ADDR"), help="ws://HOST:PORT others dial")
+    s.add_argument("--public-addr", default=_env("MESHINFER_PUBLIC_ADDR"), help="wss://HOST:PORT others dial (ws:// without TLS)")
     s.add_argument("--peers", default=_env("MESHINFER_BOOTSTRAP"), help="bootstrap peers ws://A:P,ws://B:P")
     s.add_argument("--kv-budget", default=_env("MESHINFER_KV_BUDGET", "auto"),
                    help="KV cache memory, e.g. 2GiB; auto: half the memory free at start")
@@ -461,6 +488,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mesh-key-file", default=mesh_key_default,
                    help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    s.add_argument("--tls", choices=["self-signed", "auto"], default=None,
+                   help="serve wss:// with a self-signed certificate kept next to --key (auto: the same); "
+                        "dialers pin it by peer id")
+    s.add_argument("--tls-cert", default=None, help="PEM certificate to serve wss:// with (with --tls-key)")
+    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow plain ws:// to or from other machines (unencrypted)")
+    s.add_argument("--tls-ca", default=None,
+                   help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
     s.set_defaults(func=cmd_join)
 
     s = add("chat", "Chat with the model through the mesh (REPL without -p).")
@@ -473,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--context", type=int, default=4096, help="tokens reserved for a REPL conversation")
     s.add_argument("--mesh-key-file", default=mesh_key_default,
                    help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
+    s.add_argument("--insecure", action="store_true", help="allow plain ws:// to other machines (unencrypted)")
+    s.add_argument("--tls-ca", default=None,
+                   help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_chat)
 
@@ -481,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--mesh-key-file", default=mesh_key_default,
                    help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
+    s.add_argument("--insecure", action="store_true", help="allow plain ws:// to other machines (unencrypted)")
+    s.add_argument("--tls-ca", default=None,
+                   help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
     s.set_defaults(func=cmd_status)
 
     s = add("netsim", "Proxy TCP with added RTT and a bandwidth cap, to rehearse a WAN route.")

@@ -182,9 +182,19 @@ def read_nonce(f, what: str, default=...) -> bytes | None:
     return nonce
 
 
-def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None,
-                  mesh_key: bytes | None = None) -> tuple[PeerAdvert, bytes]:
+def welcome_proof(key, hello_nonce: bytes, welcome_nonce: bytes, tls_fingerprint: str = "") -> bytes:
+    """The welcome's proof: signs both nonces and the fingerprint of the TLS certificate the
+    peer serves ("" over plain ws), so a relay with its own certificate cannot forward it."""
+    return prove(key, WELCOME_LABEL, hello_nonce, welcome_nonce + bytes.fromhex(tls_fingerprint))
+
+
+def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None, mesh_key: bytes | None = None,
+                  tls_fingerprint: str = "") -> tuple[PeerAdvert, bytes]:
     """Check a ``welcome`` answering a hello that carried ``hello_nonce``.
+
+    ``tls_fingerprint`` is the SHA-256 (hex) of the certificate the dialer saw in its TLS
+    handshake ("" over plain ws): it must equal the advert's ``tls_fingerprint`` and be
+    covered by the proof (:func:`welcome_proof`).
 
     Returns:
         (the answering peer's advert, its welcome nonce).
@@ -192,7 +202,8 @@ def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None,
     Raises:
         ProtocolError: a missing or mistyped field.
         Unauthenticated: the advert's signature, the proof of its key or the mesh-key MAC does
-            not verify, or the peer is not ``expect_id``.
+            not verify, the peer is not ``expect_id``, or the TLS certificate is not the one
+            the peer signed.
     """
     advert = PeerAdvert.from_wire(f.get("advert", dict))
     welcome_nonce = read_nonce(f, "welcome")
@@ -201,7 +212,12 @@ def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None,
         raise Unauthenticated(f"peer {advert.peer_id[:12]} sent an advert whose signature does not verify")
     if expect_id is not None and advert.peer_id != expect_id:
         raise Unauthenticated(f"answered as peer {advert.peer_id[:12]}, not {expect_id[:12]}")
-    if not check_proof(advert.public_key, proof, WELCOME_LABEL, hello_nonce, welcome_nonce):
+    if tls_fingerprint != advert.tls_fingerprint:
+        raise Unauthenticated(f"peer {advert.peer_id[:12]} signed TLS certificate "
+                              f"{advert.tls_fingerprint[:16] or '(none)'} but the connection presented "
+                              f"{tls_fingerprint[:16] or '(none)'}: a relay or an impostor is in between")
+    if not check_proof(advert.public_key, proof, WELCOME_LABEL, hello_nonce,
+                       welcome_nonce + bytes.fromhex(tls_fingerprint)):
         raise Unauthenticated(f"peer {advert.peer_id[:12]} could not prove it holds its key")
     if mesh_key is not None:
         if not check_mac(mesh_key, f.get("mac", bytes, b""), MESH_WELCOME_LABEL, hello_nonce, welcome_nonce):

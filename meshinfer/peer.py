@@ -17,12 +17,13 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 import websockets
 
-from . import discovery, protocol
+from . import discovery, protocol, tls
 from .config import LayerRange
 from .discovery import DEFAULT_GOSSIP_INTERVAL_S, DEFAULT_TTL_S, PeerTable, peer_id_of, sign_advert, verify_advert
 from .errors import (CacheFull, ContextOverflow, InvalidInput, LayerRangeError, MeshError, PeerUnavailable,
@@ -71,6 +72,11 @@ class PeerSettings:
         mesh_key: shared secret of a private mesh, or None for an open one. Every connection
             must prove it (an HMAC over the handshake nonces) before anything else is accepted;
             it never crosses the wire.
+        tls_cert, tls_key: PEM certificate and key to serve ``wss://`` with; None: plain ``ws://``.
+        insecure: allow plain ``ws://`` on a non-loopback address, listening and dialing.
+        tls_ca: PEM file of CA certificates that the certificates of the peers this one dials
+            must chain to, on top of pinning; None: pinning only.
+        client_limits: per-client-host limits, see :class:`ClientLimits`.
     """
 
     host: str = "127.0.0.1"
@@ -84,6 +90,10 @@ class PeerSettings:
     advert_ttl_s: float = DEFAULT_TTL_S
     request_timeout_s: float = 10.0
     mesh_key: bytes | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    insecure: bool = False
+    tls_ca: str | None = None
     client_limits: "ClientLimits" = field(default_factory=lambda: ClientLimits())
 
 
@@ -171,6 +181,7 @@ class Peer:
         self._reserved_tokens = 0
         self._server = None
         self.addrs: tuple[str, ...] = ()
+        self.tls_fingerprint = ""  # SHA-256 hex of the certificate served, once started with TLS
         self.kv_budget_bytes = self.settings.kv_budget_bytes or default_kv_budget(executor.device)
         self.max_frame_bytes = (self.settings.max_step_tokens * self.cfg.hidden_size * 4
                                 + FRAME_OVERHEAD_BYTES)
@@ -212,7 +223,7 @@ class Peer:
             num_layers=self.cfg.num_hidden_layers, layers=self.shard.range, device=str(self.executor.device),
             precision=self.precision, state=self.state, free_kv_tokens=self.free_kv_tokens,
             compute_ms_per_token=round(self.compute_ms_per_token, 3), rtts_ms=dict(self.rtts_ms),
-            seq=self._seq, ttl_s=self.settings.advert_ttl_s), self.key)
+            seq=self._seq, ttl_s=self.settings.advert_ttl_s, tls_fingerprint=self.tls_fingerprint), self.key)
 
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self, coro, name: str) -> asyncio.Task:
@@ -251,15 +262,30 @@ class Peer:
         return self.compute_ms_per_token
 
     async def start(self, *, warmup: bool = True) -> None:
-        """Warm up, listen, start gossip and the idle janitor; then state is ``ready``."""
+        """Warm up, listen, start gossip and the idle janitor; then state is ``ready``.
+
+        Raises:
+            InvalidInput: a non-loopback host without TLS or ``insecure``; unreadable TLS files;
+                a public address whose scheme is not the one served.
+        """
+        s = self.settings
+        tls.check_listen(s.host, tls=s.tls_cert is not None, insecure=s.insecure)
+        scheme = "wss" if s.tls_cert is not None else "ws"
+        wrong = [a for a in s.public_addrs if not a.startswith(f"{scheme}://")]
+        if wrong:
+            raise InvalidInput(f"public address {wrong[0]} does not start with {scheme}://, the scheme this "
+                               f"peer serves")
+        ssl_context = None
+        if s.tls_cert is not None:
+            ssl_context = tls.server_context(s.tls_cert, s.tls_key or s.tls_cert)
+            self.tls_fingerprint = tls.cert_fingerprint(s.tls_cert)
         if warmup:
             await self.warmup()
-        s = self.settings
         self._server = await websockets.serve(self._accept, s.host, s.port, max_size=self.max_frame_bytes,
-                                              ping_interval=20, ping_timeout=20, compression=None)
+                                              ssl=ssl_context, ping_interval=20, ping_timeout=20, compression=None)
         port = self._server.sockets[0].getsockname()[1]
         host = s.host if s.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        self.addrs = tuple(s.public_addrs) or (f"ws://{host}:{port}",)
+        self.addrs = tuple(s.public_addrs) or (f"{scheme}://{host}:{port}",)
         self.port = port
         self.state = protocol.READY
         self._seq += 1
@@ -342,8 +368,9 @@ class Peer:
         errors = []
         for url in addrs:
             try:
-                link = await dial(url, max_bytes=self.max_frame_bytes, on_message=self._on_message)
-            except PeerUnavailable as exc:
+                link = await dial(url, max_bytes=self.max_frame_bytes, on_message=self._on_message,
+                                  insecure=self.settings.insecure, tls_ca=self.settings.tls_ca)
+            except (PeerUnavailable, InvalidInput) as exc:
                 errors.append(str(exc))
                 continue
             self._all_links.add(link)
@@ -373,7 +400,8 @@ class Peer:
         hello_nonce = discovery.new_nonce()
         _, f = await link.request("hello", timeout_s=timeout_s, role="peer", nonce=hello_nonce,
                                   advert=self.advert().to_wire())
-        remote, welcome_nonce = discovery.check_welcome(f, hello_nonce, expect_id=expect_id, mesh_key=mesh_key)
+        remote, welcome_nonce = discovery.check_welcome(f, hello_nonce, expect_id=expect_id, mesh_key=mesh_key,
+                                                        tls_fingerprint=link.tls_fingerprint)
         auth = {"proof": discovery.prove(self.key, discovery.HELLO_LABEL, welcome_nonce, hello_nonce)}
         if mesh_key is not None:
             auth["mac"] = discovery.mesh_mac(mesh_key, discovery.MESH_HELLO_LABEL, welcome_nonce, hello_nonce)
@@ -428,7 +456,7 @@ class Peer:
             extra["mac"] = discovery.mesh_mac(self.settings.mesh_key, discovery.MESH_WELCOME_LABEL, hello_nonce,
                                               welcome_nonce)
         await link.send("welcome", re=f.get("id", int, None), advert=self.advert().to_wire(), nonce=welcome_nonce,
-                        proof=discovery.prove(self.key, discovery.WELCOME_LABEL, hello_nonce, welcome_nonce),
+                        proof=discovery.welcome_proof(self.key, hello_nonce, welcome_nonce, self.tls_fingerprint),
                         private=self.settings.mesh_key is not None, max_step_tokens=self.settings.max_step_tokens,
                         max_frame_bytes=self.max_frame_bytes, **extra)
 
@@ -810,7 +838,8 @@ def default_kv_budget(device: torch.device) -> int:
 
 async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "cpu", dtype: str = "f32",
                       settings: PeerSettings | None = None, key_path: str | None = None,
-                      threads: int | None = None, warmup: bool = True, home: str | None = None) -> Peer:
+                      threads: int | None = None, warmup: bool = True, home: str | None = None,
+                      tls_self_signed: bool = False) -> Peer:
     """Load a shard and start a peer serving it: what ``meshinfer join`` runs.
 
     Args:
@@ -821,6 +850,9 @@ async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "c
         settings: network and budget settings.
         key_path: Ed25519 key file (created on first start); None: an ephemeral key.
         threads: torch CPU threads for the device thread.
+        tls_self_signed: serve ``wss://`` with a self-signed certificate kept next to the key
+            file (``KEY.tls-cert.pem``, ``KEY.tls-key.pem``; made on first start), or in a
+            temporary folder with an ephemeral key. Ignored when ``settings.tls_cert`` is set.
 
     Raises:
         ModelNotFound, WeightsError, LayerRangeError, DeviceError: bad arguments or files.
@@ -854,6 +886,12 @@ async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "c
         else:
             from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
             key = Ed25519PrivateKey.generate()
+        settings = settings or PeerSettings()
+        if tls_self_signed and settings.tls_cert is None:
+            import tempfile
+            stem = key_path or str(Path(tempfile.mkdtemp(prefix="meshinfer-tls-")) / "peer")
+            cert, tls_key = tls.self_signed(stem, peer_id_of(key))
+            settings = replace(settings, tls_cert=str(cert), tls_key=str(tls_key))
         peer = Peer(shard, executor, key=key, weights_hash=digest, precision=dtype,
                     tokenizer_bundle=bundle, settings=settings)
         peer.owns_executor = True

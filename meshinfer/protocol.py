@@ -69,6 +69,9 @@ class PeerAdvert:
         public_key: hex of the peer's raw 32-byte Ed25519 public key (``peer_id`` derives from it).
         sig: hex Ed25519 signature of :meth:`signed_bytes` by that key (see
             :func:`meshinfer.discovery.sign_advert`).
+        tls_fingerprint: hex SHA-256 of the TLS certificate the peer serves ``wss://`` with,
+            or "" without TLS. Signed, so a dialer can pin the certificate by peer id. Sent
+            only when set, so adverts of plain peers keep their old bytes.
     """
 
     peer_id: str
@@ -88,6 +91,7 @@ class PeerAdvert:
     ttl_s: float = 15.0
     public_key: str = ""
     sig: str = ""
+    tls_fingerprint: str = ""
 
     @property
     def compat_key(self) -> tuple[str, str, int, int]:
@@ -96,13 +100,16 @@ class PeerAdvert:
 
     def to_wire(self) -> dict:
         """A msgpack-able dict; the layer range travels half-open as ``[start, stop]``."""
-        return {"peer_id": self.peer_id, "addrs": list(self.addrs), "protocol_version": self.protocol_version,
+        d = {"peer_id": self.peer_id, "addrs": list(self.addrs), "protocol_version": self.protocol_version,
                 "weights_hash": self.weights_hash, "architecture": self.architecture,
                 "num_layers": self.num_layers, "layers": [self.layers.start, self.layers.stop],
                 "device": self.device, "precision": self.precision, "state": self.state,
                 "free_kv_tokens": self.free_kv_tokens, "compute_ms_per_token": self.compute_ms_per_token,
                 "rtts_ms": dict(self.rtts_ms), "seq": self.seq, "ttl_s": self.ttl_s,
                 "public_key": self.public_key, "sig": self.sig}
+        if self.tls_fingerprint:
+            d["tls_fingerprint"] = self.tls_fingerprint
+        return d
 
     def signed_bytes(self) -> bytes:
         """Canonical encoding of every field but ``sig`` and ``ttl_s``: what the signature covers.
@@ -140,7 +147,7 @@ class PeerAdvert:
                    compute_ms_per_token=f.float("compute_ms_per_token", lo=0.0),
                    rtts_ms={k: float(v) for k, v in rtts.items()}, seq=f.int("seq", lo=0, hi=1 << 62),
                    ttl_s=f.float("ttl_s", lo=0.0, hi=3600.0), public_key=f.str("public_key", ""),
-                   sig=f.str("sig", ""))
+                   sig=f.str("sig", ""), tls_fingerprint=f.str("tls_fingerprint", ""))
 
 
 def _finite(v: object) -> bool:

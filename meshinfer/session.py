@@ -66,18 +66,22 @@ class MeshClient:
     """Find peers, measure them, plan routes and open conversations.
 
     Args:
-        bootstrap: peer URLs (``ws://host:port``) to learn the mesh from.
+        bootstrap: peer URLs (``wss://host:port``, or ``ws://`` on loopback) to learn the mesh from.
         request_timeout_s: deadline of control requests, seconds.
         mesh_key: the shared key of a private mesh, or None.
+        insecure: allow plain ``ws://`` to non-loopback peers (otherwise refused; ``wss://``
+            peers are pinned to the certificate fingerprint in their signed advert).
+        tls_ca: PEM file of CA certificates ``wss://`` peers' certificates must also chain to.
     """
 
     def __init__(self, bootstrap: Sequence[str], *, request_timeout_s: float = 10.0,
-                 mesh_key: bytes | None = None) -> None:
+                 mesh_key: bytes | None = None, insecure: bool = False, tls_ca: str | None = None) -> None:
         if not bootstrap:
             raise InvalidInput("no peers to contact: pass --peers ws://HOST:PORT")
         self.bootstrap = list(bootstrap)
         self.request_timeout_s = request_timeout_s
         self.mesh_key = mesh_key
+        self.insecure, self.tls_ca = insecure, tls_ca
         self.table: dict[str, PeerAdvert] = {}
         self.rtts_ms: dict[str, float] = {}
         self._links: dict[str, Link] = {}
@@ -113,11 +117,16 @@ class MeshClient:
 
     async def _hello(self, url: str) -> tuple[Link, PeerAdvert, int]:
         link = await dial(url, max_bytes=CLIENT_MAX_FRAME_BYTES, on_message=self._on_message,
-                          open_timeout_s=self.request_timeout_s)
+                          open_timeout_s=self.request_timeout_s, insecure=self.insecure,
+                          tls_ca=self.tls_ca)
         try:
             nonce = discovery.new_nonce()
             _, f = await link.request("hello", timeout_s=self.request_timeout_s, role="client", nonce=nonce)
-            advert, welcome_nonce = discovery.check_welcome(f, nonce, mesh_key=self.mesh_key)
+            try:
+                advert, welcome_nonce = discovery.check_welcome(f, nonce, mesh_key=self.mesh_key,
+                                                                tls_fingerprint=link.tls_fingerprint)
+            except Unauthenticated as exc:
+                raise Unauthenticated(f"{url}: {exc}") from exc
             link.info["max_step_tokens"] = f.int("max_step_tokens", lo=1, hi=1 << 20)
             if self.mesh_key is not None:
                 mac = discovery.mesh_mac(self.mesh_key, discovery.MESH_HELLO_LABEL, welcome_nonce, nonce)

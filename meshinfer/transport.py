@@ -16,7 +16,7 @@ from typing import Any, Awaitable, Callable
 import websockets
 from websockets.exceptions import ConnectionClosed
 
-from . import protocol
+from . import protocol, tls
 from .errors import MeshError, PeerUnavailable, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class Link:
     Attributes:
         remote_id: the remote peer id once known (None for clients).
         role: ``"peer"`` or ``"client"`` once the handshake is done.
+        tls_fingerprint: on a dialed ``wss://`` link, hex SHA-256 of the server's certificate.
     """
 
     def __init__(self, ws, *, max_bytes: int, on_message: Handler, name: str = "") -> None:
@@ -51,6 +52,7 @@ class Link:
         self.remote_id: str | None = None
         self.role: str | None = None
         self.info: dict[str, Any] = {}
+        self.tls_fingerprint = ""  # SHA-256 hex of the server's certificate, on a dialed wss:// link
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._bad_frames = 0
@@ -165,17 +167,28 @@ def remote_error(f: Any) -> MeshError:
     return exc
 
 
-async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s: float = 5.0) -> Link:
+async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s: float = 5.0,
+               insecure: bool = False, tls_ca: str | None = None) -> Link:
     """Open a websocket to ``url`` and start its reader task (kept in ``link.reader``).
 
+    ``wss://`` checks no CA: ``link.tls_fingerprint`` holds the SHA-256 of the certificate the
+    server presented, for the handshake to pin against the peer's signed advert. Plain ``ws://``
+    to a non-loopback host is refused unless ``insecure`` (see :mod:`meshinfer.tls`). With
+    ``tls_ca`` (a PEM file of CA certificates) the server's certificate must also chain to one
+    of them and name the host in ``url``.
+
     Raises:
+        InvalidInput: plain ``ws://`` to another machine without ``insecure``; an unreadable ``tls_ca``.
         PeerUnavailable: the address cannot be reached within ``open_timeout_s`` seconds.
     """
+    tls.check_plain_url(url, insecure=insecure)
+    ssl_context = tls.client_context(tls_ca) if url.startswith("wss://") else None
     try:
-        ws = await websockets.connect(url, max_size=max_bytes, open_timeout=open_timeout_s,
+        ws = await websockets.connect(url, max_size=max_bytes, open_timeout=open_timeout_s, ssl=ssl_context,
                                       ping_interval=20, ping_timeout=20, compression=None)
     except (OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException, ValueError) as exc:
         raise PeerUnavailable(f"cannot reach {url}: {exc}") from exc
     link = Link(ws, max_bytes=max_bytes, on_message=on_message, name=url)
+    link.tls_fingerprint = tls.peer_fingerprint(ws)
     link.reader = asyncio.get_running_loop().create_task(link.run(), name=f"link {url}")
     return link

@@ -51,6 +51,10 @@ def test_generate_json(tiny_gguf):
     (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1"], "no bootstrap peer answered"),
     (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1", "--mesh-key-file", "/nonexistent/mesh.key"],
      "--mesh-key-file /nonexistent/mesh.key: No such file or directory"),
+    (["join", "--listen", "0.0.0.0:0"], "refusing to listen on 0.0.0.0 without TLS: pass --tls self-signed "
+                                        "(or --tls-cert/--tls-key), or --insecure to serve plain ws://"),
+    (["chat", "-p", "x", "--peers", "ws://10.0.0.5:7700"], "ws://10.0.0.5:7700 is plain ws:// to another "
+                                                           "machine: frames would travel unencrypted"),
 ])
 def test_user_mistakes_give_one_line_errors(tiny_gguf, args, message):
     if "--model" not in args and args[0] != "chat":
@@ -112,6 +116,26 @@ def test_private_mesh_needs_the_key_file(tiny_gguf, tmp_path):
                            env=env)
         assert status.returncode == 0, status.stderr
         assert [p["peer_id"][:12] for p in json.loads(status.stdout)["peers"]] == [m.group(1)]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_join_with_a_self_signed_certificate_serves_wss(tiny_gguf, tmp_path):
+    env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
+    env.pop("MESHINFER_MESH_KEY_FILE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(tiny_gguf),
+                             "--listen", "127.0.0.1:0", "--key", str(tmp_path / "k.pem"), "--tls", "self-signed"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"ready: peer (\w+) serving .* at (wss://127\.0\.0\.1:\d+)", line)
+        assert m, line + proc.stderr.read() if proc.poll() is not None else line
+        assert oct(os.stat(tmp_path / "k.pem.tls-key.pem").st_mode & 0o777) == "0o600"
+        status = meshinfer("status", "--peers", m.group(2), "--json", env=env)
+        assert status.returncode == 0, status.stderr
+        [peer] = json.loads(status.stdout)["peers"]
+        assert peer["peer_id"].startswith(m.group(1))
     finally:
         proc.kill()
         proc.wait()
