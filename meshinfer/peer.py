@@ -285,6 +285,9 @@ class Peer:
                                               ssl=ssl_context, ping_interval=20, ping_timeout=20, compression=None)
         port = self._server.sockets[0].getsockname()[1]
         host = s.host if s.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        if host != s.host and not s.public_addrs:
+            log.warning("listening on all interfaces without --public-addr: other machines cannot dial the "
+                        "advertised %s; pass --public-addr %s://THIS-HOST:%d", host, scheme, port)
         self.addrs = tuple(s.public_addrs) or (f"{scheme}://{host}:{port}",)
         self.port = port
         self.state = protocol.READY
