@@ -15,7 +15,6 @@ import os
 import re
 import signal
 import sys
-import time
 from urllib.parse import urlsplit
 from pathlib import Path
 

@@ -18,7 +18,6 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import websockets

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-import numpy as np
 import torch
 
 from .config import LayerRange

@@ -75,3 +75,14 @@ async def crash(peer: Peer) -> None:
     for task in list(peer._tasks):
         task.cancel()
     await asyncio.gather(*peer._tasks, return_exceptions=True)
+
+
+def tiny_model(directory: Path, *, context: int = 256, seed: int = 0) -> tuple:
+    """(gguf path, weights hash, tokenizer, whole-model shard) of a tiny random qwen2 model."""
+    from meshinfer.generate import load_shard
+    from meshinfer.tokenizer import Tokenizer
+    from tiny import random_weights, tiny_config, write_gguf
+
+    cfg = tiny_config("qwen2", context=context)
+    path = write_gguf(directory / "tiny.gguf", cfg, random_weights(cfg, seed=seed))
+    return path, file_hash(path), Tokenizer.from_gguf(path), load_shard(path)

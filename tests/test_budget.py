@@ -6,20 +6,16 @@ import asyncio
 
 import pytest
 
-from meshkit import file_hash, mesh, start_peer, wait_for_tables
+from meshkit import mesh, start_peer, tiny_model, wait_for_tables
 from meshinfer.config import LayerRange
 from meshinfer.errors import CacheFull, ContextOverflow
 from meshinfer.generate import greedy_generate, load_shard
 from meshinfer.session import MeshClient
-from meshinfer.tokenizer import Tokenizer
-from tiny import random_weights, tiny_config, write_gguf
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    cfg = tiny_config("qwen2", context=4096)
-    path = write_gguf(tmp_path_factory.mktemp("budget") / "tiny.gguf", cfg, random_weights(cfg, seed=11))
-    return path, file_hash(path), Tokenizer.from_gguf(path), load_shard(path)
+    return tiny_model(tmp_path_factory.mktemp("budget"), context=4096, seed=11)
 
 
 def expected(tiny, ids, n):
@@ -109,4 +105,6 @@ async def test_twenty_conversations_in_a_row_memory_stays_flat(tiny):
                 await conv.close()
                 assert out.token_ids == expected(tiny, ids, n), i
         await asyncio.sleep(0.2)
-        assert [(p.kv_bytes_used, p.free_kv_tokens, len(p._tasks)) for p in peers] == baseline
+        assert [(p.kv_bytes_used, p.free_kv_tokens) for p in peers] == [b[:2] for b in baseline]
+        # no task per conversation is left behind (gossip exchanges in flight come and go)
+        assert all(len(p._tasks) <= b[2] + 3 for p, b in zip(peers, baseline))

@@ -24,7 +24,7 @@ import torch
 import websockets
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshkit import file_hash, mesh, split
+from meshkit import mesh, split, tiny_model
 from meshinfer import peer as peer_module
 from meshinfer import protocol
 from meshinfer.config import LayerRange
@@ -34,8 +34,6 @@ from meshinfer.generate import greedy_generate, load_shard
 from meshinfer.peer import ClientLimits
 from meshinfer.protocol import PeerAdvert
 from meshinfer.session import MeshClient
-from meshinfer.tokenizer import Tokenizer
-from tiny import random_weights, tiny_config, write_gguf
 
 MESSAGES = [{"role": "user", "content": "a hostile world"}]
 CONTEXT = 256  # tokens, the tiny model's context
@@ -50,11 +48,7 @@ NONCE = bytes(range(NONCE_BYTES))
 # --------------------------------------------------------------------------- fixtures and helpers
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(gguf path, weights hash, tokenizer, whole-model shard) of a tiny random qwen2 model."""
-    d = tmp_path_factory.mktemp("hostile")
-    cfg = tiny_config("qwen2", context=CONTEXT)
-    path = write_gguf(d / "tiny.gguf", cfg, random_weights(cfg))
-    return path, file_hash(path), Tokenizer.from_gguf(path), load_shard(path)
+    return tiny_model(tmp_path_factory.mktemp("hostile"), context=CONTEXT)
 
 
 @contextlib.asynccontextmanager

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from meshkit import file_hash, mesh, split, start_peer, wait_for_tables
+from meshkit import file_hash, mesh, split, start_peer, tiny_model, wait_for_tables
 from meshinfer import protocol
 from meshinfer.config import LayerRange
 from meshinfer.errors import CacheFull, ContextOverflow, LayerRangeError, NoRoute, PositionError
@@ -16,18 +16,13 @@ from meshinfer.peer import launch_peer, PeerSettings
 from meshinfer.session import MeshClient
 from meshinfer.tokenizer import Tokenizer
 from meshinfer.transport import dial
-from tiny import random_weights, tiny_config, write_gguf
 
 MESSAGES = [{"role": "user", "content": "hello there, tiny model"}]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(gguf path, weights hash, tokenizer, whole-model shard) of a tiny random qwen2 model."""
-    d = tmp_path_factory.mktemp("tiny")
-    cfg = tiny_config("qwen2", context=256)
-    path = write_gguf(d / "tiny.gguf", cfg, random_weights(cfg))
-    return path, file_hash(path), Tokenizer.from_gguf(path), load_shard(path)
+    return tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def reference(tiny, prompt_ids, max_tokens=12):

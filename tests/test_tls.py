@@ -9,24 +9,18 @@ import stat
 
 import pytest
 
-from meshkit import file_hash, start_peer, wait_for_tables
+from meshkit import start_peer, tiny_model, wait_for_tables
 from meshinfer import protocol, tls
 from meshinfer.errors import InvalidInput, PeerUnavailable, Unauthenticated
 from meshinfer.generate import greedy_generate, load_shard
 from meshinfer.session import MeshClient
-from meshinfer.tokenizer import Tokenizer
-from tiny import random_weights, tiny_config, write_gguf
 
 MESSAGES = [{"role": "user", "content": "a secret word"}]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(gguf path, weights hash, tokenizer, whole-model shard) of a tiny random qwen2 model."""
-    d = tmp_path_factory.mktemp("tls")
-    cfg = tiny_config("qwen2", context=256)
-    path = write_gguf(d / "tiny.gguf", cfg, random_weights(cfg, seed=5))
-    return path, file_hash(path), Tokenizer.from_gguf(path), load_shard(path)
+    return tiny_model(tmp_path_factory.mktemp("tls"), seed=5)
 
 
 @pytest.fixture

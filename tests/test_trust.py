@@ -9,14 +9,12 @@ import msgpack
 import pytest
 import websockets
 
-from meshkit import file_hash, mesh, split, start_peer
+from meshkit import mesh, split, start_peer, tiny_model
 from meshinfer import discovery, protocol
 from meshinfer.errors import Unauthenticated
 from meshinfer.generate import greedy_generate, load_shard
 from meshinfer.peer import PRIVATE_MESH
 from meshinfer.session import MeshClient
-from meshinfer.tokenizer import Tokenizer
-from tiny import random_weights, tiny_config, write_gguf
 
 MESSAGES = [{"role": "user", "content": "a private word"}]
 KEY = b"correct horse battery staple 32b"
@@ -24,11 +22,7 @@ KEY = b"correct horse battery staple 32b"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(gguf path, weights hash, tokenizer, whole-model shard) of a tiny random qwen2 model."""
-    d = tmp_path_factory.mktemp("trust")
-    cfg = tiny_config("qwen2", context=256)
-    path = write_gguf(d / "tiny.gguf", cfg, random_weights(cfg))
-    return path, file_hash(path), Tokenizer.from_gguf(path), load_shard(path)
+    return tiny_model(tmp_path_factory.mktemp("trust"))
 
 
 def private_mesh(tiny, bounds=(0, 2, 4), key=KEY):
