@@ -86,3 +86,19 @@ def tiny_model(directory: Path, *, context: int = 256, seed: int = 0) -> tuple:
     cfg = tiny_config("qwen2", context=context)
     path = write_gguf(directory / "tiny.gguf", cfg, random_weights(cfg, seed=seed))
     return path, file_hash(path), Tokenizer.from_gguf(path), load_shard(path)
+
+
+async def generate_through(peers: Sequence[Peer], tok, messages: list, *, max_tokens: int = 8,
+                           max_tokens_total: int = 96, **client_options) -> tuple:
+    """One greedy conversation through the mesh of ``peers``; returns (route, prompt ids, result)."""
+    from meshinfer.session import MeshClient
+
+    async with MeshClient(list(peers[0].addrs), **client_options) as client:
+        route = await client.plan()
+        conv = client.conversation(route, max_tokens_total=max_tokens_total)
+        ids = tok.encode_chat(messages)
+        try:
+            out = await conv.generate(ids, max_tokens=max_tokens, eos_ids=())
+        finally:
+            await conv.close()
+    return route, ids, out

@@ -24,7 +24,7 @@ import torch
 import websockets
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshkit import mesh, split, tiny_model
+from meshkit import generate_through, mesh, split, tiny_model
 from meshinfer import peer as peer_module
 from meshinfer import protocol
 from meshinfer.config import LayerRange
@@ -33,7 +33,6 @@ from meshinfer.errors import LayerRangeError, ProtocolError
 from meshinfer.generate import greedy_generate, load_shard
 from meshinfer.peer import ClientLimits
 from meshinfer.protocol import PeerAdvert
-from meshinfer.session import MeshClient
 
 MESSAGES = [{"role": "user", "content": "a hostile world"}]
 CONTEXT = 256  # tokens, the tiny model's context
@@ -89,14 +88,7 @@ async def settle(peers, timeout_s: float = 5.0) -> None:
 async def converse(tiny, peers) -> None:
     """A normal client conversation through ``peers`` matches the whole model."""
     _, _, tok, whole = tiny
-    async with MeshClient(list(peers[0].addrs), request_timeout_s=10.0) as client:
-        route = await client.plan()
-        conv = client.conversation(route, max_tokens_total=96)
-        ids = tok.encode_chat(MESSAGES)
-        try:
-            out = await conv.generate(ids, max_tokens=8, eos_ids=())
-        finally:
-            await conv.close()
+    _, ids, out = await generate_through(peers, tok, MESSAGES, request_timeout_s=10.0)
     assert out.token_ids == greedy_generate(whole, ids, max_tokens=8, eos_ids=()).token_ids
 
 

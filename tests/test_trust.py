@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import websockets
 
-from meshkit import mesh, split, start_peer, tiny_model
+from meshkit import generate_through, mesh, split, start_peer, tiny_model
 from meshinfer import discovery, protocol
 from meshinfer.errors import Unauthenticated
 from meshinfer.generate import greedy_generate, load_shard
@@ -76,14 +76,7 @@ async def test_private_mesh_with_the_key_equals_greedy_generate(tiny):
     _, _, tok, whole = tiny
     async with private_mesh(tiny) as peers:
         assert all(p.table.get(q.peer_id) for p in peers for q in peers if q is not p)  # peers gossip with the key
-        async with MeshClient(list(peers[0].addrs), mesh_key=KEY) as client:
-            route = await client.plan()
-            conv = client.conversation(route, max_tokens_total=96)
-            ids = tok.encode_chat(MESSAGES)
-            try:
-                out = await conv.generate(ids, max_tokens=8, eos_ids=())
-            finally:
-                await conv.close()
+        route, ids, out = await generate_through(peers, tok, MESSAGES, mesh_key=KEY)
     assert len(route.hops) == 2
     assert out.token_ids == greedy_generate(whole, ids, max_tokens=8, eos_ids=()).token_ids
 
