@@ -107,11 +107,10 @@ def _messages(args) -> list[dict]:
     return msgs + [{"role": "user", "content": args.prompt}]
 
 
-def _setup_logging(verbose: int) -> None:
-    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("websockets").setLevel(logging.WARNING)
+def _setup_logging(verbose: int, fmt: str = "text") -> None:
+    from .logs import configure
+
+    configure(logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING, fmt)
 
 
 def _run(coro):
@@ -203,8 +202,12 @@ async def _join(args) -> int:
                             kv_budget_bytes=None if args.kv_budget == "auto" else parse_bytes(args.kv_budget),
                             idle_timeout_s=args.idle_timeout, mesh_key=_mesh_key(args),
                             tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure,
-                            tls_ca=args.tls_ca)
+                            tls_ca=args.tls_ca, metrics_port=args.metrics_port or None)
+    if not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0 turns metrics off)")
     _check_port_free(host, port)
+    if args.metrics_port:
+        _check_port_free(host, args.metrics_port)
     _warn_plain(list(settings.bootstrap), args.insecure)
     key = args.key or str(Path(_env("MESHINFER_HOME", "~/.cache/meshinfer")).expanduser() / f"peer-{port}.key")
     peer = await launch_peer(args.model, layers, device=args.device, dtype=args.dtype, settings=settings,
@@ -446,8 +449,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES[name],
-                              formatter_class=_Formatter)
+        s = sub.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES[name],
+                           formatter_class=_Formatter)
+        s.add_argument("--log-format", choices=["text", "json"], default=_env("MESHINFER_LOG_FORMAT", "text"),
+                       help="log lines on stderr: text, or JSON objects with conv/peer/seq fields "
+                            "[$MESHINFER_LOG_FORMAT]")
+        return s
 
     model_default = _env("MESHINFER_MODEL", "qwen2.5-coder-0.5b-instruct-q4_k_m")
     peers_default = _env("MESHINFER_PEERS", DEFAULT_PEERS)
@@ -496,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow plain ws:// to or from other machines (unencrypted)")
     s.add_argument("--tls-ca", default=None,
                    help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
+    s.add_argument("--metrics-port", type=int, default=_env("MESHINFER_METRICS_PORT", "0"),
+                   help="serve Prometheus metrics at http://LISTEN-HOST:PORT/metrics; 0: off "
+                        "[$MESHINFER_METRICS_PORT]")
     s.set_defaults(func=cmd_join)
 
     s = add("chat", "Chat with the model through the mesh (REPL without -p).")
@@ -551,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         # that spin after each op steal the cores the next hop is computing on; sleeping threads
         # cost ~1 ms per token. Must be set before torch loads its OpenMP runtime.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    _setup_logging(args.verbose + (1 if args.command == "join" else 0))
+    _setup_logging(args.verbose + (1 if args.command == "join" else 0), getattr(args, "log_format", "text"))
     if getattr(args, "max_tokens", None) is not None and args.max_tokens < 1:
         print("error: --max-tokens must be at least 1", file=sys.stderr)
         return 2

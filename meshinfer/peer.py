@@ -29,6 +29,8 @@ from .errors import (CacheFull, ContextOverflow, InvalidInput, LayerRangeError, 
                      PositionError, ProtocolError, RateLimited, Unauthenticated)
 from .executor import DeviceExecutor
 from .kv_cache import HiddenLog, KVCache
+from .logs import context
+from .metrics import PeerMetrics
 from .models.llama import Shard
 from .protocol import PeerAdvert
 from .transport import CLOSE_SHUTDOWN, Link, dial
@@ -76,6 +78,9 @@ class PeerSettings:
         tls_ca: PEM file of CA certificates that the certificates of the peers this one dials
             must chain to, on top of pinning; None: pinning only.
         client_limits: per-client-host limits, see :class:`ClientLimits`.
+        metrics_port: serve Prometheus ``/metrics`` over HTTP on this port (0: the OS picks);
+            None: no HTTP server (the metrics are still kept, in ``Peer.metrics``).
+        metrics_host: address of the metrics server; None: ``host``.
     """
 
     host: str = "127.0.0.1"
@@ -94,6 +99,8 @@ class PeerSettings:
     insecure: bool = False
     tls_ca: str | None = None
     client_limits: "ClientLimits" = field(default_factory=lambda: ClientLimits())
+    metrics_port: int | None = None
+    metrics_host: str | None = None
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,7 @@ class Peer:
         self._closing = False
         self.owns_executor = False
         self._buckets: dict[str, tuple[_Bucket, _Bucket]] = {}
+        self.metrics = PeerMetrics(self)
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -265,7 +273,8 @@ class Peer:
 
         Raises:
             InvalidInput: a non-loopback host without TLS or ``insecure``; unreadable TLS files;
-                a public address whose scheme is not the one served.
+                a public address whose scheme is not the one served; a metrics port that cannot be
+                bound (the peer is closed again).
         """
         s = self.settings
         tls.check_listen(s.host, tls=s.tls_cert is not None, insecure=s.insecure)
@@ -293,8 +302,18 @@ class Peer:
         self._seq += 1
         self._spawn(self._gossip_loop(), "gossip")
         self._spawn(self._janitor_loop(), "janitor")
+        self.metrics.set_info(peer_id=self.peer_id, layers=self.shard.range.cli(), device=self.executor.device,
+                              precision=self.precision, weights=self.weights_hash[:12],
+                              architecture=self.cfg.architecture)
+        if s.metrics_port is not None:
+            try:
+                self.metrics.serve(s.metrics_host or s.host, s.metrics_port)
+            except OSError as exc:
+                await self.close()
+                raise InvalidInput(f"cannot serve metrics on {s.metrics_host or s.host}:{s.metrics_port}: "
+                                   f"{exc.strerror or exc} (pick another --metrics-port)") from exc
         log.info("peer %s ready at %s serving layers %s", self.peer_id[:12], ", ".join(self.addrs),
-                 self.shard.range.cli())
+                 self.shard.range.cli(), extra=context(peer=self.peer_id))
 
     async def close(self) -> None:
         """Drain: tell conversations' clients, close sockets, free caches. Safe to call twice."""
@@ -318,6 +337,7 @@ class Peer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
+        await asyncio.to_thread(self.metrics.close)
         if self.owns_executor:
             self.executor.close()
 
@@ -328,6 +348,7 @@ class Peer:
         await self._serve_link(link)
 
     async def _serve_link(self, link: Link) -> None:
+        link.meter = self.metrics
         self._all_links.add(link)
         hello_timer = asyncio.get_running_loop().call_later(
             HELLO_TIMEOUT_S, lambda: link.role is None and self._spawn(link.close(1008, "no hello"), "close"))
@@ -339,7 +360,8 @@ class Peer:
             if link.remote_id and self.links.get(link.remote_id) is link:
                 del self.links[link.remote_id]
             for conv in [c for c in self.convs.values() if c.owner is link]:
-                log.info("client of conversation %s disconnected; freeing it", conv.conv_id)
+                log.info("client of conversation %s disconnected; freeing it", conv.conv_id,
+                         extra=context(conv=conv.conv_id, peer=self.peer_id))
                 await self._drop_conv(conv.conv_id)
 
     async def _link_to(self, peer_id: str, addrs: tuple[str, ...]) -> Link:
@@ -375,6 +397,7 @@ class Peer:
             except (PeerUnavailable, InvalidInput) as exc:
                 errors.append(str(exc))
                 continue
+            link.meter = self.metrics
             self._all_links.add(link)
             link.reader.add_done_callback(lambda _t, lk=link: self._forget_link(lk))
             try:
@@ -567,6 +590,8 @@ class Peer:
         self.convs[conv_id] = conv
         self._reserved_tokens += tokens
         conv.task = self._spawn(self._conv_worker(conv), f"conv {conv_id[:12]}")
+        log.info("opened conversation %s: layers %s, %d tokens reserved", conv_id, run.cli(), tokens,
+                 extra=context(conv=conv_id, peer=self.peer_id))
         await link.send("opened", re=rid, conv=conv_id, free_kv_tokens=self.free_kv_tokens)
 
     def _neighbours(self, f, run: LayerRange) -> tuple[str | None, str | None, tuple[str, ...]]:
@@ -648,6 +673,9 @@ class Peer:
             raise LayerRangeError(f"reroute: conversation {conv.conv_id} runs layers {conv.run.cli()} here")
         prev_id, next_id, next_addrs = self._neighbours(f, conv.run)
         conv.prev_id, conv.next_id, conv.next_addrs = prev_id, next_id, next_addrs
+        log.info("conversation %s rerouted (failover): previous hop %s, next hop %s", conv.conv_id,
+                 (prev_id or "client")[:12], (next_id or "client")[:12],
+                 extra=context(conv=conv.conv_id, peer=self.peer_id))
         await link.send("rerouted", re=f.get("id", int, None), conv=conv.conv_id)
 
     async def _on_probe(self, link: Link, f) -> None:
@@ -661,6 +689,8 @@ class Peer:
     async def _on_close(self, link: Link, f) -> None:
         conv = self.convs.get(f.str("conv"))
         if conv is not None and conv.owner is link:
+            log.info("closed conversation %s at %d tokens", conv.conv_id, conv.cache.length,
+                     extra=context(conv=conv.conv_id, peer=self.peer_id))
             await self._drop_conv(conv.conv_id)
 
     async def _on_error(self, link: Link, f) -> None:
@@ -685,6 +715,7 @@ class Peer:
                                        hidden=protocol.tensor_to_wire(conv.sent.slice(start, start + x)), trace=[])
                     continue
                 out = await self.executor.run(self._compute, conv, x, start)
+                self.metrics.step(x.shape[1], time.perf_counter() - t0)
                 hop = {"peer": self.peer_id, "compute_ms": round((time.perf_counter() - t0) * 1e3, 3),
                        "queue_ms": round((t0 - t_recv) * 1e3, 3)}
                 if conv.next_id is None:
@@ -700,7 +731,8 @@ class Peer:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.exception("step %d of conversation %s failed", seq, conv.conv_id)
+                log.exception("step %d of conversation %s failed", seq, conv.conv_id,
+                              extra=context(conv=conv.conv_id, peer=self.peer_id, seq=seq))
                 await self._report(conv, seq, MeshError(f"internal error on peer {self.peer_id[:12]}: {exc}"))
             finally:
                 conv.queue.task_done()
@@ -721,6 +753,9 @@ class Peer:
 
     async def _report(self, conv: _Conv, seq: int, exc: MeshError) -> None:
         conv.expected_start = conv.cache.length
+        self.metrics.error(exc.code)
+        log.warning("step %d of conversation %s failed: %s: %s", seq, conv.conv_id, exc.code, exc,
+                    extra=context(conv=conv.conv_id, peer=self.peer_id, seq=seq))
         try:
             await conv.owner.send("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc))
         except MeshError:
@@ -746,7 +781,8 @@ class Peer:
             self._buckets = {h: b for h, b in self._buckets.items() if b[1].level < b[1].burst}  # drop idle hosts
             for conv in list(self.convs.values()):
                 if now - conv.last_active > self.settings.idle_timeout_s and conv.queue.empty():
-                    log.info("conversation %s idle for %.0f s; freeing it", conv.conv_id, now - conv.last_active)
+                    log.info("conversation %s idle for %.0f s; freeing it", conv.conv_id, now - conv.last_active,
+                             extra=context(conv=conv.conv_id, peer=self.peer_id))
                     await self._drop_conv(conv.conv_id)
 
     async def _gossip_loop(self) -> None:

@@ -58,13 +58,17 @@ class Link:
         self._bad_frames = 0
         self.last_frame_bytes = 0
         self.closed = asyncio.Event()
+        self.meter = None  # a PeerMetrics counting frame bytes and errors, when the owner sets one
 
     async def send(self, msg_type: str, **fields: Any) -> None:
         """Send one frame. Raises :class:`PeerUnavailable` when the connection is closed."""
+        data = protocol.encode(msg_type, **fields)
         try:
-            await self.ws.send(protocol.encode(msg_type, **fields))
+            await self.ws.send(data)
         except ConnectionClosed as exc:
             raise PeerUnavailable(f"connection to {self.name or self.remote_id} is closed") from exc
+        if self.meter is not None:
+            self.meter.frame_out(len(data))
 
     async def request(self, msg_type: str, *, timeout_s: float, **fields: Any) -> tuple[str, Any]:
         """Send a request and wait for its reply (``type``, fields).
@@ -105,6 +109,8 @@ class Link:
         context: dict[str, Any] = {}
         try:
             self.last_frame_bytes = len(frame)
+            if self.meter is not None:
+                self.meter.frame_in(len(frame))
             msg_type, f = protocol.decode(frame, max_bytes=self.max_bytes)
             context = _reply_context(f)
             re = f.get("re", int, None)
@@ -126,6 +132,8 @@ class Link:
         if isinstance(exc, ProtocolError):
             self._bad_frames += 1
         code = getattr(exc, "code", "mesh_error")
+        if self.meter is not None:
+            self.meter.error(code)
         try:
             await self.send("error", code=code, message=str(exc)[:protocol.MAX_STR_LEN], **context)
             if code == "version_mismatch":
