@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# Create .venv and install meshinfer (CPU torch) into it. Used by the README and CI.
-# Set MESHINFER_TORCH to choose another torch requirement (e.g. a CUDA build).
+# Create a virtual environment and install meshinfer (CPU torch) into it. Used by the README,
+# CI, `deploy/local-mesh.sh --setup` and deploy/Dockerfile (the same commands everywhere).
+#
+# Environment:
+#   MESHINFER_VENV         where the environment goes (default: .venv in the checkout)
+#   MESHINFER_TORCH        the torch requirement when torch is missing (e.g. a CUDA build)
+#   MESHINFER_TORCH_INDEX  a pip index URL to fetch torch from (e.g. PyTorch's CPU-only wheel
+#                          index, for a smaller image); empty: pip's configured index
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -d .venv ] || "$PY" -m venv .venv
+VENV=${MESHINFER_VENV:-.venv}
+[ -d "$VENV" ] || "$PY" -m venv "$VENV"
 # shellcheck disable=SC1091
-. .venv/bin/activate
+. "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
-# torch first and pinned to a CPU build when none is installed: an unpinned torch pulls a
-# multi-GB CUDA build on Linux.
-python -c "import torch" 2>/dev/null || python -m pip install -q "${MESHINFER_TORCH:-torch==2.13.0}"
+# torch first and pinned when none is installed: an unpinned torch pulls a multi-GB CUDA build
+# on Linux.
+INDEX=()
+[ -n "${MESHINFER_TORCH_INDEX:-}" ] && INDEX=(--index-url "$MESHINFER_TORCH_INDEX")
+python -c "import torch" 2>/dev/null || python -m pip install -q "${INDEX[@]}" "${MESHINFER_TORCH:-torch==2.13.0}"
 python -m pip install -q -e ".[test]"
 meshinfer --help >/dev/null
-echo "meshinfer installed in $(pwd)/.venv" >&2
+echo "meshinfer installed in $VENV" >&2

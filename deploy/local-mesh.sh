@@ -3,10 +3,14 @@
 # question with `meshinfer chat`, and stop the peers again.
 #
 #   bash deploy/local-mesh.sh [--setup] [--peers N] [--model NAME|PATH] [--base-port P]
-#                             [--keep] [-p PROMPT] [-- extra chat flags]
+#                             [--metrics-port P] [--keep] [-p PROMPT] [-- extra chat flags]
 #
-# --setup   create .venv and install meshinfer into it first (a fresh machine)
-# --keep    leave the peers running (their logs are in $LOG_DIR) and print how to chat
+# --setup         install meshinfer first with deploy/install.sh, as deploy/Dockerfile does
+# --metrics-port  serve peer i's Prometheus metrics on port P+i
+# --keep          leave the peers running (their logs are in $LOG_DIR) and print how to chat
+#
+# It runs the commands the container image runs: deploy/install.sh, `meshinfer pull MODEL`,
+# then `meshinfer join` per peer (see deploy/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +20,7 @@ BASE_PORT=7700
 PROMPT="Write a Python function that checks whether a number is prime."
 SETUP=0
 KEEP=0
+METRICS_PORT=0
 CHAT_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -24,9 +29,10 @@ while [ $# -gt 0 ]; do
     --peers) N=$2; shift ;;
     --model) MODEL=$2; shift ;;
     --base-port) BASE_PORT=$2; shift ;;
+    --metrics-port) METRICS_PORT=$2; shift ;;
     -p|--prompt) PROMPT=$2; shift ;;
     --) shift; CHAT_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -35,9 +41,10 @@ done
 if [ "$SETUP" = 1 ]; then
   bash deploy/install.sh
 fi
-if [ -f .venv/bin/activate ]; then
+VENV=${MESHINFER_VENV:-.venv}
+if [ -f "$VENV/bin/activate" ]; then
   # shellcheck disable=SC1091
-  . .venv/bin/activate
+  . "$VENV/bin/activate"
 fi
 command -v meshinfer >/dev/null || { echo "meshinfer is not installed: run with --setup" >&2; exit 2; }
 
@@ -62,10 +69,11 @@ echo "starting $N peers for $LAYERS layers of $(basename "$MODEL_PATH") (logs in
 for i in $(seq 0 $((N - 1))); do
   first=$(( i * LAYERS / N )); last=$(( (i + 1) * LAYERS / N - 1 ))
   port=$(( BASE_PORT + i ))
-  bootstrap=()
-  [ "$i" -gt 0 ] && bootstrap=(--peers "ws://127.0.0.1:$BASE_PORT")
+  extra=()
+  [ "$i" -gt 0 ] && extra+=(--peers "ws://127.0.0.1:$BASE_PORT")
+  [ "$METRICS_PORT" -gt 0 ] && extra+=(--metrics-port $(( METRICS_PORT + i )))
   meshinfer join --model "$MODEL_PATH" --layers "$first-$last" --listen "127.0.0.1:$port" \
-    --key "$LOG_DIR/peer-$i.key" "${bootstrap[@]}" >"$LOG_DIR/peer-$i.log" 2>&1 &
+    --key "$LOG_DIR/peer-$i.key" "${extra[@]}" >"$LOG_DIR/peer-$i.log" 2>&1 &
   PIDS+=($!)
 done
 for i in $(seq 0 $((N - 1))); do
