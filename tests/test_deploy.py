@@ -212,3 +212,20 @@ def test_every_error_code_is_listed_in_the_protocol_doc():
     codes = {cls.code for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, errors.MeshError)}
     listed = set(re.findall(r"`(\w+)`", protocol_doc_section("Error codes")))
     assert sorted(codes - listed) == []
+
+
+# --------------------------------------------------------------------------- docs
+@pytest.mark.parametrize("doc", ["docs/quickstart.md", "docs/wan.md"])
+def test_meshinfer_commands_in_deploy_docs_are_accepted_by_the_cli_parser(doc):
+    text = (ROOT / doc).read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip().rstrip("&").strip()
+            for part in line.split("&&"):
+                words = shlex.split(part)
+                if words[:1] == ["meshinfer"]:
+                    commands.append(words[1:])
+    assert commands, f"{doc} shows no meshinfer command"
+    for argv in commands:
+        parse_cli(argv, doc)
