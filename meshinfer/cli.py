@@ -3,6 +3,7 @@
 Subcommands: pull, generate, join, chat, status, netsim, bench. Every flag that names a peer list or
 a model also reads an environment variable (``MESHINFER_PEERS``, ``MESHINFER_MODEL``).
 A user's mistake ends with a one-line ``error: ...`` on stderr and exit status 2.
+Every subcommand takes ``--log-format text|json`` (``MESHINFER_LOG_FORMAT``, see :mod:`meshinfer.logs`).
 """
 
 from __future__ import annotations
