@@ -337,7 +337,8 @@ class Peer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
-        await asyncio.to_thread(self.metrics.close)
+        if self.metrics.port is not None:  # joining the HTTP thread blocks up to 0.5 s: not on the loop
+            await asyncio.to_thread(self.metrics.close)
         if self.owns_executor:
             self.executor.close()
 
