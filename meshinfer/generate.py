@@ -90,18 +90,20 @@ class Generation:
     decode_tokens_per_s: float = 0.0
 
     def accept(self, token: int, *, budget: int, eos: set[int],
-               on_token: Callable[[int], None] | None = None) -> bool:
+               on_token: Callable[[int], bool | None] | None = None) -> bool:
         """Record a chosen token; return False once generation ends.
 
         An end-of-generation id ends it with ``finish_reason`` "stop" (the id is not kept);
-        reaching ``budget`` tokens ends it with "length".
+        so does ``on_token`` returning True (a stop sequence; the id is kept); reaching
+        ``budget`` tokens ends it with "length".
         """
         if token in eos:
             self.finish_reason = "stop"
             return False
         self.token_ids.append(token)
-        if on_token:
-            on_token(token)
+        if on_token and on_token(token):
+            self.finish_reason = "stop"
+            return False
         return len(self.token_ids) < budget
 
     def set_decode_rate(self, decode_steps: int, elapsed_s: float) -> None:

@@ -33,6 +33,7 @@ from .logs import context
 from .metrics import PeerMetrics
 from .models.llama import Shard
 from .protocol import PeerAdvert
+from .sampling import pick_token
 from .transport import CLOSE_SHUTDOWN, Link, dial
 
 log = logging.getLogger(__name__)
@@ -631,7 +632,7 @@ class Peer:
                 raise InvalidInput(f"step {seq}: hidden states must be (1, T, {self.cfg.hidden_size})")
         if f.get("replay", bool, False) and start + x.shape[1] <= conv.cache.length <= conv.expected_start:
             # failover replay of positions this hop kept: pass its logged output on, compute nothing
-            self._enqueue(conv, (seq, start, x.shape[1], "none", [], time.perf_counter(), True))
+            self._enqueue(conv, (seq, start, x.shape[1], "none", [], time.perf_counter(), True, None))
             return
         if start != conv.expected_start:
             raise PositionError(f"step {seq} starts at position {start}; conversation {conv.conv_id} "
@@ -643,7 +644,9 @@ class Peer:
         want = f.str("want", "none")
         if want not in ("token", "none"):
             raise ProtocolError(f"step {seq}: want {want[:40]!r} is not token or none")
-        self._enqueue(conv, (seq, start, x, want, trace, time.perf_counter(), f.get("replay", bool, False)))
+        sampling = protocol.sampling_from_wire(f.get("sampling", dict, None), f"step {seq}")
+        self._enqueue(conv, (seq, start, x, want, trace, time.perf_counter(), f.get("replay", bool, False),
+                             sampling))
         conv.expected_start = start + x.shape[1]
 
     def _enqueue(self, conv: _Conv, item: tuple) -> None:
@@ -706,7 +709,7 @@ class Peer:
     # ------------------------------------------------------------------ compute
     async def _conv_worker(self, conv: _Conv) -> None:
         while True:
-            seq, start, x, want, trace, t_recv, replay = await conv.queue.get()
+            seq, start, x, want, trace, t_recv, replay, sampling = await conv.queue.get()
             try:
                 t0 = time.perf_counter()
                 if isinstance(x, int):  # a replayed step this hop holds: resend what it sent then
@@ -715,7 +718,7 @@ class Peer:
                         await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, replay=True,
                                        hidden=protocol.tensor_to_wire(conv.sent.slice(start, start + x)), trace=[])
                     continue
-                out = await self.executor.run(self._compute, conv, x, start)
+                out = await self.executor.run(self._compute, conv, x, start, sampling)
                 self.metrics.step(x.shape[1], time.perf_counter() - t0)
                 hop = {"peer": self.peer_id, "compute_ms": round((time.perf_counter() - t0) * 1e3, 3),
                        "queue_ms": round((t0 - t_recv) * 1e3, 3)}
@@ -726,7 +729,8 @@ class Peer:
                 else:
                     nxt = await self._link_to(conv.next_id, conv.next_addrs)
                     await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, replay=replay,
-                                   hidden=protocol.tensor_to_wire(out), trace=trace + [hop])
+                                   hidden=protocol.tensor_to_wire(out), trace=trace + [hop],
+                                   **({"sampling": sampling.to_wire()} if sampling else {}))
             except MeshError as exc:
                 await self._report(conv, seq, exc)
             except asyncio.CancelledError:
@@ -738,15 +742,19 @@ class Peer:
             finally:
                 conv.queue.task_done()
 
-    def _compute(self, conv: _Conv, x: torch.Tensor, start: int):
-        """On the device thread: run the conversation's layers; hidden states or a token id."""
+    def _compute(self, conv: _Conv, x: torch.Tensor, start: int, sampling=None):
+        """On the device thread: run the conversation's layers; hidden states or a token id.
+
+        On the last hop the token is :func:`meshinfer.sampling.pick_token` of the last
+        position's logits: argmax without ``sampling``, else a draw seeded by (seed, position).
+        """
         out = self.shard(x.to(self.shard.device), start, conv.cache, run=conv.run, logits="last")
         if not bool(torch.isfinite(out).all()):
             conv.cache.truncate(start)
             raise InvalidInput(f"layers {conv.run.cli()} produced NaN or inf at positions "
                                f"{start}..{start + x.shape[1] - 1}")
         if conv.run.stop == self.cfg.num_hidden_layers:
-            return int(out[0, -1].argmax())
+            return pick_token(out[0, -1], sampling, position=start + x.shape[1])
         out = out.float().cpu()  # the wire form (float32), copied off the device on its own thread
         if conv.sent is not None:
             conv.sent.append(start, out)

@@ -231,6 +231,27 @@ def trace_from_wire(value: Any, what: str) -> list[dict]:
     return out
 
 
+def sampling_from_wire(value: Any, what: str) -> "SamplingParams | None":
+    """The optional ``sampling`` field of a ``step``: None (greedy) or checked parameters.
+
+    Wire form ``{"temperature": float in [0, 100], "top_p": float in (0, 1], "seed": int in
+    [0, 2**63)}``; every key is required when the map is sent. Unknown keys are ignored.
+
+    Raises:
+        ProtocolError: not a map, a missing or mistyped key, a value out of range.
+    """
+    from .sampling import SamplingParams
+
+    if value is None:
+        return None
+    f = Fields(value, f"{what}.sampling")
+    top_p = f.float("top_p", lo=0.0, hi=1.0)
+    if top_p <= 0.0:
+        raise ProtocolError(f"{what}.sampling: field 'top_p' = {top_p} must be above 0")
+    return SamplingParams(temperature=f.float("temperature", lo=0.0, hi=100.0), top_p=top_p,
+                          seed=f.int("seed", lo=0, hi=(1 << 63) - 1))
+
+
 # --------------------------------------------------------------------------- tensors
 def tensor_to_wire(t: torch.Tensor, dtype: str = "f32") -> dict:
     """Encode ``t`` (any shape, up to :data:`MAX_TENSOR_DIMS` dims) as dtype + shape + raw bytes.

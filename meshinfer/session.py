@@ -20,6 +20,7 @@ from .errors import (CacheFull, IncompatiblePeer, InvalidInput, MeshError, PeerU
 from .generate import Generation, check_context
 from .protocol import PeerAdvert
 from .routing import Route, plan_route
+from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 from .transport import Link, dial, remote_error
 
@@ -316,6 +317,7 @@ class Conversation:
         self._compute_ms: dict[str, list[float]] = {}
         self._step_ms: list[float] = []
         self._opening = 0
+        self.sampling: SamplingParams | None = None  # set by generate(); None: greedy
 
     # ------------------------------------------------------------------ hops
     async def _open_hop(self, i: int, hops, *, reroute: bool = False) -> None:
@@ -383,8 +385,9 @@ class Conversation:
     async def _send(self, tokens: Sequence[int], start: int, *, want_token: bool, replay: bool = False) -> int:
         self._seq += 1
         first = await self.client.link(self.route.hops[0].peer)
+        extra = {"sampling": self.sampling.to_wire()} if want_token and self.sampling else {}
         await first.send("step", conv=self.conv_id, seq=self._seq, start=start, tokens=list(tokens),
-                         want="token" if want_token else "none", replay=replay)
+                         want="token" if want_token else "none", replay=replay, **extra)
         return self._seq
 
     def _deadline_s(self, n_tokens: int) -> float:
@@ -489,12 +492,16 @@ class Conversation:
 
     # ------------------------------------------------------------------ generation
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int | None, eos_ids=(),
-                       on_token: Callable[[int], None] | None = None) -> ChatResult:
-        """Greedy generation continuing this conversation.
+                       on_token: Callable[[int], bool | None] | None = None,
+                       sampling: SamplingParams | None = None) -> ChatResult:
+        """Generation continuing this conversation: greedy, or sampled on the last hop.
 
         ``prompt_ids`` is the whole conversation so far (rendered by the chat template); the
         longest prefix the hops already cache is reused, the rest is prefilled in chunks of at
         most the hops' ``max_step_tokens``, sent back to back so hops work in a pipeline.
+        ``on_token`` gets each kept id; when it returns True generation ends with
+        ``finish_reason`` "stop" (a stop sequence). ``sampling`` (None or temperature 0: greedy)
+        travels with each step that wants a token; the last hop seeds its draw with (seed, position).
 
         Raises:
             ContextOverflow: prompt + ``max_tokens`` exceed the conversation's reserved context.
@@ -502,6 +509,7 @@ class Conversation:
                 found no route.
         """
         prompt_ids = list(prompt_ids)
+        self.sampling = sampling if sampling is not None and not sampling.greedy else None
         budget = check_context(len(prompt_ids), max_tokens, self.max_tokens_total,
                                what="the conversation's reserved context")
         if not self._open:
