@@ -1,6 +1,6 @@
 """The ``meshinfer`` command line: the only module that prints.
 
-Subcommands: pull, generate, join, chat, status, netsim, bench. Every flag that names a peer list or
+Subcommands: pull, generate, join, chat, serve, status, netsim, bench. Every flag that names a peer list or
 a model also reads an environment variable (``MESHINFER_PEERS``, ``MESHINFER_MODEL``).
 A user's mistake ends with a one-line ``error: ...`` on stderr and exit status 2.
 Every subcommand takes ``--log-format text|json`` (``MESHINFER_LOG_FORMAT``, see :mod:`meshinfer.logs`).
@@ -34,6 +34,9 @@ EXAMPLES = {
     "chat": "examples:\n  meshinfer chat --peers ws://127.0.0.1:7700\n"
             "  meshinfer chat --peers wss://10.0.0.5:7700\n"
             "  meshinfer chat -p 'Explain RoPE in one paragraph' --json",
+    "serve": "examples:\n  meshinfer serve --peers ws://127.0.0.1:7700\n"
+             "  meshinfer serve --peers wss://10.0.0.5:7700 --host 0.0.0.0 --port 8000 --api-key-file api.key\n"
+             "  # then: OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='unused')",
     "status": "examples:\n  meshinfer status --peers ws://127.0.0.1:7700\n  meshinfer status --json",
     "netsim": "examples:\n  meshinfer netsim --target 127.0.0.1:7701 --listen 127.0.0.1:7801 --rtt-ms 100\n"
               "  # then start the first peer with --peers ws://127.0.0.1:7801 (or a client with --peers)",
@@ -234,27 +237,35 @@ def cmd_join(args) -> int:
 
 
 # --------------------------------------------------------------------------- chat
+def _sampling(args):
+    """``--temperature/--top-p/--seed`` as :class:`SamplingParams`, or None for greedy."""
+    from .sampling import SamplingParams
+
+    if not args.temperature:
+        return None
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=seed)
+
+
 async def _chat(args) -> int:
+    from .reply import one_reply, plan_for
     from .session import MeshClient
 
     interactive = args.prompt is None and args.messages is None
     messages = [] if interactive else _messages(args)  # bad input fails before the mesh is contacted
     if args.context < 2:
         raise ValueError("--context must be at least 2 tokens")
+    args.sampling = _sampling(args)
     _warn_plain(_peers(args.peers), args.insecure)
     async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
                           tls_ca=args.tls_ca) as client:
-        route = await client.plan()
-        tok = await client.tokenizer(route)
+        route, tok = await plan_for(client)
         if not args.json:
             print(f"route: {route.describe()}", file=sys.stderr)
         if not interactive:
-            prompt_ids = tok.encode_chat(messages)
-            conv = client.conversation(route, max_tokens_total=len(prompt_ids) + args.max_tokens)
-            result = await _reply(conv, tok, prompt_ids, args)
-            if args.json:
-                print(json.dumps(result.to_dict()))
-            await conv.close()
+            result = await one_reply(client, route, tok, tok.encode_chat(messages), max_tokens=args.max_tokens,
+                                     sampling=args.sampling, on_text=None if args.json else _show)
+            _reply_done(result, args)
             return 0
         await _repl(client, route, tok, args)
     return 0
@@ -318,22 +329,27 @@ def _stdin_lines() -> asyncio.Queue:
     return queue
 
 
+def _show(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 async def _reply(conv, tok, prompt_ids, args):
-    from .tokenizer import StreamDecoder
+    from .reply import reply
 
-    stream = StreamDecoder(tok)
-
-    def show(token: int) -> None:
-        if not args.json:
-            sys.stdout.write(stream.push(token))
-            sys.stdout.flush()
-
-    result = await conv.generate(prompt_ids, max_tokens=args.max_tokens, eos_ids=tok.eos_ids, on_token=show)
-    result.text = tok.decode(result.token_ids)
+    result = await reply(conv, tok, prompt_ids, max_tokens=args.max_tokens, sampling=args.sampling,
+                         on_text=None if args.json else _show)
     if not args.json:
-        sys.stdout.write(stream.flush() + "\n")
-        print(_stats_line(result), file=sys.stderr)
+        _reply_done(result, args)
     return result
+
+
+def _reply_done(result, args) -> None:
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        sys.stdout.write("\n")
+        print(_stats_line(result), file=sys.stderr)
 
 
 def _stats_line(r) -> str:
@@ -345,6 +361,54 @@ def _stats_line(r) -> str:
 
 def cmd_chat(args) -> int:
     return _run(_chat(args))
+
+
+# --------------------------------------------------------------------------- serve
+async def _serve(args) -> int:
+    from .api import ApiServer
+    from .session import MeshClient
+    from .tls import is_loopback
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} is not a TCP port")
+    if args.default_max_tokens < 1:
+        raise ValueError("--default-max-tokens must be at least 1")
+    api_key = None
+    if args.api_key_file:
+        try:
+            api_key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file {args.api_key_file}: {exc.strerror or exc}") from exc
+        if not api_key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+    _warn_plain(_peers(args.peers), args.insecure)
+    if not is_loopback(args.host) and api_key is None:
+        print(f"warning: serving on {args.host} without --api-key-file: anyone who reaches it can use the mesh",
+              file=sys.stderr)
+    async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
+                          tls_ca=args.tls_ca) as client:
+        server = ApiServer(client, host=args.host, port=args.port, api_key=api_key,
+                           default_max_tokens=args.default_max_tokens)
+        try:
+            await server.start()
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+        models = ", ".join(m["id"] for m in await server.models.models()) or "none yet"
+        print(f"ready: OpenAI-compatible API at {server.url} (models: {models})", flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            except NotImplementedError:  # pragma: no cover - Windows
+                pass
+        await stop.wait()
+        print("shutting down", flush=True)
+        await server.close()
+    return 0
+
+
+def cmd_serve(args) -> int:
+    return _run(_serve(args))
 
 
 # --------------------------------------------------------------------------- status
@@ -522,8 +586,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--insecure", action="store_true", help="allow plain ws:// to other machines (unencrypted)")
     s.add_argument("--tls-ca", default=None,
                    help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample on the last hop")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
+    s.add_argument("--seed", type=int, default=None, help="seed of sampling (default: random)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_chat)
+
+    s = add("serve", "Serve an OpenAI-compatible HTTP API (chat completions, models) over the mesh.")
+    s.add_argument("--peers", default=peers_default, help="peers to contact [$MESHINFER_PEERS]")
+    s.add_argument("--host", default=_env("MESHINFER_API_HOST", "127.0.0.1"),
+                   help="address to listen on [$MESHINFER_API_HOST]")
+    s.add_argument("--port", type=int, default=_env("MESHINFER_API_PORT", "8000"),
+                   help="TCP port, 0: any [$MESHINFER_API_PORT]")
+    s.add_argument("--api-key-file", default=_env("MESHINFER_API_KEY_FILE"),
+                   help="file holding the key clients must send as 'Authorization: Bearer KEY' "
+                        "[$MESHINFER_API_KEY_FILE]")
+    s.add_argument("--default-max-tokens", type=int, default=512,
+                   help="tokens generated when a request sets no max_tokens")
+    s.add_argument("--mesh-key-file", default=mesh_key_default,
+                   help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
+    s.add_argument("--insecure", action="store_true", help="allow plain ws:// to other machines (unencrypted)")
+    s.add_argument("--tls-ca", default=None,
+                   help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
+    s.set_defaults(func=cmd_serve)
 
     s = add("status", "Show the peer table and which complete routes exist.")
     s.add_argument("--peers", default=peers_default, help="peers to contact [$MESHINFER_PEERS]")

@@ -1,0 +1,455 @@
+"""OpenAI-compatible HTTP API over the mesh (aiohttp): what ``meshinfer serve`` runs.
+
+Endpoints (see docs/api.md): ``POST /v1/chat/completions`` (JSON or server-sent events),
+``GET /v1/models`` and ``GET /v1/models/{id}``. Each completion is one conversation on a
+route planned through :mod:`meshinfer.reply`, the same path as ``meshinfer chat``; it is
+closed on every hop when the reply ends, fails, or its HTTP client goes away.
+
+A model's id is the name of a known model (``meshinfer pull`` names) whose sha256 equals the
+weights hash peers advertise, else ``sha256-`` and the first 16 hex digits of that hash.
+Requests may also name a model by its full weights hash.
+
+Every error is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``;
+nothing a request sends stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from .errors import (CacheFull, ContextOverflow, IncompatiblePeer, InvalidInput, MeshError, NoRoute,
+                     PeerUnavailable, RateLimited, Unauthenticated)
+from .reply import one_reply, plan_for
+from .routing import Route, complete_routes_summary
+from .sampling import SEED_MODULUS, SamplingParams
+from .session import MeshClient
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+#: Tokens generated at most when a request gives neither ``max_tokens`` nor ``max_completion_tokens``.
+DEFAULT_MAX_TOKENS = 512
+#: Largest ``max_tokens`` accepted; the model's context (checked by the peers) is usually smaller.
+MAX_TOKENS_LIMIT = 1 << 20
+#: Seconds a planned route (and the peer table behind ``/v1/models``) is reused before replanning.
+ROUTE_TTL_S = 30.0
+#: Largest request body, bytes.
+MAX_BODY_BYTES = 4 << 20
+#: Most stop sequences per request (OpenAI's limit).
+MAX_STOP_SEQUENCES = 4
+#: Roles a message may have; ``developer`` (OpenAI's newer name for ``system``) is sent as ``system``.
+ROLES = ("system", "user", "assistant", "developer")
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's format.
+
+    Args:
+        status: the HTTP status (400, 401, 404, 429, 500, 502, 503).
+        message: one line saying what is wrong and what to do.
+        type: OpenAI error type (``invalid_request_error``, ``server_error`` ...).
+        param: the request field at fault, or None.
+        code: a short machine-readable code, or None.
+    """
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        """``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+def mesh_error(exc: MeshError) -> ApiError:
+    """The HTTP error for a mesh failure: 400 for the request's fault, 429, 503 or 502 otherwise."""
+    if isinstance(exc, ContextOverflow):
+        return ApiError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, InvalidInput):
+        return ApiError(400, str(exc), param="messages", code=exc.code)
+    if isinstance(exc, RateLimited):
+        return ApiError(429, str(exc), type="rate_limit_error", code=exc.code)
+    if isinstance(exc, (NoRoute, PeerUnavailable, CacheFull, Unauthenticated, IncompatiblePeer)):
+        return ApiError(503, f"the mesh cannot serve this request now: {exc}", type="server_error",
+                        code=exc.code)
+    return ApiError(502, f"a peer failed: {exc}", type="server_error", code=getattr(exc, "code", "mesh_error"))
+
+
+# --------------------------------------------------------------------------- requests
+@dataclass(frozen=True)
+class ChatRequest:
+    """A checked ``POST /v1/chat/completions`` body.
+
+    Attributes:
+        model: the model id asked for.
+        messages: ``[{"role", "content"}]`` with text content only.
+        max_tokens: tokens to generate at most, or None (the server's default).
+        sampling: None for greedy (temperature absent or 0), else the parameters with a seed.
+        stop: stop sequences (non-empty), at most :data:`MAX_STOP_SEQUENCES`.
+        stream: answer with server-sent events.
+        include_usage: (streaming) send a last chunk with ``usage``.
+    """
+
+    model: str
+    messages: list[dict]
+    max_tokens: int | None
+    sampling: SamplingParams | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, key: str, *, lo: float, hi: float, integer: bool = False) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not lo <= value <= hi:
+        what = "an integer" if integer else "a number"
+        raise ApiError(400, f"'{key}' must be {what} in [{lo:g}, {hi:g}], got {json.dumps(value)[:40]}",
+                       param=key, code="invalid_value")
+    return value
+
+
+def _content(m: dict, i: int) -> str:
+    content = m.get("content")
+    if content is None and m.get("role") == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts "
+                        f"(images, audio and files are not supported)", param=f"messages[{i}].content")
+
+
+def _messages(value: Any) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content}", param="messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}",
+                           param=f"messages[{i}].role")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": _content(m, i)})
+    return out
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES or not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOP_SEQUENCES} strings",
+                       param="stop")
+    return tuple(s for s in stops if s)
+
+
+def _unsupported(body: dict) -> None:
+    """Refuse fields whose meaning the mesh cannot honour (rather than silently ignore them)."""
+    checks = [("n", lambda v: v in (None, 1)), ("logprobs", lambda v: not v), ("top_logprobs", lambda v: v is None),
+              ("tools", lambda v: not v), ("functions", lambda v: not v), ("logit_bias", lambda v: not v),
+              ("presence_penalty", lambda v: v in (None, 0)), ("frequency_penalty", lambda v: v in (None, 0)),
+              ("response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"))]
+    for key, ok in checks:
+        if not ok(body.get(key)):
+            raise ApiError(400, f"'{key}' = {json.dumps(body.get(key))[:60]} is not supported by meshinfer "
+                                f"(see docs/api.md)", param=key, code="unsupported_parameter")
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Check a decoded chat-completions body.
+
+    Raises:
+        ApiError: 400 naming the field at fault.
+    """
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' must name a model (GET /v1/models lists them)", param="model")
+    messages = _messages(body.get("messages"))
+    _unsupported(body)
+    max_tokens = _number(body, "max_completion_tokens", lo=1, hi=MAX_TOKENS_LIMIT, integer=True)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", lo=1, hi=MAX_TOKENS_LIMIT, integer=True)
+    temperature = _number(body, "temperature", lo=0, hi=2) or 0.0
+    top_p = _number(body, "top_p", lo=0, hi=1)
+    if top_p == 0:
+        raise ApiError(400, "'top_p' must be above 0", param="top_p", code="invalid_value")
+    seed = _number(body, "seed", lo=-(1 << 63), hi=(1 << 64) - 1, integer=True)
+    sampling = None
+    if temperature > 0:
+        seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
+        sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p or 1.0),
+                                  seed=seed % SEED_MODULUS)
+    stream = body.get("stream") or False
+    options = body.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(options, dict):
+        raise ApiError(400, "'stream' must be true or false and 'stream_options' an object", param="stream")
+    return ChatRequest(model=model, messages=messages, max_tokens=max_tokens, sampling=sampling,
+                       stop=_stop(body.get("stop")), stream=stream,
+                       include_usage=bool(options.get("include_usage")))
+
+
+# --------------------------------------------------------------------------- models and routes
+def model_id(weights_hash: str) -> str:
+    """The stable id of the weights ``weights_hash``: a known model's name, else ``sha256-<16 hex>``."""
+    from .weights.registry import KNOWN_MODELS
+
+    for name, known in KNOWN_MODELS.items():
+        if known.sha256 == weights_hash:
+            return name
+    return f"sha256-{weights_hash[:16]}"
+
+
+class MeshModels:
+    """The models a mesh serves and a cached route (with tokenizer) to each.
+
+    Args:
+        client: the :class:`MeshClient` (owned by the caller).
+        route_ttl_s: seconds a route and the peer table are reused before planning again.
+    """
+
+    def __init__(self, client: MeshClient, *, route_ttl_s: float = ROUTE_TTL_S) -> None:
+        self.client, self.route_ttl_s = client, route_ttl_s
+        self._table_at = -float("inf")
+        self._routes: dict[str, tuple[float, Route, Tokenizer]] = {}
+        self._lock = asyncio.Lock()
+
+    async def models(self) -> list[dict]:
+        """OpenAI model objects, one per weights identity in the peer table.
+
+        Raises:
+            PeerUnavailable, Unauthenticated: no bootstrap peer answered.
+        """
+        async with self._lock:
+            if time.monotonic() - self._table_at > self.route_ttl_s:
+                await self.client.refresh()
+                self._table_at = time.monotonic()
+            peers = list(self.client.table.values())
+        complete = {g.route.compat_key[0] for g in complete_routes_summary(peers) if g.route is not None}
+        out: dict[str, dict] = {}
+        for ad in sorted(peers, key=lambda a: a.peer_id):
+            m = out.setdefault(ad.weights_hash, {
+                "id": model_id(ad.weights_hash), "object": "model", "created": 0, "owned_by": "meshinfer",
+                "meshinfer": {"weights_hash": ad.weights_hash, "architecture": ad.architecture,
+                              "num_layers": ad.num_layers, "peers": 0,
+                              "complete_route": ad.weights_hash in complete}})
+            m["meshinfer"]["peers"] += 1
+        return list(out.values())
+
+    async def find(self, name: str) -> dict:
+        """The model object whose id (or full weights hash) is ``name``.
+
+        Raises:
+            ApiError: 404 ``model_not_found``.
+        """
+        for m in await self.models():
+            if name in (m["id"], m["meshinfer"]["weights_hash"]):
+                return m
+        raise ApiError(404, f"the model '{name[:100]}' does not exist on this mesh; GET /v1/models lists "
+                            f"the models it serves", param="model", code="model_not_found")
+
+    async def route(self, weights_hash: str) -> tuple[Route, Tokenizer]:
+        """A recent route to ``weights_hash`` and its tokenizer, planned when none is fresh.
+
+        Raises:
+            NoRoute, PeerUnavailable, IncompatiblePeer: see :func:`meshinfer.reply.plan_for`.
+        """
+        async with self._lock:
+            cached = self._routes.get(weights_hash)
+            if cached is None or time.monotonic() - cached[0] > self.route_ttl_s:
+                route, tok = await plan_for(self.client, weights_hash=weights_hash)
+                cached = self._routes[weights_hash] = (time.monotonic(), route, tok)
+                self._table_at = time.monotonic()
+            return cached[1], cached[2]
+
+    def forget(self, weights_hash: str) -> None:
+        """Plan again next time (the route failed)."""
+        self._routes.pop(weights_hash, None)
+
+
+# --------------------------------------------------------------------------- server
+def _completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def _usage(result) -> dict:
+    n_prompt, n_out = len(result.prompt_ids), len(result.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure becomes an OpenAI-format error; unexpected ones are logged as 500."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:  # unknown path, wrong method, body too large
+        if exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+        return ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", code=code).response()
+    except MeshError as exc:
+        return mesh_error(exc).response()
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return ApiError(500, "internal server error (see the server log)", type="server_error").response()
+
+
+class ApiServer:
+    """The OpenAI-compatible HTTP server over a mesh.
+
+    Args:
+        client: an open :class:`MeshClient`; the server uses it and does not close it.
+        host, port: where to listen (port 0: the OS picks; see :attr:`port` after :meth:`start`).
+        api_key: when set, requests must send ``Authorization: Bearer <api_key>`` (else 401).
+        default_max_tokens: tokens generated when a request gives no ``max_tokens``.
+        route_ttl_s: see :class:`MeshModels`.
+    """
+
+    def __init__(self, client: MeshClient, *, host: str = "127.0.0.1", port: int = 8000,
+                 api_key: str | None = None, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+                 route_ttl_s: float = ROUTE_TTL_S) -> None:
+        self.client, self.host, self.port = client, host, port
+        self.api_key, self.default_max_tokens = api_key, default_max_tokens
+        self.models = MeshModels(client, route_ttl_s=route_ttl_s)
+        self.app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+        self.app.add_routes([web.post("/v1/chat/completions", self._chat), web.get("/v1/models", self._list),
+                             web.get("/v1/models/{id}", self._model)])
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        """The base URL clients use, ``http://HOST:PORT/v1``."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def start(self) -> None:
+        """Listen. A client that disconnects cancels its request (the conversation is closed)."""
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        log.info("OpenAI-compatible API at %s", self.url)
+
+    async def close(self) -> None:
+        """Stop listening and cancel requests in flight (closing their conversations). Safe to call twice."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    def _check_key(self, request: web.Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise ApiError(401, "a valid API key is needed: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def _list(self, request: web.Request) -> web.Response:
+        self._check_key(request)
+        return web.json_response({"object": "list", "data": await self.models.models()})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        self._check_key(request)
+        return web.json_response(await self.models.find(request.match_info["id"]))
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self._check_key(request)
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        req = parse_chat_request(body)
+        model = await self.models.find(req.model)
+        weights_hash = model["meshinfer"]["weights_hash"]
+        try:
+            route, tok = await self.models.route(weights_hash)
+            prompt_ids = tok.encode_chat(req.messages)
+        except MeshError as exc:
+            self.models.forget(weights_hash)
+            raise mesh_error(exc) from exc
+        head = {"id": _completion_id(), "created": int(time.time()), "model": model["id"]}
+        run = dict(max_tokens=req.max_tokens or self.default_max_tokens, sampling=req.sampling, stop=req.stop)
+        if req.stream:
+            return await self._stream(request, req, head, route, tok, prompt_ids, run)
+        try:
+            result = await one_reply(self.client, route, tok, prompt_ids, **run)
+        except MeshError as exc:
+            self._failed(weights_hash, exc)
+            raise mesh_error(exc) from exc
+        return web.json_response(dict(head, object="chat.completion", choices=[{
+            "index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+            "finish_reason": result.finish_reason}], usage=_usage(result)))
+
+    def _failed(self, weights_hash: str, exc: MeshError) -> None:
+        if mesh_error(exc).status >= 500:
+            self.models.forget(weights_hash)
+
+    async def _stream(self, request: web.Request, req: ChatRequest, head: dict, route: Route, tok: Tokenizer,
+                      prompt_ids: list[int], run: dict) -> web.StreamResponse:
+        """Server-sent events: a role chunk, content chunks, a finish chunk, usage, ``[DONE]``.
+
+        Cancelled (the client went away) or not, the conversation is closed on every hop.
+        """
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        queue: asyncio.Queue = asyncio.Queue()
+        gen = asyncio.ensure_future(one_reply(self.client, route, tok, prompt_ids, on_text=queue.put_nowait, **run))
+        gen.add_done_callback(lambda _t: queue.put_nowait(None))
+        usage = {"usage": None} if req.include_usage else {}
+
+        async def send(obj: dict | str) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+            await resp.write(f"data: {data}\n\n".encode("utf-8"))
+
+        def chunk(delta: dict, finish: str | None = None) -> dict:
+            return dict(head, object="chat.completion.chunk", choices=[
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **usage)
+
+        try:
+            await send(chunk({"role": "assistant", "content": ""}))
+            while (piece := await queue.get()) is not None:
+                await send(chunk({"content": piece}))
+            try:
+                result = gen.result()
+            except MeshError as exc:
+                self._failed(route.compat_key[0], exc)
+                await send(mesh_error(exc).body())
+            except Exception:
+                log.exception("completion %s failed", head["id"])
+                await send(ApiError(500, "internal server error (see the server log)", type="server_error").body())
+            else:
+                await send(chunk({}, result.finish_reason))
+                if req.include_usage:
+                    await send(dict(head, object="chat.completion.chunk", choices=[], usage=_usage(result)))
+            await send("[DONE]")
+            await resp.write_eof()
+        except (ConnectionResetError, ConnectionError) as exc:
+            log.info("client of %s went away: %s", head["id"], exc)
+        finally:
+            if not gen.done():
+                gen.cancel()
+            await asyncio.gather(gen, return_exceptions=True)
+        return resp
