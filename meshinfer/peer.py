@@ -718,7 +718,8 @@ class Peer:
                         await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, replay=True,
                                        hidden=protocol.tensor_to_wire(conv.sent.slice(start, start + x)), trace=[])
                     continue
-                out = await self.executor.run(self._compute, conv, x, start, sampling)
+                out = await self.executor.run(self._compute, conv, x, start,
+                                              **({"sampling": sampling} if sampling else {}))
                 self.metrics.step(x.shape[1], time.perf_counter() - t0)
                 hop = {"peer": self.peer_id, "compute_ms": round((time.perf_counter() - t0) * 1e3, 3),
                        "queue_ms": round((t0 - t_recv) * 1e3, 3)}

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from meshkit import mesh, split, tiny_model
+from meshkit import crash, mesh, split, start_peer, tiny_model, wait_for_tables
 from meshinfer import protocol
 from meshinfer.config import LayerRange
 from meshinfer.api import ApiServer, model_id, parse_chat_request, ApiError
@@ -262,6 +262,41 @@ async def test_client_that_disconnects_mid_stream_leaves_no_conversation(tiny, m
     assert after.choices[0].message.content is not None
 
 
+async def test_sampled_reply_survives_failover_of_the_last_hop(tiny):
+    """The replacement last hop draws the same tokens: each draw is seeded by (seed, position)."""
+    path, digest, tok, _ = tiny
+    opts = dict(advert_ttl_s=STEADY_TTL_S)
+    first = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=tok.to_bundle(), **opts)
+    lasts = [await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=first.addrs, **opts)
+             for _ in range(2)]
+    sampling, ids = SamplingParams(temperature=1.5, seed=11), tok.encode_chat(MESSAGES)
+    try:
+        await wait_for_tables([first, *lasts])
+        async with MeshClient(list(first.addrs)) as client:
+            async def run(crash_after: int | None):
+                conv = client.conversation(await client.plan(), max_tokens_total=len(ids) + 30)
+                victim = next(p for p in lasts if p.peer_id == conv.route.hops[-1].peer_id)
+
+                def on_token(_):
+                    if len(conv.cached) - len(ids) == crash_after:
+                        asyncio.ensure_future(crash(victim))
+                try:
+                    return await conv.generate(ids, max_tokens=30, eos_ids=(), on_token=on_token, sampling=sampling)
+                finally:
+                    await conv.close()
+
+            reference = await run(None)
+            greedy = await client.conversation(await client.plan(), max_tokens_total=len(ids) + 30).generate(
+                ids, max_tokens=30, eos_ids=())
+            survived = await run(9)
+    finally:
+        for p in (first, *lasts):
+            await p.close()
+            p.executor.close()
+    assert survived.token_ids == reference.token_ids != greedy.token_ids
+    assert len(survived.failovers) == 1
+
+
 # --------------------------------------------------------------------------- units
 def test_text_stream_holds_back_a_possible_stop_sequence(tiny):
     tok = tiny[2]
@@ -370,3 +405,12 @@ async def test_real_model_two_peers_match_chat_and_stream_whole_utf8_characters(
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == tok.decode(emoji_ref.token_ids)
     assert any(ord(ch) > 0xFFFF for ch in "".join(pieces))  # astral characters: 4 UTF-8 bytes each
+
+
+def test_cli_refuses_bad_serve_and_sampling_flags_in_one_line(capsys):
+    from meshinfer.cli import main
+
+    assert main(["serve", "--port", "70000"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --port 70000 is not a TCP port"
+    assert main(["chat", "-p", "hi", "--temperature", "-1", "--peers", "ws://127.0.0.1:9"]) == 2
+    assert capsys.readouterr().err.strip() == "error: temperature -1.0 must be in [0, 100]"
