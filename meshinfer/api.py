@@ -29,10 +29,10 @@ from aiohttp import web
 
 from .errors import (CacheFull, ContextOverflow, IncompatiblePeer, InvalidInput, MeshError, NoRoute,
                      PeerUnavailable, RateLimited, Unauthenticated)
-from .reply import one_reply, plan_for
+from .reply import plan_for, reply
 from .routing import Route, complete_routes_summary
 from .sampling import SEED_MODULUS, SamplingParams
-from .session import MeshClient
+from .session import Conversation, MeshClient
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -390,33 +390,54 @@ class ApiServer:
             self.models.forget(weights_hash)
             raise mesh_error(exc) from exc
         head = {"id": _completion_id(), "created": int(time.time()), "model": model["id"]}
-        run = dict(max_tokens=req.max_tokens or self.default_max_tokens, sampling=req.sampling, stop=req.stop)
-        if req.stream:
-            return await self._stream(request, req, head, route, tok, prompt_ids, run)
+        max_tokens = req.max_tokens or self.default_max_tokens
+        run = dict(max_tokens=max_tokens, sampling=req.sampling, stop=req.stop)
+        conv = self.client.conversation(route, max_tokens_total=len(prompt_ids) + max_tokens)
         try:
-            result = await one_reply(self.client, route, tok, prompt_ids, **run)
-        except MeshError as exc:
-            self._failed(weights_hash, exc)
-            raise mesh_error(exc) from exc
+            await self._open(conv, len(prompt_ids), max_tokens)  # failures here still get their HTTP status
+            if req.stream:
+                return await self._stream(request, req, head, conv, tok, prompt_ids, run)
+            try:
+                result = await reply(conv, tok, prompt_ids, **run)
+            except MeshError as exc:
+                self._failed(weights_hash, exc)
+                raise mesh_error(exc) from exc
+        finally:
+            await conv.close()  # also when cancelled: the client went away
         return web.json_response(dict(head, object="chat.completion", choices=[{
             "index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
             "finish_reason": result.finish_reason}], usage=_usage(result)))
+
+    async def _open(self, conv: Conversation, n_prompt: int, max_tokens: int) -> None:
+        """Open ``conv`` on every hop (reserving prompt + ``max_tokens`` of KV cache).
+
+        Raises:
+            ApiError: 400 ``context_length_exceeded`` naming the numbers; 503/429/502 for the mesh.
+        """
+        try:
+            await conv.open()
+        except ContextOverflow as exc:
+            raise ApiError(400, f"the prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceed the "
+                                f"model's context: {exc}", param="messages", code="context_length_exceeded") from exc
+        except MeshError as exc:
+            self._failed(conv.route.compat_key[0], exc)
+            raise mesh_error(exc) from exc
 
     def _failed(self, weights_hash: str, exc: MeshError) -> None:
         if mesh_error(exc).status >= 500:
             self.models.forget(weights_hash)
 
-    async def _stream(self, request: web.Request, req: ChatRequest, head: dict, route: Route, tok: Tokenizer,
+    async def _stream(self, request: web.Request, req: ChatRequest, head: dict, conv: Conversation, tok: Tokenizer,
                       prompt_ids: list[int], run: dict) -> web.StreamResponse:
         """Server-sent events: a role chunk, content chunks, a finish chunk, usage, ``[DONE]``.
 
-        Cancelled (the client went away) or not, the conversation is closed on every hop.
+        Cancelled (the client went away) or not, generation stops; the caller closes ``conv``.
         """
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         queue: asyncio.Queue = asyncio.Queue()
-        gen = asyncio.ensure_future(one_reply(self.client, route, tok, prompt_ids, on_text=queue.put_nowait, **run))
+        gen = asyncio.ensure_future(reply(conv, tok, prompt_ids, on_text=queue.put_nowait, **run))
         gen.add_done_callback(lambda _t: queue.put_nowait(None))
         usage = {"usage": None} if req.include_usage else {}
 
@@ -435,7 +456,7 @@ class ApiServer:
             try:
                 result = gen.result()
             except MeshError as exc:
-                self._failed(route.compat_key[0], exc)
+                self._failed(conv.route.compat_key[0], exc)
                 await send(mesh_error(exc).body())
             except Exception:
                 log.exception("completion %s failed", head["id"])

@@ -21,6 +21,7 @@ import torch
 
 from .config import LayerRange
 from .errors import ProtocolError, VersionMismatch
+from .sampling import SamplingParams
 
 #: Version of the wire protocol. A handshake whose version differs is refused.
 PROTOCOL_VERSION = 1
@@ -231,7 +232,7 @@ def trace_from_wire(value: Any, what: str) -> list[dict]:
     return out
 
 
-def sampling_from_wire(value: Any, what: str) -> "SamplingParams | None":
+def sampling_from_wire(value: Any, what: str) -> SamplingParams | None:
     """The optional ``sampling`` field of a ``step``: None (greedy) or checked parameters.
 
     Wire form ``{"temperature": float in [0, 100], "top_p": float in (0, 1], "seed": int in
@@ -240,8 +241,6 @@ def sampling_from_wire(value: Any, what: str) -> "SamplingParams | None":
     Raises:
         ProtocolError: not a map, a missing or mistyped key, a value out of range.
     """
-    from .sampling import SamplingParams
-
     if value is None:
         return None
     f = Fields(value, f"{what}.sampling")

@@ -199,13 +199,16 @@ async def test_bad_requests_are_400_and_the_server_keeps_serving(tiny):
 async def test_prompt_longer_than_the_context_is_400_context_length_exceeded(tiny):
     _, digest, _, _ = tiny  # the tiny model's context is 256 tokens, one token per byte
     async with tiny_api(tiny) as (peers, server, api):
+        long = [{"role": "user", "content": "x" * 400}]
         with pytest.raises(openai.BadRequestError) as info:
-            await api.chat.completions.create(model=digest, messages=[{"role": "user", "content": "x" * 400}],
-                                              max_tokens=4)
+            await api.chat.completions.create(model=digest, messages=long, max_tokens=4)
+        with pytest.raises(openai.BadRequestError) as streaming:  # refused before the stream starts
+            await api.chat.completions.create(model=digest, messages=long, max_tokens=4, stream=True)
         assert (await api.chat.completions.create(model=digest, messages=MESSAGES, max_tokens=2)).choices
         await wait_no_conversations(peers)
     assert info.value.status_code == 400 and info.value.code == "context_length_exceeded"
-    assert "256" in info.value.body["message"]
+    assert streaming.value.code == "context_length_exceeded"
+    assert "max_tokens (4)" in info.value.body["message"] and "context is 256 tokens" in info.value.body["message"]
 
 
 async def test_no_complete_route_is_503_and_listed_as_incomplete(tiny):
