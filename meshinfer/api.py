@@ -307,7 +307,7 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
-        return ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", code=code).response()
+        return ApiError(exc.status, f"{request.method} {request.path[:200]}: {exc.reason}", code=code).response()
     except MeshError as exc:
         return mesh_error(exc).response()
     except Exception:
