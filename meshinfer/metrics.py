@@ -30,7 +30,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 

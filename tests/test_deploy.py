@@ -72,7 +72,7 @@ def test_compose_has_two_peers_and_the_api_built_from_the_dockerfile(compose):
 
 @pytest.mark.parametrize("service", ["peer-a", "peer-b", "api"])
 def test_compose_commands_are_accepted_by_the_cli_parser(compose, service):
-    # the api service needs `meshinfer serve` (branch api); this fails until that lands on main
+    # the api service runs `meshinfer serve`; its flags must parse like any other command
     parse_cli(as_list(compose["services"][service]["command"]), f"docker-compose.yml service {service}")
 
 
