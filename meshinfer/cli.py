@@ -37,6 +37,7 @@ EXAMPLES = {
     "serve": "examples:\n  meshinfer serve --peers ws://127.0.0.1:7700\n"
              "  meshinfer serve --peers wss://10.0.0.5:7700 --host 0.0.0.0 --port 8000 --api-key-file api.key\n"
              "  # then: OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='unused')",
+    "id": "examples:\n  meshinfer id --key ~/.cache/meshinfer/peer-7700.key >> allowed-peers.txt",
     "status": "examples:\n  meshinfer status --peers ws://127.0.0.1:7700\n  meshinfer status --json",
     "netsim": "examples:\n  meshinfer netsim --target 127.0.0.1:7701 --listen 127.0.0.1:7801 --rtt-ms 100\n"
               "  # then start the first peer with --peers ws://127.0.0.1:7801 (or a client with --peers)",
@@ -86,6 +87,26 @@ def _mesh_key(args) -> bytes | None:
         return load_mesh_key(args.mesh_key_file)
     except OSError as exc:
         raise ValueError(f"--mesh-key-file {args.mesh_key_file}: {exc.strerror or exc}") from exc
+
+
+def _allow_ids(args) -> frozenset[str] | None:
+    """Peer ids from ``--allow-keys``, or None when no list is given."""
+    from .discovery import load_allowlist
+
+    return load_allowlist(args.allow_keys) if getattr(args, "allow_keys", None) else None
+
+
+def _audit_options(args) -> dict:
+    """Conversation options from ``--spot-check-rate`` (absent: the library default)."""
+    if args.spot_check_rate is None:
+        return {}
+    if not 0.0 <= args.spot_check_rate <= 1.0:
+        raise ValueError(f"--spot-check-rate {args.spot_check_rate} must be within 0..1")
+    return {"spot_check_rate": args.spot_check_rate}
+
+
+def _default_key_path(port: int) -> str:
+    return str(Path(_env("MESHINFER_HOME", "~/.cache/meshinfer")).expanduser() / f"peer-{port}.key")
 
 
 def _warn_plain(urls: list[str], insecure: bool) -> None:
@@ -206,14 +227,15 @@ async def _join(args) -> int:
                             kv_budget_bytes=None if args.kv_budget == "auto" else parse_bytes(args.kv_budget),
                             idle_timeout_s=args.idle_timeout, mesh_key=_mesh_key(args),
                             tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure,
-                            tls_ca=args.tls_ca, metrics_port=args.metrics_port or None)
+                            tls_ca=args.tls_ca, metrics_port=args.metrics_port or None,
+                            allow_ids=_allow_ids(args))
     if not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0 turns metrics off)")
     _check_port_free(host, port)
     if args.metrics_port:
         _check_port_free(host, args.metrics_port)
     _warn_plain(list(settings.bootstrap), args.insecure)
-    key = args.key or str(Path(_env("MESHINFER_HOME", "~/.cache/meshinfer")).expanduser() / f"peer-{port}.key")
+    key = args.key or _default_key_path(port)
     peer = await launch_peer(args.model, layers, device=args.device, dtype=args.dtype, settings=settings,
                              key_path=key, threads=args.threads, tls_self_signed=bool(args.tls))
     stop = asyncio.Event()
@@ -223,7 +245,7 @@ async def _join(args) -> int:
             loop.add_signal_handler(sig, stop.set)
         except NotImplementedError:  # pragma: no cover - Windows
             pass
-    print(f"ready: peer {peer.peer_id[:12]} serving layers {peer.shard.range.cli()} of "
+    print(f"ready: peer {peer.peer_id} serving layers {peer.shard.range.cli()} of "
           f"{peer.cfg.num_hidden_layers} at {', '.join(peer.addrs)} "
           f"({peer.executor.device}, {peer.precision}, {peer.compute_ms_per_token:.1f} ms/token)", flush=True)
     await stop.wait()
@@ -258,7 +280,7 @@ async def _chat(args) -> int:
     args.sampling = _sampling(args)
     _warn_plain(_peers(args.peers), args.insecure)
     async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
-                          tls_ca=args.tls_ca) as client:
+                          tls_ca=args.tls_ca, allow_ids=_allow_ids(args)) as client:
         route, tok = await plan_for(client)
         if not args.json:
             print(f"route: {route.describe()}", file=sys.stderr)
@@ -275,7 +297,7 @@ async def _repl(client, route, tok, args) -> None:
     """Interactive chat: Ctrl-C stops the current reply, Ctrl-D or /exit leaves."""
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
-    conv = client.conversation(route, max_tokens_total=args.context)
+    conv = client.conversation(route, max_tokens_total=args.context, **_audit_options(args))
     lines = _stdin_lines()
     loop = asyncio.get_running_loop()
     print("meshinfer chat: type a message; /reset starts over; /exit or Ctrl-D leaves; "
@@ -356,7 +378,9 @@ def _stats_line(r) -> str:
     n = len(r.token_ids)
     speed = f", {r.decode_tokens_per_s:.1f} tok/s" if n > 1 else ""
     failover = f", {len(r.failovers)} failover(s)" if getattr(r, "failovers", None) else ""
-    return f"[{n} token{'s' if n != 1 else ''}, TTFT {r.ttft_ms:.0f} ms{speed}{failover}, finish: {r.finish_reason}]"
+    liars = f", {len(r.detections)} lying peer(s) excluded" if getattr(r, "detections", None) else ""
+    return (f"[{n} token{'s' if n != 1 else ''}, TTFT {r.ttft_ms:.0f} ms{speed}{failover}{liars}, "
+            f"finish: {r.finish_reason}]")
 
 
 def cmd_chat(args) -> int:
@@ -411,6 +435,22 @@ def cmd_serve(args) -> int:
     return _run(_serve(args))
 
 
+# --------------------------------------------------------------------------- id
+def cmd_id(args) -> int:
+    """Print the peer id and public key of a key file (what goes in others' --allow-keys)."""
+    from .discovery import load_or_create_key, peer_id_of, public_key_hex
+
+    path = args.key or _default_key_path(7700)
+    if not Path(path).expanduser().exists() and not args.create:
+        raise ValueError(f"no key at {path}: pass --key FILE (join creates it on first start), or --create")
+    key = load_or_create_key(path)
+    if args.json:
+        print(json.dumps({"peer_id": peer_id_of(key), "public_key": public_key_hex(key), "key_file": path}))
+    else:
+        print(f"{peer_id_of(key)}  # peer id of {path}; public key {public_key_hex(key)}")
+    return 0
+
+
 # --------------------------------------------------------------------------- status
 async def _status(args) -> int:
     from .routing import complete_routes_summary
@@ -418,7 +458,7 @@ async def _status(args) -> int:
 
     _warn_plain(_peers(args.peers), args.insecure)
     async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
-                          tls_ca=args.tls_ca) as client:
+                          tls_ca=args.tls_ca, allow_ids=_allow_ids(args)) as client:
         peers = await client.refresh()
         rtts = await client.measure_rtts()
         groups = complete_routes_summary(peers, client_rtts_ms=rtts)
@@ -524,6 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_default = _env("MESHINFER_MODEL", "qwen2.5-coder-0.5b-instruct-q4_k_m")
     peers_default = _env("MESHINFER_PEERS", DEFAULT_PEERS)
     mesh_key_default = _env("MESHINFER_MESH_KEY_FILE")
+    allow_default = _env("MESHINFER_ALLOW_KEYS")
 
     s = add("pull", "Download a known model into the cache, verify its sha256, print its path.")
     s.add_argument("name", nargs="?", help="model name (default: the project's default model)")
@@ -571,7 +612,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=_env("MESHINFER_METRICS_PORT", "0"),
                    help="serve Prometheus metrics at http://LISTEN-HOST:PORT/metrics; 0: off "
                         "[$MESHINFER_METRICS_PORT]")
+    s.add_argument("--allow-keys", default=allow_default,
+                   help="file of peer ids or public keys allowed in the mesh, one a line [$MESHINFER_ALLOW_KEYS]")
     s.set_defaults(func=cmd_join)
+
+    s = add("id", "Print this peer's id and public key (for other peers' --allow-keys files).")
+    s.add_argument("--key", default=_env("MESHINFER_KEY"),
+                   help="Ed25519 key file (default: the one join uses on port 7700) [$MESHINFER_KEY]")
+    s.add_argument("--create", action="store_true", help="create the key file if it does not exist")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=cmd_id)
 
     s = add("chat", "Chat with the model through the mesh (REPL without -p).")
     s.add_argument("--peers", default=peers_default, help="peers to contact [$MESHINFER_PEERS]")
@@ -590,6 +640,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
     s.add_argument("--seed", type=int, default=None, help="seed of sampling (default: random)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--allow-keys", default=allow_default,
+                   help="file of peer ids or public keys allowed in the mesh, one a line [$MESHINFER_ALLOW_KEYS]")
+    s.add_argument("--spot-check-rate", type=float, default=None,
+                   help="share of decode steps re-run on a second peer with the same layers, besides one "
+                        "check of every hop after each prompt; 0: none (default: 0.05, see docs/security.md)")
     s.set_defaults(func=cmd_chat)
 
     s = add("serve", "Serve an OpenAI-compatible HTTP API (chat completions, models) over the mesh.")
@@ -618,6 +673,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--insecure", action="store_true", help="allow plain ws:// to other machines (unencrypted)")
     s.add_argument("--tls-ca", default=None,
                    help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
+    s.add_argument("--allow-keys", default=allow_default,
+                   help="file of peer ids or public keys allowed in the mesh, one a line [$MESHINFER_ALLOW_KEYS]")
     s.set_defaults(func=cmd_status)
 
     s = add("netsim", "Proxy TCP with added RTT and a bandwidth cap, to rehearse a WAN route.")

@@ -92,6 +92,45 @@ def load_mesh_key(path: str | os.PathLike) -> bytes:
     return key
 
 
+def load_allowlist(path: str | os.PathLike) -> frozenset[str]:
+    """Peer ids allowed in a mesh, from an ``--allow-keys`` file.
+
+    One entry a line: a peer id (32 hex digits, as ``meshinfer id`` prints it) or a raw
+    Ed25519 public key (64 hex digits, turned into its id). ``#`` starts a comment; blank
+    lines are ignored.
+
+    Raises:
+        InvalidInput: an unreadable file, a line that is neither form (its number is named),
+            or a file with no entry.
+    """
+    from .errors import InvalidInput
+
+    try:
+        text = Path(path).expanduser().read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"cannot read the allow-keys file {path}: {exc}") from None
+    ids = set()
+    for n, line in enumerate(text.splitlines(), 1):
+        entry = line.split("#", 1)[0].strip().lower()
+        if not entry:
+            continue
+        if len(entry) == 64 and all(c in "0123456789abcdef" for c in entry):
+            ids.add(hashlib.sha256(bytes.fromhex(entry)).hexdigest()[:32])
+        elif len(entry) == 32 and all(c in "0123456789abcdef" for c in entry):
+            ids.add(entry)
+        else:
+            raise InvalidInput(f"{path}:{n}: {entry[:70]!r} is neither a peer id (32 hex digits) nor a public "
+                               f"key (64 hex digits)")
+    if not ids:
+        raise InvalidInput(f"the allow-keys file {path} lists no peer; add peer ids (`meshinfer id`)")
+    return frozenset(ids)
+
+
+def not_allowed(peer_id: str) -> str:
+    """The one-line refusal for a peer not on the ``--allow-keys`` list."""
+    return f"peer {peer_id[:12]} is not on this mesh's --allow-keys list"
+
+
 def peer_id_of(key) -> str:
     """Peer id of an Ed25519 private or public key: hex of SHA-256(raw public key)[:16]."""
     from cryptography.hazmat.primitives import serialization

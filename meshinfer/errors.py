@@ -103,6 +103,23 @@ class Unauthenticated(MeshError):
     code = "unauthenticated"
 
 
+class LyingPeer(MeshError):
+    """A hop's replies do not match its advert: hidden states it sent fail the cheap checks
+    (dtype, shape, positions, finite values, plausible RMS), or a spot-check recomputation of
+    its layers on another peer disagrees beyond the tolerance (see ``meshinfer.audit``).
+
+    Attributes:
+        suspect: the peer id of the hop that produced the bad output, when known. On the wire
+            it travels as the error frame's ``suspect`` field.
+    """
+
+    code = "lying_peer"
+
+    def __init__(self, message: str, *, suspect: str | None = None) -> None:
+        super().__init__(message)
+        self.suspect = suspect
+
+
 class IncompatiblePeer(MeshError):
     """A peer's weights hash, precision or protocol differs from the rest of the route."""
 

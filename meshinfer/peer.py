@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 import websockets
 
-from . import discovery, protocol, tls
+from . import audit, discovery, protocol, tls
 from .config import LayerRange
 from .discovery import DEFAULT_GOSSIP_INTERVAL_S, DEFAULT_TTL_S, PeerTable, peer_id_of, sign_advert, verify_advert
-from .errors import (CacheFull, ContextOverflow, InvalidInput, LayerRangeError, MeshError, PeerUnavailable,
-                     PositionError, ProtocolError, RateLimited, Unauthenticated)
+from .errors import (CacheFull, ContextOverflow, InvalidInput, LayerRangeError, LyingPeer, MeshError,
+                     PeerUnavailable, PositionError, ProtocolError, RateLimited, Unauthenticated)
 from .executor import DeviceExecutor
 from .kv_cache import HiddenLog, KVCache
 from .logs import context
@@ -82,6 +82,9 @@ class PeerSettings:
         metrics_port: serve Prometheus ``/metrics`` over HTTP on this port (0: the OS picks);
             None: no HTTP server (the metrics are still kept, in ``Peer.metrics``).
         metrics_host: address of the metrics server; None: ``host``.
+        allow_ids: peer ids allowed in this peer's mesh (``--allow-keys``), or None for any.
+            Hellos, adverts and gossip of other peers are refused or dropped; this peer's
+            own id is always allowed. See :func:`meshinfer.discovery.load_allowlist`.
     """
 
     host: str = "127.0.0.1"
@@ -102,6 +105,7 @@ class PeerSettings:
     client_limits: "ClientLimits" = field(default_factory=lambda: ClientLimits())
     metrics_port: int | None = None
     metrics_host: str | None = None
+    allow_ids: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,7 @@ class Peer:
         self.owns_executor = False
         self._buckets: dict[str, tuple[_Bucket, _Bucket]] = {}
         self.metrics = PeerMetrics(self)
+        self._verifying = False
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -429,6 +434,8 @@ class Peer:
                                   advert=self.advert().to_wire())
         remote, welcome_nonce = discovery.check_welcome(f, hello_nonce, expect_id=expect_id, mesh_key=mesh_key,
                                                         tls_fingerprint=link.tls_fingerprint)
+        if not self._allowed(remote.peer_id):
+            raise Unauthenticated(discovery.not_allowed(remote.peer_id))
         auth = {"proof": discovery.prove(self.key, discovery.HELLO_LABEL, welcome_nonce, hello_nonce)}
         if mesh_key is not None:
             auth["mac"] = discovery.mesh_mac(mesh_key, discovery.MESH_HELLO_LABEL, welcome_nonce, hello_nonce)
@@ -461,7 +468,7 @@ class Peer:
                                                         _Bucket(limits.bytes_per_s, 2 * limits.bytes_per_s)))
         if not volume.take(link.last_frame_bytes):
             raise RateLimited(f"client {host} sends more than {limits.bytes_per_s:.0f} bytes/s")
-        if msg_type == "step" and not steps.take(1):
+        if msg_type in ("step", "verify") and not steps.take(1):
             raise RateLimited(f"client {host} sends more than {limits.steps_per_s:g} steps/s")
 
     async def _on_hello(self, link: Link, f) -> None:
@@ -475,6 +482,8 @@ class Peer:
         if claimed is not None and not verify_advert(claimed):
             raise Unauthenticated(f"hello: the advert of peer {claimed.peer_id[:12]} does not verify against "
                                   f"its public key")
+        if claimed is not None and not self._allowed(claimed.peer_id):
+            raise Unauthenticated(discovery.not_allowed(claimed.peer_id))
         welcome_nonce = discovery.new_nonce()
         link.role = role
         link.info.update(hello_nonce=hello_nonce, welcome_nonce=welcome_nonce, claimed=claimed)
@@ -551,9 +560,17 @@ class Peer:
             if not verify_advert(ad):
                 log.debug("dropping an advert for %s: its signature does not verify", ad.peer_id[:12])
                 continue
+            if not self._allowed(ad.peer_id):
+                log.debug("dropping the advert of %s: not on --allow-keys", ad.peer_id[:12])
+                continue
             known.add(ad.peer_id)
             keep.append(ad)
         self.table.merge(keep)
+
+    def _allowed(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` may take part in this peer's mesh (``--allow-keys``)."""
+        allow = self.settings.allow_ids
+        return allow is None or peer_id == self.peer_id or peer_id in allow
 
     async def _on_get_tokenizer(self, link: Link, f) -> None:
         if self.tokenizer_bundle is None:
@@ -626,10 +643,9 @@ class Peer:
                                    f"[0, {self.cfg.vocab_size})")
             x = torch.tensor([tokens], dtype=torch.int64)  # (1, T)
         else:
-            x = protocol.tensor_from_wire(f.get("hidden", dict), width=self.cfg.hidden_size,
-                                          max_elements=self.settings.max_step_tokens * self.cfg.hidden_size)
-            if x.dim() != 3 or x.shape[0] != 1:
-                raise InvalidInput(f"step {seq}: hidden states must be (1, T, {self.cfg.hidden_size})")
+            x = await self._incoming_hidden(conv, f, seq)
+            if x is None:
+                return
         if f.get("replay", bool, False) and start + x.shape[1] <= conv.cache.length <= conv.expected_start:
             # failover replay of positions this hop kept: pass its logged output on, compute nothing
             self._enqueue(conv, (seq, start, x.shape[1], "none", [], time.perf_counter(), True, None))
@@ -648,6 +664,74 @@ class Peer:
         self._enqueue(conv, (seq, start, x, want, trace, time.perf_counter(), f.get("replay", bool, False),
                              sampling))
         conv.expected_start = start + x.shape[1]
+
+    async def _incoming_hidden(self, conv: _Conv, f, seq: int) -> torch.Tensor | None:
+        """Hidden states ``(1, T, C)`` float32 of a step from the previous hop, or None when they fail
+        :func:`meshinfer.audit.check_hidden`: then the conversation's client is told, naming the
+        sender as ``suspect``, and the step is dropped."""
+        try:
+            try:
+                x = protocol.tensor_from_wire(f.get("hidden", dict),
+                                              max_elements=self.settings.max_step_tokens * self.cfg.hidden_size)
+            except ProtocolError as exc:
+                raise LyingPeer(f"previous hop {(conv.prev_id or '?')[:12]} sent an unreadable tensor: {exc}",
+                                suspect=conv.prev_id) from exc
+            audit.check_hidden(x, width=self.cfg.hidden_size, sender=conv.prev_id)
+            return x
+        except LyingPeer as exc:
+            log.warning("conversation %s, step %d: %s", conv.conv_id[:12], seq, exc)
+            try:
+                await conv.owner.send("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc),
+                                      suspect=exc.suspect)
+            except MeshError:
+                pass
+            return None
+
+    async def _on_get_log(self, link: Link, f) -> None:
+        """Spot-check: the hidden states this hop sent for positions ``[start, stop)``."""
+        conv = self.convs.get(f.str("conv"))
+        if conv is None or conv.owner is not link:
+            raise InvalidInput("get_log: no such conversation on this connection")
+        if conv.sent is None:
+            raise InvalidInput(f"get_log: layers {conv.run.cli()} end the model; this hop sends tokens, not "
+                               f"hidden states")
+        start = f.int("start", lo=0, hi=self.cfg.max_position_embeddings)
+        stop = f.int("stop", lo=start + 1, hi=start + self.settings.max_step_tokens)
+        await conv.queue.join()
+        await link.send("log", re=f.get("id", int, None), conv=conv.conv_id,
+                        hidden=protocol.tensor_to_wire(conv.sent.slice(start, stop)))
+
+    async def _on_verify(self, link: Link, f) -> None:
+        """Spot-check: run ``layers`` statelessly over a prefix; return positions from ``check`` on.
+
+        At most one verify runs at a time (another gets ``rate_limited``); a prefix holds at most
+        ``max_step_tokens`` positions, and clients' verifies count as steps in their limits.
+        """
+        run = f.layer_range("layers")
+        if run.start < self.shard.range.start or run.stop > self.shard.range.stop:
+            raise LayerRangeError(f"verify: this peer serves layers {self.shard.range.cli()}, asked for {run.cli()}")
+        n_max = self.settings.max_step_tokens
+        if run.start == 0:
+            tokens = f.get("tokens", list)
+            if not 0 < len(tokens) <= n_max or not all(type(t) is int and 0 <= t < self.cfg.vocab_size
+                                                       for t in tokens):
+                raise InvalidInput(f"verify: tokens must be 1-{n_max} ids in [0, {self.cfg.vocab_size})")
+            x = torch.tensor([tokens], dtype=torch.int64)  # (1, P)
+        else:
+            x = protocol.tensor_from_wire(f.get("hidden", dict), width=self.cfg.hidden_size,
+                                          max_elements=n_max * self.cfg.hidden_size)
+            if x.dim() != 3 or x.shape[0] != 1 or x.dtype != torch.float32:
+                raise InvalidInput(f"verify: hidden states must be float32 (1, P, {self.cfg.hidden_size})")
+        check = f.int("check", lo=0, hi=x.shape[1] - 1)
+        if self._verifying:
+            raise RateLimited(f"peer {self.peer_id[:12]} is busy with another verify; try later")
+        self._verifying = True
+        try:
+            out = await self.executor.run(audit.recompute, self.shard, x, run, check)
+        finally:
+            self._verifying = False
+        reply = {"tokens": out} if isinstance(out, list) else {"hidden": protocol.tensor_to_wire(out)}
+        await link.send("verified", re=f.get("id", int, None), **reply)
 
     def _enqueue(self, conv: _Conv, item: tuple) -> None:
         try:
@@ -726,7 +810,7 @@ class Peer:
                 if conv.next_id is None:
                     if want == "token":
                         await conv.owner.send("token", conv=conv.conv_id, seq=seq, token=out,
-                                              trace=trace + [hop])
+                                              trace=trace + [hop], length=conv.cache.length)
                 else:
                     nxt = await self._link_to(conv.next_id, conv.next_addrs)
                     await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, replay=replay,

@@ -326,8 +326,42 @@ MESSAGE_TYPES = frozenset({
     "probe",      # C -> P     failover: how many positions does this hop hold?
     "probed",     # P -> C
     "close",      # C -> P     end a conversation
+    "get_log",    # C -> P     spot-check: the hidden states this hop sent for positions [start, stop)
+    "log",        # P -> C
+    "verify",     # C -> P     spot-check: run layers statelessly over a prefix, return positions >= check
+    "verified",   # P -> C
     "error",      # any        error reply; carries conv and seq when about a step
 })
+
+
+def log_from_wire(f: "Fields", *, count: int) -> torch.Tensor:
+    """The ``hidden`` of a ``log`` reply: float32 ``(1, count, C)``.
+
+    Raises:
+        ProtocolError: another dtype or shape, or more than ``count`` x 2^16 elements.
+    """
+    x = tensor_from_wire(f.get("hidden", dict), max_elements=count << 16)
+    if x.dtype != torch.float32 or x.dim() != 3 or x.shape[:2] != (1, count):
+        raise ProtocolError(f"log: hidden states must be float32 (1, {count}, C), got {tuple(x.shape)} {x.dtype}")
+    return x
+
+
+def verified_from_wire(f: "Fields", *, count: int, width: int | None) -> torch.Tensor | list[int]:
+    """A ``verified`` reply: ``count`` token ids (``width`` None, a last-layer check) or hidden
+    states float32 ``(1, count, width)``.
+
+    Raises:
+        ProtocolError: a missing field, another count, dtype or shape.
+    """
+    if width is None:
+        tokens = f.get("tokens", list)
+        if len(tokens) != count or not all(type(t) is int and t >= 0 for t in tokens):
+            raise ProtocolError(f"verified: tokens must be {count} non-negative ids")
+        return tokens
+    x = tensor_from_wire(f.get("hidden", dict), max_elements=count * width, width=width)
+    if x.dtype != torch.float32 or x.dim() != 3 or x.shape[:2] != (1, count):
+        raise ProtocolError(f"verified: hidden states must be float32 (1, {count}, {width}), got {tuple(x.shape)}")
+    return x
 
 
 def encode(msg_type: str, **fields: Any) -> bytes:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from . import discovery
-from .errors import (CacheFull, IncompatiblePeer, InvalidInput, MeshError, PeerUnavailable, ProtocolError,
-                     Unauthenticated)
+from . import audit, discovery
+from .errors import (CacheFull, IncompatiblePeer, InvalidInput, LyingPeer, MeshError, PeerUnavailable,
+                     ProtocolError, Unauthenticated)
 from .generate import Generation, check_context
 from .protocol import PeerAdvert
 from .routing import Route, plan_route
@@ -40,6 +41,8 @@ DEADLINE_FLOOR_S, DEADLINE_FACTOR = 10.0, 4.0
 MAX_FAILOVERS = 3
 #: Error codes that mean "this route is broken", answered by failover; others are the caller's.
 FAILOVER_CODES = frozenset({"peer_unavailable"})
+#: Lying hops excluded during one step before the error reaches the caller.
+MAX_DETECTIONS = 3
 
 
 @dataclass
@@ -57,10 +60,12 @@ class HopStats:
 
 @dataclass
 class ChatResult(Generation):
-    """What ``meshinfer chat --json`` prints: a :class:`Generation` plus the route and failovers."""
+    """What ``meshinfer chat --json`` prints: a :class:`Generation` plus the route, failovers and
+    lying hops detected (``detections``: peer, reason, tokens kept after the rollback)."""
 
     route: list[dict] = field(default_factory=list)
     failovers: list[dict] = field(default_factory=list)
+    detections: list[dict] = field(default_factory=list)
 
 
 class MeshClient:
@@ -73,16 +78,20 @@ class MeshClient:
         insecure: allow plain ``ws://`` to non-loopback peers (otherwise refused; ``wss://``
             peers are pinned to the certificate fingerprint in their signed advert).
         tls_ca: PEM file of CA certificates ``wss://`` peers' certificates must also chain to.
+        allow_ids: peer ids this client may talk to and route through (``--allow-keys``), or
+            None for any; other peers are refused at the handshake and left out of the table.
     """
 
     def __init__(self, bootstrap: Sequence[str], *, request_timeout_s: float = 10.0,
-                 mesh_key: bytes | None = None, insecure: bool = False, tls_ca: str | None = None) -> None:
+                 mesh_key: bytes | None = None, insecure: bool = False, tls_ca: str | None = None,
+                 allow_ids: frozenset[str] | None = None) -> None:
         if not bootstrap:
             raise InvalidInput("no peers to contact: pass --peers ws://HOST:PORT")
         self.bootstrap = list(bootstrap)
         self.request_timeout_s = request_timeout_s
         self.mesh_key = mesh_key
         self.insecure, self.tls_ca = insecure, tls_ca
+        self.allow_ids = allow_ids
         self.table: dict[str, PeerAdvert] = {}
         self.rtts_ms: dict[str, float] = {}
         self._links: dict[str, Link] = {}
@@ -128,6 +137,8 @@ class MeshClient:
                                                                 tls_fingerprint=link.tls_fingerprint)
             except Unauthenticated as exc:
                 raise Unauthenticated(f"{url}: {exc}") from exc
+            if self.allow_ids is not None and advert.peer_id not in self.allow_ids:
+                raise Unauthenticated(f"{url}: {discovery.not_allowed(advert.peer_id)}")
             link.info["max_step_tokens"] = f.int("max_step_tokens", lo=1, hi=1 << 20)
             if self.mesh_key is not None:
                 mac = discovery.mesh_mac(self.mesh_key, discovery.MESH_HELLO_LABEL, welcome_nonce, nonce)
@@ -177,10 +188,15 @@ class MeshClient:
 
         The backoff doubles with each failure: 5, 10, 20 ... up to :data:`MAX_BACKOFF_S`.
         """
-        _, count = self._failed.get(peer_id, (0.0, 0))
+        until, count = self._failed.get(peer_id, (0.0, 0))
         backoff = min(MAX_BACKOFF_S, BASE_BACKOFF_S * 2 ** count)
-        self._failed[peer_id] = (time.monotonic() + backoff, count + 1)
+        self._failed[peer_id] = (max(until, time.monotonic() + backoff), count + 1)  # a ban stays a ban
         return backoff
+
+    def ban(self, peer_id: str, reason: str) -> None:
+        """Exclude ``peer_id`` from every route of this client for good (a lying peer)."""
+        self._failed[peer_id] = (math.inf, self._failed.get(peer_id, (0.0, 0))[1] + 1)
+        log.warning("excluding peer %s for the rest of this session: %s", peer_id[:12], reason)
 
     def backed_off(self) -> frozenset[str]:
         """Peers still inside their failure backoff."""
@@ -209,7 +225,8 @@ class MeshClient:
                 continue
             try:
                 _, f = await link.request("get_peers", timeout_s=self.request_timeout_s)
-                ads = [ad for ad in map(PeerAdvert.from_wire, f.get("adverts", list)) if discovery.verify_advert(ad)]
+                ads = [ad for ad in map(PeerAdvert.from_wire, f.get("adverts", list)) if discovery.verify_advert(ad)
+                       and (self.allow_ids is None or ad.peer_id in self.allow_ids)]
             except MeshError as exc:
                 errors.append(f"{url}: {exc}")
                 await link.close()
@@ -290,16 +307,27 @@ class Conversation:
         route: the planned route.
         max_tokens_total: context reserved on every hop, tokens (prompt + generated, all turns).
         deadline_floor_s: the smallest per-step deadline, seconds (see :data:`DEADLINE_FLOOR_S`).
+        spot_check_rate: share of decode steps followed by a spot-check of one random hop, on
+            top of a check of every hop after each prefill (0: no spot-checks); see
+            :mod:`meshinfer.audit`.
+        spot_check_seed: seed of the random choice of checked steps and hops (None: random).
 
     When a hop's connection closes, a hop reports that it lost the next hop, or a step misses
     its deadline, the conversation finds the failed hops (closed links, unanswered probes, or
     the first hop that did not get the step), backs them off, plans a new route with the same
     weights identity, keeps the caches of hops that stay, replays the confirmed tokens to the
     new hops (kept hops resend their logged hidden states rather than recompute) and retries.
+
+    A hop caught lying (:class:`LyingPeer`: cheap checks on a hop, a position count that does
+    not add up, a failed spot-check) is banned for the client's lifetime, the conversation is
+    rolled back to the last position whose output from that hop was verified, and it fails
+    over to a route without it.
     """
 
     def __init__(self, client: MeshClient, route: Route, *, max_tokens_total: int,
-                 deadline_floor_s: float = DEADLINE_FLOOR_S) -> None:
+                 deadline_floor_s: float = DEADLINE_FLOOR_S,
+                 spot_check_rate: float = audit.DEFAULT_SPOT_CHECK_RATE,
+                 spot_check_seed: int | None = None) -> None:
         import uuid
 
         self.client, self.route = client, route
@@ -318,6 +346,9 @@ class Conversation:
         self._step_ms: list[float] = []
         self._opening = 0
         self.sampling: SamplingParams | None = None  # set by generate(); None: greedy
+        self.audit = audit.Auditor(rate=spot_check_rate, seed=spot_check_seed)
+        self.detections: list[dict] = []
+        self._reply_length: int | None = None  # positions the last hop said it holds after a step
 
     # ------------------------------------------------------------------ hops
     async def _open_hop(self, i: int, hops, *, reroute: bool = False) -> None:
@@ -380,6 +411,7 @@ class Conversation:
                                length=length)
         del self.cached[length:]
         self.confirmed = min(self.confirmed, length)
+        self.audit.truncate(length)
 
     # ------------------------------------------------------------------ steps
     async def _send(self, tokens: Sequence[int], start: int, *, want_token: bool, replay: bool = False) -> int:
@@ -414,6 +446,7 @@ class Conversation:
                 continue
             if link.remote_id != self.route.hops[-1].peer_id:
                 raise ProtocolError(f"token for step {seq} came from {link.remote_id}, not the last hop")
+            self._reply_length = f.get("length", int, None)
             return f.int("token", lo=0, hi=1 << 31), f.get("trace", list, [])
 
     async def _step(self, tokens: Sequence[int]) -> tuple[int, list]:
@@ -462,10 +495,11 @@ class Conversation:
                 failed.add(stuck.peer_id)
         return failed
 
-    async def _failover(self, exc: MeshError, *, in_flight: int) -> None:
-        """Replace failed hops, keep the others' caches, replay the confirmed tokens."""
+    async def _failover(self, exc: MeshError, *, in_flight: int, failed: set[str] | None = None) -> None:
+        """Replace failed hops (found by probing unless given), keep the others' caches, replay
+        the confirmed tokens."""
         t0 = time.perf_counter()
-        failed = await self._find_failed(in_flight)
+        failed = failed if failed is not None else await self._find_failed(in_flight)
         for pid in failed:
             self.client.mark_failed(pid)
         log.warning("conversation %s: %s; failing over from %s", self.conv_id[:12], exc,
@@ -528,20 +562,76 @@ class Conversation:
                 self.confirmed = min(self.confirmed, keep)
                 await self._failover(exc, in_flight=keep)
         t0 = time.perf_counter()
-        token, _ = await self._step(prompt_ids[keep:])
+        token, _ = await self._audited_step(prompt_ids[keep:], result, prefill=True)
         result.ttft_ms = (time.perf_counter() - t0) * 1e3
         eos = set(eos_ids)
         t1 = time.perf_counter()
         decode_steps = 0
         while result.accept(token, budget=budget, eos=eos, on_token=on_token):
             ts = time.perf_counter()
-            token, trace = await self._step([token])
+            token, trace = await self._audited_step([token], result)
             self._record(trace, (time.perf_counter() - ts) * 1e3)
             decode_steps += 1
         result.set_decode_rate(decode_steps, time.perf_counter() - t1)
         result.route = self.hop_stats()
         result.failovers = list(self.failovers)
+        result.detections = list(self.detections)
         return result
+
+    # ------------------------------------------------------------------ lying hops
+    async def _audited_step(self, tokens: Sequence[int], result: ChatResult, *,
+                            prefill: bool = False) -> tuple[int, list]:
+        """:meth:`_step`, then the lying-peer checks; a liar is excluded and the step redone.
+
+        On :class:`LyingPeer` the tokens after the rollback point are dropped from ``result``
+        (``on_token`` has already seen them) and regenerated over a route without the liar.
+        """
+        tokens = list(tokens)
+        for attempt in range(MAX_DETECTIONS + 1):
+            start = len(self.cached)
+            try:
+                token, trace = await self._step(tokens)
+                await self._audit_step(token, prefill=prefill)
+                return token, trace
+            except LyingPeer as exc:
+                if attempt == MAX_DETECTIONS or exc.suspect not in self.route.peer_ids:
+                    raise
+                tokens = await self._exclude_liar(exc, self.cached[:start] + tokens, result)
+                prefill = True  # the new route's hops are checked from their first position
+        raise AssertionError("unreachable")
+
+    async def _audit_step(self, token: int, *, prefill: bool) -> None:
+        """Check the step just answered: the last hop's position count, then spot-checks.
+
+        Raises:
+            LyingPeer: naming the hop at fault.
+        """
+        n = len(self.cached)
+        self.audit.emitted[n - 1] = token
+        length, self._reply_length = self._reply_length, None
+        if length is not None and length != n:
+            suspect = await audit.find_length_liar(self, n)
+            raise LyingPeer(f"the last hop holds {length} positions after the step; the conversation has {n}",
+                            suspect=suspect)
+        for i in self.audit.hops_to_check(self.route.hops, after_prefill=prefill):
+            await audit.spot_check(self, i)
+
+    async def _exclude_liar(self, exc: LyingPeer, sent: list[int], result: ChatResult) -> list[int]:
+        """Ban the liar, roll back to its last verified position, fail over; return the tokens to
+        send next (``sent`` is every token the route was given, the failed step's included)."""
+        hop = next(h for h in self.route.hops if h.peer_id == exc.suspect)
+        verified, n_prompt = self.audit.mark(hop), len(result.prompt_ids)
+        self.client.ban(exc.suspect, str(exc))
+        trusted = min(len(sent), max(n_prompt, verified + 1))  # tokens chosen from verified output, or given
+        keep = min(verified, trusted - 1, self.confirmed)  # positions the hops keep
+        del self.cached[keep:]
+        self.confirmed = keep
+        self.audit.truncate(keep)
+        await self._failover(exc, in_flight=keep, failed={exc.suspect})
+        del result.token_ids[max(0, trusted - n_prompt):]
+        self.detections.append({"peer": exc.suspect, "layers": hop.layers.cli(), "reason": str(exc),
+                                "kept_tokens": trusted, "dropped_tokens": len(sent) - trusted})
+        return sent[keep:trusted]
 
     def _record(self, trace: list, step_ms: float) -> None:
         self._step_ms.append(step_ms)

@@ -167,6 +167,8 @@ def remote_error(f: Any) -> MeshError:
 
     code = f.str("code", "mesh_error")
     message = f.str("message", "")
+    if code == errors.LyingPeer.code:
+        return errors.LyingPeer(message, suspect=f.str("suspect", None))
     for cls in vars(errors).values():
         if isinstance(cls, type) and issubclass(cls, MeshError) and getattr(cls, "code", None) == code:
             return cls(message)

@@ -1,0 +1,248 @@
+"""Catching lying peers: cheap checks on every hidden state a hop receives, and spot-checks.
+
+Two mechanisms, both documented with their numbers in ``docs/security.md``:
+
+- **Cheap checks** (:func:`check_hidden`), run by every hop on the hidden states its previous
+  hop sent: float32, shape ``(1, T, C)``, finite, and a per-position RMS inside
+  [:data:`RMS_MIN`, :data:`RMS_MAX`]. A violation is a :class:`~meshinfer.errors.LyingPeer`
+  naming the *sender*; the receiving hop reports it to the conversation's client. The last
+  hop also returns the number of positions it holds with each token, so the client sees a
+  hop that added or dropped positions (:func:`find_length_liar`).
+- **Spot-checks** (:func:`spot_check`), run by the client: a hop's logged output for
+  positions ``[a, b)`` is recomputed by a second peer serving the same layers (same weights
+  hash and precision) from the previous hop's log (or the token ids), and the two must agree
+  within :data:`TOLERANCE` (relative L2 error). On the last hop the recomputed argmax tokens
+  must equal the tokens the client received.
+
+The client side keeps its state in :class:`Auditor`; the conversation's rollback and
+exclusion live in ``meshinfer.session``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+
+import torch
+
+from . import protocol
+from .config import LayerRange
+from .errors import InvalidInput, LyingPeer, MeshError
+
+log = logging.getLogger(__name__)
+
+#: Per-position RMS of hidden states a hop accepts from its previous hop. Measured at every
+#: layer boundary over the shared reference prompts plus 32 generated tokens: the default
+#: model spans 0.150..75.8, SmolLM2-135M 1.22..1046, the tests' tiny random models 0.98..3.9
+#: (docs/security.md, "Cheap checks"). The band leaves a factor of 15 below the smallest and
+#: about 100 above the largest: it flags zeros, wrong scales and blown-up values, not a
+#: subtly wrong layer (that is the spot-check's job).
+RMS_MIN, RMS_MAX = 1e-2, 1e5
+#: Spot-check tolerance, relative L2 error ||y - y'|| / ||y|| over the checked positions, by
+#: precision. f32: one-shot vs token-by-token vs 7-token chunks, 1 vs 2 threads, of the same
+#: layers differ by at most 8e-7 overall (4.3e-6 at the worst single position) on both real
+#: models; 1e-3 leaves a factor of 200 over the worst position and still flags 1e-2 noise. bf16/f16 are not measured; 5e-2 is an estimate
+#: from their 8- and 11-bit mantissas accumulated over a hop's layers.
+TOLERANCE = {"f32": 1e-3, "bf16": 5e-2, "f16": 5e-2}
+#: Share of decode steps after which the client spot-checks one random hop (besides the
+#: check of every checkable hop after each prefill). 0 turns spot-checks off.
+DEFAULT_SPOT_CHECK_RATE = 0.05
+
+
+def check_hidden(x: torch.Tensor, *, width: int, sender: str | None) -> None:
+    """Cheap checks on hidden states ``x`` received from the previous hop ``sender``.
+
+    Args:
+        x: the decoded tensor, expected ``(1, T, C)`` float32 with ``C == width``.
+        width: the model's hidden width C.
+        sender: peer id of the hop that sent ``x`` (named in the error).
+
+    Raises:
+        LyingPeer: wrong dtype or shape, non-finite values, or a position whose RMS is outside
+            [:data:`RMS_MIN`, :data:`RMS_MAX`]; ``suspect`` is ``sender``.
+    """
+    who = f"previous hop {(sender or '?')[:12]}"
+    if x.dtype != torch.float32:
+        raise LyingPeer(f"{who} sent hidden states of dtype {x.dtype}, not float32", suspect=sender)
+    if x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != width:
+        raise LyingPeer(f"{who} sent hidden states of shape {tuple(x.shape)}, not (1, T, {width})",
+                        suspect=sender)
+    if not bool(torch.isfinite(x).all()):
+        raise LyingPeer(f"{who} sent NaN or inf hidden states", suspect=sender)
+    rms = x[0].pow(2).mean(-1).sqrt()  # (T,)
+    lo, hi = float(rms.min()), float(rms.max())
+    if lo < RMS_MIN or hi > RMS_MAX:
+        bad = lo if lo < RMS_MIN else hi
+        raise LyingPeer(f"{who} sent hidden states with RMS {bad:.3g}, outside the plausible band "
+                        f"[{RMS_MIN:g}, {RMS_MAX:g}]", suspect=sender)
+
+
+def relative_error(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """||reference - other|| / ||reference|| (L2 over all elements, float64); inf on a shape mismatch."""
+    if reference.shape != other.shape:
+        return math.inf
+    ref = reference.double()
+    return float((ref - other.double()).norm() / ref.norm().clamp_min(1e-30))
+
+
+def recompute(shard, x: torch.Tensor, run: LayerRange, check_from: int):
+    """On the device thread: run layers ``run`` over a whole prefix in a throwaway cache (a verify).
+
+    Positions before ``check_from`` are run first and only fill the cache, so last-layer
+    logits exist for the checked positions only.
+
+    Args:
+        shard: the peer's :class:`~meshinfer.models.llama.Shard`.
+        x: token ids ``(1, P)`` int64 when ``run.start == 0``, else hidden states ``(1, P, C)``.
+        run: the layers to apply, within the shard.
+        check_from: first position to return, ``0 <= check_from < P``.
+
+    Returns:
+        Hidden states ``(1, P - check_from, C)`` float32 on the CPU, or, when ``run`` ends at
+        the last layer, the argmax token id of each position ``check_from .. P-1``.
+    """
+    from .kv_cache import KVCache
+
+    cfg = shard.cfg
+    cache = KVCache(run, cfg.num_key_value_heads, cfg.head_dim, dtype=shard.dtype, device=shard.device,
+                    max_tokens=x.shape[1])
+    try:
+        x = x.to(shard.device)
+        if check_from:
+            shard(x[:, :check_from], 0, cache, run=run, logits="last")
+        out = shard(x[:, check_from:], check_from, cache, run=run, logits="all")  # (1, P-c, C|V)
+    finally:
+        cache.free()
+    if run.stop == cfg.num_hidden_layers:
+        return [int(t) for t in out[0].argmax(-1)]
+    return out.float().cpu()
+
+
+class Auditor:
+    """Client-side spot-check state of one conversation.
+
+    Args:
+        rate: share of decode steps followed by a spot-check of one random hop (0: never check).
+        seed: seed of the choice of steps and hops (None: random).
+
+    ``verified[(peer_id, layers)]`` is the number of leading positions whose output from that
+    hop has been checked; ``emitted[p]`` is the token the route chose at position ``p``.
+    """
+
+    def __init__(self, *, rate: float = DEFAULT_SPOT_CHECK_RATE, seed: int | None = None) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise InvalidInput(f"spot-check rate {rate} must be within [0, 1]")
+        self.rate = rate
+        self.rng = random.Random(seed)
+        self.verified: dict[tuple[str, LayerRange], int] = {}
+        self.emitted: dict[int, int] = {}
+        self.checks = 0
+
+    def mark(self, hop) -> int:
+        """Leading positions of ``hop``'s output already checked."""
+        return self.verified.get((hop.peer_id, hop.layers), 0)
+
+    def truncate(self, length: int) -> None:
+        """Positions ``>= length`` were dropped: their checks and tokens no longer hold."""
+        self.verified = {k: min(v, length) for k, v in self.verified.items()}
+        self.emitted = {p: t for p, t in self.emitted.items() if p < length}
+
+    def hops_to_check(self, hops, *, after_prefill: bool) -> list[int]:
+        """Indices of the hops to check now: all after a prefill, else one with probability ``rate``."""
+        if self.rate <= 0:
+            return []
+        if after_prefill:
+            return list(range(len(hops)))
+        if self.rng.random() < self.rate:
+            return [self.rng.randrange(len(hops))]
+        return []
+
+
+def alternates(client, route, hop) -> list:
+    """Adverts of other ready peers that can run ``hop``'s layers with the route's identity."""
+    banned = client.backed_off()
+    return [p for p in client.table.values()
+            if p.peer_id not in route.peer_ids and p.peer_id not in banned and p.state == "ready"
+            and p.compat_key == route.compat_key and p.layers.start <= hop.layers.start
+            and hop.layers.stop <= p.layers.stop]
+
+
+async def spot_check(conv, i: int) -> bool:
+    """Recompute hop ``i``'s output for its unchecked positions on another peer and compare.
+
+    Args:
+        conv: the :class:`~meshinfer.session.Conversation` (its route, tokens and auditor).
+        i: index of the hop in ``conv.route.hops``.
+
+    Returns:
+        True when checked and consistent; False when it could not be checked (no other peer
+        serves those layers, the prefix is longer than one step frame, nothing new to check,
+        or the checking peer refused or failed).
+
+    Raises:
+        LyingPeer: the outputs differ beyond :data:`TOLERANCE` (``suspect`` is hop ``i``).
+    """
+    route, client, audit = conv.route, conv.client, conv.audit
+    hop, b = route.hops[i], len(conv.cached)
+    a = audit.mark(hop)
+    last = i == len(route.hops) - 1
+    if last:  # only positions whose token the client saw can be compared
+        a = min([p for p in audit.emitted if a <= p < b] or [b])
+    others = alternates(client, route, hop)
+    if a >= b or b > conv.max_step_tokens or not others:
+        return False
+    checker = audit.rng.choice(others)
+    try:
+        if hop.layers.start == 0:
+            inputs = {"tokens": conv.cached[:b]}
+        else:
+            inputs = {"hidden": protocol.tensor_to_wire(await _log_of(conv, route.hops[i - 1], 0, b))}
+        claimed = None if last else await _log_of(conv, hop, a, b)
+        link = await client.link(checker)
+        _, f = await link.request("verify", timeout_s=max(30.0, client.request_timeout_s),
+                                  layers=[hop.layers.start, hop.layers.stop], check=a, **inputs)
+        got = protocol.verified_from_wire(f, count=b - a, width=None if last else claimed.shape[-1])
+    except LyingPeer:
+        raise
+    except MeshError as exc:
+        log.info("spot-check of hop %s (layers %s) skipped: %s", hop.peer_id[:12], hop.layers.cli(), exc)
+        return False
+    audit.checks += 1
+    if last:
+        wrong = [p for p in range(a, b) if p in audit.emitted and audit.emitted[p] != got[p - a]]
+        if wrong:
+            raise LyingPeer(f"spot-check: peer {hop.peer_id[:12]} (layers {hop.layers.cli()}) chose token "
+                            f"{audit.emitted[wrong[0]]} at position {wrong[0]}; peer {checker.peer_id[:12]} "
+                            f"computes {got[wrong[0] - a]}", suspect=hop.peer_id)
+    else:
+        err, tol = relative_error(got, claimed), TOLERANCE.get(route.compat_key[1], 1e-3)
+        if err > tol:
+            raise LyingPeer(f"spot-check: output of peer {hop.peer_id[:12]} (layers {hop.layers.cli()}) at "
+                            f"positions {a}..{b - 1} differs from peer {checker.peer_id[:12]}'s by {err:.2e} "
+                            f"relative L2 (tolerance {tol:g})", suspect=hop.peer_id)
+    audit.verified[(hop.peer_id, hop.layers)] = b
+    log.debug("spot-check of %s at %d..%d passed", hop.peer_id[:12], a, b - 1)
+    return True
+
+
+async def _log_of(conv, hop, start: int, stop: int) -> torch.Tensor:
+    """Hidden states ``(1, stop-start, C)`` that ``hop`` logged as sent for this conversation."""
+    link = await conv.client.link(hop.peer)
+    _, f = await link.request("get_log", timeout_s=conv.client.request_timeout_s, conv=conv.conv_id,
+                              start=start, stop=stop)
+    return protocol.log_from_wire(f, count=stop - start)
+
+
+async def find_length_liar(conv, expected: int) -> str:
+    """The hop to blame when the last hop holds a position count other than ``expected``.
+
+    Probes every hop: the first one holding another count got a wrong number of positions
+    from its previous hop, which is the suspect (hop 0 itself when it is the first); when
+    every hop holds ``expected``, the last hop misreported.
+    """
+    hops = conv.route.hops
+    for i, hop in enumerate(hops):
+        if await conv._probe(hop) != expected:
+            return hops[max(0, i - 1)].peer_id
+    return hops[-1].peer_id

@@ -1,0 +1,204 @@
+"""Lying peers: a hop whose output does not match its advert is caught, banned and routed around,
+and the conversation ends with exactly the honest mesh's tokens.
+
+The mesh: hop 0 (layers 0-0), two peers for layers 1-2 (one honest, one liar), hop 3 (layer 3).
+The client is forced through the liar by planning without the honest twin; after the liar is
+caught, failover plans freely and finds the twin.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from meshkit import start_peer, tiny_model, wait_for_tables
+from meshinfer import audit
+from meshinfer.config import LayerRange
+from meshinfer.errors import LyingPeer
+from meshinfer.generate import greedy_generate, load_shard
+from meshinfer.session import MeshClient
+
+MESSAGES = [{"role": "user", "content": "tell me a long story about meshes and hops"}]
+N_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path, digest, tok, whole = tiny_model(tmp_path_factory.mktemp("lying"))
+    ids = tok.encode_chat(MESSAGES)
+    return path, digest, tok, ids, greedy_generate(whole, ids, max_tokens=N_TOKENS).token_ids
+
+
+class LyingShard:
+    """A shard whose forward pass is replaced by ``lie(shard, x, start, cache, run, logits)``:
+    a peer with wrong weights or a missing layer (it logs what it sends, as such a peer would)."""
+
+    def __init__(self, shard, lie) -> None:
+        self._shard, self._lie = shard, lie
+
+    def __getattr__(self, name):
+        return getattr(self._shard, name)
+
+    def __call__(self, x, start, cache=None, *, run=None, logits="last"):
+        return self._lie(self._shard, x, start, cache, run or self._shard.range, logits)
+
+
+def skip_last_layer(shard, x, start, cache, run, logits):
+    return shard(x, start, cache, run=LayerRange(run.start, run.stop - 1), logits=logits)
+
+
+def noise(relative: float, *, from_position: int = 0):
+    """Add ``relative`` x the per-position RMS of Gaussian noise at positions >= ``from_position``."""
+    def lie(shard, x, start, cache, run, logits):
+        out = shard(x, start, cache, run=run, logits=logits)
+        g = torch.Generator().manual_seed(start)
+        rms = out.pow(2).mean(-1, keepdim=True).sqrt()  # (1, T, 1)
+        bad = out + relative * rms * torch.randn(out.shape, generator=g)
+        keep = torch.arange(start, start + out.shape[1]).view(1, -1, 1) < from_position
+        return torch.where(keep, out, bad)
+    return lie
+
+
+async def run_with_liar(tiny, *, lie_shard=None, lie_compute=None, rate=audit.DEFAULT_SPOT_CHECK_RATE, seed=0):
+    """Generate N_TOKENS through a route forced through the liar; (result, conversation, liar, twin)."""
+    path, digest, tok, ids, _ = tiny
+    shard = lambda a, b: load_shard(path, LayerRange(a, b))  # noqa: E731
+    first = await start_peer(shard(0, 1), weights_hash=digest, bundle=tok.to_bundle())
+    peers = [first] + [await start_peer(shard(a, b), weights_hash=digest, bootstrap=first.addrs)
+                       for a, b in ((1, 3), (1, 3), (3, 4))]
+    twin, liar = peers[1], peers[2]
+    if lie_shard is not None:
+        liar.shard = LyingShard(liar.shard, lie_shard)
+    if lie_compute is not None:
+        real = liar._compute
+        liar._compute = lambda conv, x, start: lie_compute(real(conv, x, start))
+    try:
+        await wait_for_tables(peers)
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan(exclude=frozenset({twin.peer_id}))
+            assert liar.peer_id in route.peer_ids
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, spot_check_rate=rate,
+                                       spot_check_seed=seed)
+            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            await conv.close()
+            assert liar.peer_id in client.backed_off()
+            return out, conv, liar, twin
+    finally:
+        for p in peers:
+            await p.close()
+
+
+def assert_caught(out, conv, liar, twin, expected, reason: str):
+    print("detections:", out.detections)
+    assert out.token_ids == expected
+    assert [d["peer"] for d in out.detections] == [liar.peer_id]
+    assert reason in out.detections[0]["reason"]
+    assert liar.peer_id not in conv.route.peer_ids and twin.peer_id in conv.route.peer_ids
+
+
+async def test_a_peer_that_skips_a_layer_is_caught_by_the_spot_check(tiny):
+    out, conv, liar, twin = await run_with_liar(tiny, lie_shard=skip_last_layer)
+    assert_caught(out, conv, liar, twin, tiny[4], "spot-check")
+    assert out.detections[0]["kept_tokens"] == len(tiny[3])  # nothing was verified: back to the prompt
+
+
+async def test_a_peer_adding_one_percent_noise_is_caught_by_the_spot_check(tiny):
+    out, conv, liar, twin = await run_with_liar(tiny, lie_shard=noise(1e-2))
+    assert_caught(out, conv, liar, twin, tiny[4], "relative L2")
+
+
+async def test_a_peer_that_starts_lying_mid_generation_is_rolled_back(tiny):
+    n_prompt = len(tiny[3])
+    out, conv, liar, twin = await run_with_liar(tiny, lie_shard=noise(1.0, from_position=n_prompt + 3),
+                                                rate=1.0, seed=3)
+    assert_caught(out, conv, liar, twin, tiny[4], "spot-check")
+    kept = out.detections[0]["kept_tokens"]
+    assert n_prompt <= kept <= n_prompt + 4  # rolled back to the liar's last verified position
+
+
+async def test_garbage_norms_are_caught_by_the_next_hop(tiny):
+    out, conv, liar, twin = await run_with_liar(tiny, lie_compute=lambda out: out * 1e7)
+    assert_caught(out, conv, liar, twin, tiny[4], "outside the plausible band")
+
+
+async def test_an_extra_position_is_caught_by_the_position_count(tiny):
+    out, conv, liar, twin = await run_with_liar(tiny, lie_compute=lambda out: torch.cat([out, out[:, -1:]], 1))
+    assert_caught(out, conv, liar, twin, tiny[4], "positions after the step")
+
+
+async def test_honest_mesh_with_spot_checks_detects_nothing(tiny):
+    path, digest, tok, ids, expected = tiny
+    shard = lambda a, b: load_shard(path, LayerRange(a, b))  # noqa: E731
+    first = await start_peer(shard(0, 2), weights_hash=digest, bundle=tok.to_bundle())
+    peers = [first] + [await start_peer(shard(a, b), weights_hash=digest, bootstrap=first.addrs)
+                       for a, b in ((0, 2), (2, 4), (2, 4))]
+    try:
+        await wait_for_tables(peers)
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan()
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, spot_check_rate=1.0)
+            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            await conv.close()
+    finally:
+        for p in peers:
+            await p.close()
+    assert out.token_ids == expected and out.detections == [] and out.failovers == []
+    assert conv.audit.checks >= N_TOKENS  # the prefill check of both hops, then one check per decode step
+
+
+def test_cheap_checks_name_the_sender():
+    C = 8
+    ok = torch.ones(1, 3, C)
+    audit.check_hidden(ok, width=C, sender="abc")
+    cases = [(ok.double(), "dtype torch.float64"), (ok[0], "shape (3, 8)"), (torch.ones(1, 3, C + 1), "not (1, T, 8)"),
+             (torch.full((1, 3, C), math.nan), "NaN or inf"), (torch.zeros(1, 3, C), "RMS 0"),
+             (torch.full((1, 3, C), 1e6), "RMS 1e+06")]
+    for x, text in cases:
+        with pytest.raises(LyingPeer, match="previous hop abc") as err:
+            audit.check_hidden(x, width=C, sender="abc")
+        assert text in str(err.value) and err.value.suspect == "abc"
+
+
+def test_relative_error_and_tolerance():
+    y = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(0))
+    assert audit.relative_error(y, y) == 0.0
+    assert audit.relative_error(y, y[:, :4]) == math.inf
+    assert 0.5e-2 < audit.relative_error(y, y * 1.01) < 1.5e-2
+    assert audit.TOLERANCE["f32"] < 1e-2  # one-percent noise must stay detectable
+
+
+@pytest.mark.realmodel
+async def test_default_model_liar_is_caught_and_output_is_exact():
+    """2 honest peers + 1 liar with the same range as one of them (layers 0-11, 1% noise)."""
+    from conftest import model_path
+    from meshkit import file_hash
+    from realmodels import DEFAULT, load_cases, shard_of
+    from meshinfer.tokenizer import Tokenizer
+
+    path = model_path(DEFAULT)
+    digest, tok = file_hash(path), Tokenizer.from_gguf(path)
+    case = load_cases(DEFAULT)["prime"]
+    ids, n = case["prompt_ids"], 8
+    honest = await start_peer(shard_of(DEFAULT, 0, 12), weights_hash=digest, bundle=tok.to_bundle())
+    liar = await start_peer(shard_of(DEFAULT, 0, 12), weights_hash=digest, bundle=tok.to_bundle(),
+                            bootstrap=honest.addrs)
+    last = await start_peer(shard_of(DEFAULT, 12, 24), weights_hash=digest, bootstrap=honest.addrs)
+    liar.shard = LyingShard(liar.shard, noise(1e-2))
+    peers = [honest, liar, last]
+    try:
+        await wait_for_tables(peers)
+        async with MeshClient(list(honest.addrs)) as client:
+            route = await client.plan(exclude=frozenset({honest.peer_id}))
+            conv = client.conversation(route, max_tokens_total=len(ids) + n)
+            out = await conv.generate(ids, max_tokens=n, eos_ids=())
+            await conv.close()
+    finally:
+        for p in peers:
+            await p.close()
+    print("detections:", out.detections)
+    assert out.token_ids == case["greedy_ids"][:n]
+    assert [d["peer"] for d in out.detections] == [liar.peer_id]
+    assert "relative L2" in out.detections[0]["reason"]
+    assert conv.route.peer_ids == (honest.peer_id, last.peer_id)
