@@ -20,6 +20,7 @@ exclusion live in ``meshinfer.session``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import random
@@ -48,6 +49,15 @@ TOLERANCE = {"f32": 1e-3, "bf16": 5e-2, "f16": 5e-2}
 #: Share of decode steps after which the client spot-checks one random hop (besides the
 #: check of every checkable hop after each prefill). 0 turns spot-checks off.
 DEFAULT_SPOT_CHECK_RATE = 0.05
+#: Bytes of SHA-256 kept per received position (collisions need 2^64 work).
+DIGEST_BYTES = 16
+
+
+def row_digests(x: torch.Tensor) -> bytes:
+    """SHA-256 (first :data:`DIGEST_BYTES`) of each position's float32 row of ``x`` ``(1, T, C)``,
+    concatenated: ``T x DIGEST_BYTES`` bytes. Rows hash their exact wire bytes."""
+    rows = x.detach().to("cpu", torch.float32).contiguous()[0].numpy()  # (T, C)
+    return b"".join(hashlib.sha256(r.tobytes()).digest()[:DIGEST_BYTES] for r in rows)
 
 
 def check_hidden(x: torch.Tensor, *, width: int, sender: str | None) -> None:
@@ -171,6 +181,11 @@ def alternates(client, route, hop) -> list:
 async def spot_check(conv, i: int) -> bool:
     """Recompute hop ``i``'s output for its unchecked positions on another peer and compare.
 
+    Also compares the logs with what the neighbours received: the previous hop's log of
+    positions ``[0, b)`` (the recomputation's input) against hop ``i``'s digests of what it
+    received, and hop ``i``'s log against the next hop's digests, so a hop cannot send one
+    thing and show the client another.
+
     Args:
         conv: the :class:`~meshinfer.session.Conversation` (its route, tokens and auditor).
         i: index of the hop in ``conv.route.hops``.
@@ -181,12 +196,13 @@ async def spot_check(conv, i: int) -> bool:
         or the checking peer refused or failed).
 
     Raises:
-        LyingPeer: the outputs differ beyond :data:`TOLERANCE` (``suspect`` is hop ``i``).
+        LyingPeer: the outputs differ beyond :data:`TOLERANCE` (``suspect`` is hop ``i``), or a
+            log differs from what the next hop received (``suspect`` is the log's owner).
     """
     route, client, audit = conv.route, conv.client, conv.audit
-    hop, b = route.hops[i], len(conv.cached)
+    hops, b = route.hops, len(conv.cached)
+    hop, last = hops[i], i == len(hops) - 1
     a = audit.mark(hop)
-    last = i == len(route.hops) - 1
     if last:  # only positions whose token the client saw can be compared
         a = min([p for p in audit.emitted if a <= p < b] or [b])
     others = alternates(client, route, hop)
@@ -194,44 +210,69 @@ async def spot_check(conv, i: int) -> bool:
         return False
     checker = audit.rng.choice(others)
     try:
-        if hop.layers.start == 0:
+        own_out, own_in = await _log_of(conv, i, 0, b)
+        if i == 0:
             inputs = {"tokens": conv.cached[:b]}
         else:
-            inputs = {"hidden": protocol.tensor_to_wire(await _log_of(conv, route.hops[i - 1], 0, b))}
-        claimed = None if last else await _log_of(conv, hop, a, b)
+            prev_out, _ = await _log_of(conv, i - 1, 0, b)
+            _same_rows(prev_out, own_in, hops[i - 1], hops[i], 0)
+            inputs = {"hidden": protocol.tensor_to_wire(prev_out)}
+        if not last:
+            _, next_in = await _log_of(conv, i + 1, a, b)
+            _same_rows(own_out[:, a:], next_in, hop, hops[i + 1], a)
         link = await client.link(checker)
         _, f = await link.request("verify", timeout_s=max(30.0, client.request_timeout_s),
                                   layers=[hop.layers.start, hop.layers.stop], check=a, **inputs)
-        got = protocol.verified_from_wire(f, count=b - a, width=None if last else claimed.shape[-1])
+        got = protocol.verified_from_wire(f, count=b - a, width=None if last else own_out.shape[-1])
     except LyingPeer:
         raise
     except MeshError as exc:
         log.info("spot-check of hop %s (layers %s) skipped: %s", hop.peer_id[:12], hop.layers.cli(), exc)
         return False
+    _compare(audit, route, hop, checker, a, b, got, None if last else own_out[:, a:])
     audit.checks += 1
-    if last:
-        wrong = [p for p in range(a, b) if p in audit.emitted and audit.emitted[p] != got[p - a]]
-        if wrong:
-            raise LyingPeer(f"spot-check: peer {hop.peer_id[:12]} (layers {hop.layers.cli()}) chose token "
-                            f"{audit.emitted[wrong[0]]} at position {wrong[0]}; peer {checker.peer_id[:12]} "
-                            f"computes {got[wrong[0] - a]}", suspect=hop.peer_id)
-    else:
-        err, tol = relative_error(got, claimed), TOLERANCE.get(route.compat_key[1], 1e-3)
-        if err > tol:
-            raise LyingPeer(f"spot-check: output of peer {hop.peer_id[:12]} (layers {hop.layers.cli()}) at "
-                            f"positions {a}..{b - 1} differs from peer {checker.peer_id[:12]}'s by {err:.2e} "
-                            f"relative L2 (tolerance {tol:g})", suspect=hop.peer_id)
     audit.verified[(hop.peer_id, hop.layers)] = b
     log.debug("spot-check of %s at %d..%d passed", hop.peer_id[:12], a, b - 1)
     return True
 
 
-async def _log_of(conv, hop, start: int, stop: int) -> torch.Tensor:
-    """Hidden states ``(1, stop-start, C)`` that ``hop`` logged as sent for this conversation."""
-    link = await conv.client.link(hop.peer)
+def _compare(audit, route, hop, checker, a: int, b: int, got, claimed) -> None:
+    """Raise :class:`LyingPeer` when ``hop``'s output differs from ``checker``'s recomputation."""
+    if claimed is None:
+        wrong = [p for p in range(a, b) if p in audit.emitted and audit.emitted[p] != got[p - a]]
+        if wrong:
+            raise LyingPeer(f"spot-check: peer {hop.peer_id[:12]} (layers {hop.layers.cli()}) chose token "
+                            f"{audit.emitted[wrong[0]]} at position {wrong[0]}; peer {checker.peer_id[:12]} "
+                            f"computes {got[wrong[0] - a]}", suspect=hop.peer_id)
+        return
+    err, tol = relative_error(got, claimed), TOLERANCE.get(route.compat_key[1], 1e-3)
+    if err > tol:
+        raise LyingPeer(f"spot-check: output of peer {hop.peer_id[:12]} (layers {hop.layers.cli()}) at "
+                        f"positions {a}..{b - 1} differs from peer {checker.peer_id[:12]}'s by {err:.2e} "
+                        f"relative L2 (tolerance {tol:g})", suspect=hop.peer_id)
+
+
+def _same_rows(sent: torch.Tensor, received: bytes, sender, receiver, start: int) -> None:
+    """Raise :class:`LyingPeer` (suspect: ``sender``) when ``sender``'s log differs from the
+    digests of what ``receiver`` got. Either could be lying; the sender's log is what the
+    spot-check rests on, so the sender is excluded (docs/security.md)."""
+    ours = row_digests(sent)
+    if ours != received:
+        n = next(k for k in range(len(ours) // DIGEST_BYTES)
+                 if ours[k * DIGEST_BYTES:(k + 1) * DIGEST_BYTES] != received[k * DIGEST_BYTES:(k + 1) * DIGEST_BYTES])
+        raise LyingPeer(f"spot-check: peer {sender.peer_id[:12]}'s log of position {start + n} differs from what "
+                        f"peer {receiver.peer_id[:12]} received", suspect=sender.peer_id)
+
+
+async def _log_of(conv, j: int, start: int, stop: int) -> tuple[torch.Tensor | None, bytes | None]:
+    """Hop ``j``'s log for positions ``[start, stop)``: the hidden states it sent ``(1, n, C)``
+    (None on the last hop) and the digests of those it received (None on hop 0)."""
+    hops = conv.route.hops
+    link = await conv.client.link(hops[j].peer)
     _, f = await link.request("get_log", timeout_s=conv.client.request_timeout_s, conv=conv.conv_id,
                               start=start, stop=stop)
-    return protocol.log_from_wire(f, count=stop - start)
+    return protocol.log_from_wire(f, count=stop - start, hidden=j < len(hops) - 1, received=j > 0,
+                                  digest_bytes=DIGEST_BYTES)
 
 
 async def find_length_liar(conv, expected: int) -> str:

@@ -152,6 +152,7 @@ class _Conv:
     reserved_tokens: int
     cache: KVCache
     sent: HiddenLog | None = None  # hidden states sent to the next hop, for replay
+    received: bytearray = field(default_factory=bytearray)  # digests of received rows, audit.DIGEST_BYTES each
     queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(MAX_QUEUED_STEPS))
     task: asyncio.Task | None = None
     last_active: float = field(default_factory=time.monotonic)
@@ -664,6 +665,9 @@ class Peer:
         self._enqueue(conv, (seq, start, x, want, trace, time.perf_counter(), f.get("replay", bool, False),
                              sampling))
         conv.expected_start = start + x.shape[1]
+        if conv.run.start > 0:  # what the previous hop sent, for spot-checks of its log
+            del conv.received[audit.DIGEST_BYTES * start:]
+            conv.received += audit.row_digests(x)
 
     async def _incoming_hidden(self, conv: _Conv, f, seq: int) -> torch.Tensor | None:
         """Hidden states ``(1, T, C)`` float32 of a step from the previous hop, or None when they fail
@@ -688,18 +692,20 @@ class Peer:
             return None
 
     async def _on_get_log(self, link: Link, f) -> None:
-        """Spot-check: the hidden states this hop sent for positions ``[start, stop)``."""
+        """Spot-check: the hidden states this hop sent for positions ``[start, stop)`` (``hidden``,
+        not on the last hop) and the digests of those it received (``received``, not on hop 0)."""
         conv = self.convs.get(f.str("conv"))
         if conv is None or conv.owner is not link:
             raise InvalidInput("get_log: no such conversation on this connection")
-        if conv.sent is None:
-            raise InvalidInput(f"get_log: layers {conv.run.cli()} end the model; this hop sends tokens, not "
-                               f"hidden states")
         start = f.int("start", lo=0, hi=self.cfg.max_position_embeddings)
         stop = f.int("stop", lo=start + 1, hi=start + self.settings.max_step_tokens)
         await conv.queue.join()
-        await link.send("log", re=f.get("id", int, None), conv=conv.conv_id,
-                        hidden=protocol.tensor_to_wire(conv.sent.slice(start, stop)))
+        reply = {}
+        if conv.sent is not None:
+            reply["hidden"] = protocol.tensor_to_wire(conv.sent.slice(start, stop))
+        if conv.run.start > 0:
+            reply["received"] = bytes(conv.received[audit.DIGEST_BYTES * start:audit.DIGEST_BYTES * stop])
+        await link.send("log", re=f.get("id", int, None), conv=conv.conv_id, **reply)
 
     async def _on_verify(self, link: Link, f) -> None:
         """Spot-check: run ``layers`` statelessly over a prefix; return positions from ``check`` on.
@@ -749,6 +755,7 @@ class Peer:
         await self.executor.run(conv.cache.truncate, length)
         if conv.sent is not None:
             conv.sent.truncate(length)
+        del conv.received[audit.DIGEST_BYTES * length:]
         conv.expected_start = length
         await link.send("truncated", re=f.get("id", int, None), conv=conv.conv_id, length=length)
 

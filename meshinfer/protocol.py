@@ -334,16 +334,24 @@ MESSAGE_TYPES = frozenset({
 })
 
 
-def log_from_wire(f: "Fields", *, count: int) -> torch.Tensor:
-    """The ``hidden`` of a ``log`` reply: float32 ``(1, count, C)``.
+def log_from_wire(f: "Fields", *, count: int, hidden: bool, received: bool,
+                  digest_bytes: int = 16) -> tuple[torch.Tensor | None, bytes | None]:
+    """A ``log`` reply: (``hidden`` float32 ``(1, count, C)`` or None, ``received`` digests
+    (``count`` x ``digest_bytes`` bytes) or None), each required when asked for.
 
     Raises:
-        ProtocolError: another dtype or shape, or more than ``count`` x 2^16 elements.
+        ProtocolError: a missing field, another dtype, shape or digest length.
     """
-    x = tensor_from_wire(f.get("hidden", dict), max_elements=count << 16)
-    if x.dtype != torch.float32 or x.dim() != 3 or x.shape[:2] != (1, count):
-        raise ProtocolError(f"log: hidden states must be float32 (1, {count}, C), got {tuple(x.shape)} {x.dtype}")
-    return x
+    x = digests = None
+    if hidden:
+        x = tensor_from_wire(f.get("hidden", dict), max_elements=count << 16)
+        if x.dtype != torch.float32 or x.dim() != 3 or x.shape[:2] != (1, count):
+            raise ProtocolError(f"log: hidden states must be float32 (1, {count}, C), got {tuple(x.shape)} {x.dtype}")
+    if received:
+        digests = f.get("received", bytes)
+        if len(digests) != count * digest_bytes:
+            raise ProtocolError(f"log: {len(digests)} bytes of digests for {count} positions")
+    return x, digests
 
 
 def verified_from_wire(f: "Fields", *, count: int, width: int | None) -> torch.Tensor | list[int]:

@@ -118,6 +118,13 @@ async def test_a_peer_that_starts_lying_mid_generation_is_rolled_back(tiny):
     assert n_prompt <= kept <= n_prompt + 4  # rolled back to the liar's last verified position
 
 
+async def test_a_peer_that_logs_honestly_but_sends_noise_is_caught_by_the_next_hops_digests(tiny):
+    def send_noise(out):  # the hop's log (for spot-checks) keeps the honest output
+        return out + 1e-2 * out.pow(2).mean(-1, keepdim=True).sqrt() * torch.randn(out.shape)
+    out, conv, liar, twin = await run_with_liar(tiny, lie_compute=send_noise)
+    assert_caught(out, conv, liar, twin, tiny[4], "differs from what peer")
+
+
 async def test_garbage_norms_are_caught_by_the_next_hop(tiny):
     out, conv, liar, twin = await run_with_liar(tiny, lie_compute=lambda out: out * 1e7)
     assert_caught(out, conv, liar, twin, tiny[4], "outside the plausible band")
