@@ -643,6 +643,11 @@ class Peer:
                 raise InvalidInput(f"step {seq}: tokens must be 1-{self.settings.max_step_tokens} ids in "
                                    f"[0, {self.cfg.vocab_size})")
             x = torch.tensor([tokens], dtype=torch.int64)  # (1, T)
+        elif link is conv.owner:  # no other client to tell: plain validation, errors to the sender
+            x = protocol.tensor_from_wire(f.get("hidden", dict), width=self.cfg.hidden_size,
+                                          max_elements=self.settings.max_step_tokens * self.cfg.hidden_size)
+            if x.dim() != 3 or x.shape[0] != 1:
+                raise InvalidInput(f"step {seq}: hidden states must be (1, T, {self.cfg.hidden_size})")
         else:
             x = await self._incoming_hidden(conv, f, seq)
             if x is None:
