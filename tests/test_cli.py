@@ -79,7 +79,7 @@ def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
         status = meshinfer("status", "--peers", url, "--json", env=env)
         assert status.returncode == 0, status.stderr
         table = json.loads(status.stdout)
-        assert [p["peer_id"][:12] for p in table["peers"]] == [m.group(1)]
+        assert [p["peer_id"] for p in table["peers"]] == [m.group(1)]  # join prints the full id
         assert table["routes"][0]["route"][0]["layers"] == "0-3"
         chat = meshinfer("chat", "--peers", url, "-p", "hello", "--max-tokens", "6", "--json", env=env)
         assert chat.returncode == 0, chat.stderr
@@ -115,7 +115,7 @@ def test_private_mesh_needs_the_key_file(tiny_gguf, tmp_path):
         status = meshinfer("status", "--peers", m.group(2), "--json", "--mesh-key-file", str(tmp_path / "mesh.key"),
                            env=env)
         assert status.returncode == 0, status.stderr
-        assert [p["peer_id"][:12] for p in json.loads(status.stdout)["peers"]] == [m.group(1)]
+        assert [p["peer_id"] for p in json.loads(status.stdout)["peers"]] == [m.group(1)]
     finally:
         proc.kill()
         proc.wait()
