@@ -655,6 +655,9 @@ class Peer:
         if f.get("replay", bool, False) and start + x.shape[1] <= conv.cache.length <= conv.expected_start:
             # failover replay of positions this hop kept: pass its logged output on, compute nothing
             self._enqueue(conv, (seq, start, x.shape[1], "none", [], time.perf_counter(), True, None))
+            if conv.run.start > 0:  # a new previous hop's log must match what it sent now
+                d = audit.DIGEST_BYTES
+                conv.received[d * start:d * (start + x.shape[1])] = audit.row_digests(x)
             return
         if start != conv.expected_start:
             raise PositionError(f"step {seq} starts at position {start}; conversation {conv.conv_id} "

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from meshkit import start_peer, tiny_model, wait_for_tables
-from meshinfer import audit
+from meshinfer import audit, protocol
 from meshinfer.config import LayerRange
 from meshinfer.errors import LyingPeer
 from meshinfer.generate import greedy_generate, load_shard
@@ -209,3 +209,36 @@ async def test_default_model_liar_is_caught_and_output_is_exact():
     assert [d["peer"] for d in out.detections] == [liar.peer_id]
     assert "relative L2" in out.detections[0]["reason"]
     assert conv.route.peer_ids == (honest.peer_id, last.peer_id)
+
+
+async def test_verify_and_get_log_requests_are_bounded_and_exact(tiny):
+    """``verify`` recomputes exactly what a whole-model pass gives; bad requests get one-line errors."""
+    from meshinfer.errors import InvalidInput as Bad, LayerRangeError, ProtocolError
+    from meshinfer.generate import load_shard as load
+
+    path, digest, tok, ids, _ = tiny
+    whole = load(path)
+    peer = await start_peer(load(path, LayerRange(1, 4)), weights_hash=digest, max_step_tokens=16)
+    try:
+        async with MeshClient(list(peer.addrs)) as client:
+            await client.refresh()
+            link = await client.link(peer.advert())
+            ask = lambda **f: link.request("verify", timeout_s=10, **f)  # noqa: E731
+            h = whole(torch.tensor([ids[:10]]), 0, None, run=LayerRange(0, 1))  # (1, 10, C) after layer 0
+            _, f = await ask(layers=[1, 4], hidden=protocol.tensor_to_wire(h), check=6)
+            logits = whole(torch.tensor([ids[:10]]), 0, None, logits="all")  # (1, 10, V)
+            assert f.get("tokens", list) == [int(t) for t in logits[0, 6:].argmax(-1)]
+            _, f = await ask(layers=[1, 3], hidden=protocol.tensor_to_wire(h), check=0)
+            want = whole(h, 0, None, run=LayerRange(1, 3))
+            assert audit.relative_error(want, protocol.tensor_from_wire(f.get("hidden", dict),
+                                                                            max_elements=1 << 20)) < 1e-6
+            with pytest.raises(LayerRangeError, match="verify: this peer serves layers 1-3, asked for 0-3"):
+                await ask(layers=[0, 4], tokens=[1, 2], check=0)
+            with pytest.raises(ProtocolError, match="tensor: 544 elements exceed the limit of 512"):
+                await ask(layers=[1, 4], hidden=protocol.tensor_to_wire(torch.ones(1, 17, 32)), check=0)
+            with pytest.raises(ProtocolError, match="field 'check' = 3 is outside"):
+                await ask(layers=[1, 4], hidden=protocol.tensor_to_wire(torch.ones(1, 3, 32)), check=3)
+            with pytest.raises(Bad, match="get_log: no such conversation on this connection"):
+                await link.request("get_log", timeout_s=10, conv="nope", start=0, stop=1)
+    finally:
+        await peer.close()
