@@ -170,10 +170,11 @@ class Auditor:
 
 
 def alternates(client, route, hop) -> list:
-    """Adverts of other ready peers that can run ``hop``'s layers with the route's identity."""
+    """Adverts of other ready peers (other hops of the route included: a verify is stateless)
+    that can run ``hop``'s layers with the route's identity."""
     banned = client.backed_off()
     return [p for p in client.table.values()
-            if p.peer_id not in route.peer_ids and p.peer_id not in banned and p.state == "ready"
+            if p.peer_id != hop.peer_id and p.peer_id not in banned and p.state == "ready"
             and p.compat_key == route.compat_key and p.layers.start <= hop.layers.start
             and hop.layers.stop <= p.layers.stop]
 
@@ -205,6 +206,8 @@ async def spot_check(conv, i: int) -> bool:
     a = audit.mark(hop)
     if last:  # only positions whose token the client saw can be compared
         a = min([p for p in audit.emitted if a <= p < b] or [b])
+    if last and getattr(conv, "sampling", None) is not None:
+        return False  # sampled tokens are not the argmax: nothing to compare the last hop with
     others = alternates(client, route, hop)
     if a >= b or b > conv.max_step_tokens or not others:
         return False

@@ -97,7 +97,7 @@ def _allow_ids(args) -> frozenset[str] | None:
 
 
 def _audit_options(args) -> dict:
-    """Conversation options from ``--spot-check-rate`` (absent: the library default)."""
+    """MeshClient options from ``--spot-check-rate`` (absent: the library default)."""
     if args.spot_check_rate is None:
         return {}
     if not 0.0 <= args.spot_check_rate <= 1.0:
@@ -280,7 +280,7 @@ async def _chat(args) -> int:
     args.sampling = _sampling(args)
     _warn_plain(_peers(args.peers), args.insecure)
     async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
-                          tls_ca=args.tls_ca, allow_ids=_allow_ids(args)) as client:
+                          tls_ca=args.tls_ca, allow_ids=_allow_ids(args), **_audit_options(args)) as client:
         route, tok = await plan_for(client)
         if not args.json:
             print(f"route: {route.describe()}", file=sys.stderr)
@@ -297,7 +297,7 @@ async def _repl(client, route, tok, args) -> None:
     """Interactive chat: Ctrl-C stops the current reply, Ctrl-D or /exit leaves."""
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
-    conv = client.conversation(route, max_tokens_total=args.context, **_audit_options(args))
+    conv = client.conversation(route, max_tokens_total=args.context)
     lines = _stdin_lines()
     loop = asyncio.get_running_loop()
     print("meshinfer chat: type a message; /reset starts over; /exit or Ctrl-D leaves; "
@@ -410,7 +410,7 @@ async def _serve(args) -> int:
         print(f"warning: serving on {args.host} without --api-key-file: anyone who reaches it can use the mesh",
               file=sys.stderr)
     async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
-                          tls_ca=args.tls_ca) as client:
+                          tls_ca=args.tls_ca, allow_ids=_allow_ids(args), **_audit_options(args)) as client:
         server = ApiServer(client, host=args.host, port=args.port, api_key=api_key,
                            default_max_tokens=args.default_max_tokens)
         try:
@@ -663,6 +663,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--insecure", action="store_true", help="allow plain ws:// to other machines (unencrypted)")
     s.add_argument("--tls-ca", default=None,
                    help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
+    s.add_argument("--allow-keys", default=allow_default,
+                   help="file of peer ids or public keys allowed in the mesh, one a line [$MESHINFER_ALLOW_KEYS]")
+    s.add_argument("--spot-check-rate", type=float, default=None,
+                   help="share of decode steps re-run on a second peer with the same layers, besides one "
+                        "check of every hop after each prompt; 0: none (default: 0.05, see docs/security.md)")
     s.set_defaults(func=cmd_serve)
 
     s = add("status", "Show the peer table and which complete routes exist.")

@@ -80,11 +80,14 @@ class MeshClient:
         tls_ca: PEM file of CA certificates ``wss://`` peers' certificates must also chain to.
         allow_ids: peer ids this client may talk to and route through (``--allow-keys``), or
             None for any; other peers are refused at the handshake and left out of the table.
+        spot_check_rate: the default ``spot_check_rate`` of this client's conversations
+            (``--spot-check-rate``; see :class:`Conversation`).
     """
 
     def __init__(self, bootstrap: Sequence[str], *, request_timeout_s: float = 10.0,
                  mesh_key: bytes | None = None, insecure: bool = False, tls_ca: str | None = None,
-                 allow_ids: frozenset[str] | None = None) -> None:
+                 allow_ids: frozenset[str] | None = None,
+                 spot_check_rate: float = audit.DEFAULT_SPOT_CHECK_RATE) -> None:
         if not bootstrap:
             raise InvalidInput("no peers to contact: pass --peers ws://HOST:PORT")
         self.bootstrap = list(bootstrap)
@@ -92,6 +95,7 @@ class MeshClient:
         self.mesh_key = mesh_key
         self.insecure, self.tls_ca = insecure, tls_ca
         self.allow_ids = allow_ids
+        self.spot_check_rate = spot_check_rate
         self.table: dict[str, PeerAdvert] = {}
         self.rtts_ms: dict[str, float] = {}
         self._links: dict[str, Link] = {}
@@ -294,8 +298,10 @@ class MeshClient:
     def conversation(self, route: Route, *, max_tokens_total: int, **options) -> "Conversation":
         """A new conversation over ``route`` holding at most ``max_tokens_total`` tokens.
 
-        ``options`` go to :class:`Conversation` (``deadline_floor_s``).
+        ``options`` go to :class:`Conversation` (``deadline_floor_s``, ``spot_check_rate``
+        (default: this client's), ``spot_check_seed``).
         """
+        options.setdefault("spot_check_rate", self.spot_check_rate)
         return Conversation(self, route, max_tokens_total=max_tokens_total, **options)
 
 

@@ -115,8 +115,8 @@ def test_allow_keys_option_environment_and_id_command(tmp_path, monkeypatch, cap
     from meshinfer.cli import build_parser, main
 
     monkeypatch.setenv("MESHINFER_ALLOW_KEYS", "/keys/allowed.txt")
-    assert [build_parser().parse_args([cmd]).allow_keys for cmd in ("join", "chat", "status")] == \
-        ["/keys/allowed.txt"] * 3
+    assert [build_parser().parse_args([cmd]).allow_keys for cmd in ("join", "chat", "status", "serve")] == \
+        ["/keys/allowed.txt"] * 4
     key_file = tmp_path / "peer.key"
     assert main(["id", "--key", str(key_file)]) == 2
     assert f"no key at {key_file}" in capsys.readouterr().err
