@@ -19,7 +19,12 @@ import sys
 from urllib.parse import urlsplit
 from pathlib import Path
 
+from .config import PRECISION_NAMES
 from .errors import MeshError
+
+#: ``--dtype`` help: every precision is one kernel family (docs/performance.md).
+DTYPE_HELP = ("compute precision: f32, bf16, f16 (float weights), q8-bf16 (int8 weights), "
+              "q4-gG-bf16 (int4 weights in groups of G); peers only route with their own precision")
 
 DEFAULT_PEERS = "ws://127.0.0.1:7700"
 EXAMPLES = {
@@ -174,7 +179,8 @@ def cmd_generate(args) -> int:
     src = open_weights(path)
     tok = Tokenizer.from_gguf(src) if path.is_file() else Tokenizer.from_hf_dir(path)
     prompt_ids = tok.encode_chat(_messages(args))
-    shard = load_shard(src, dtype=dtype, device=str(device))
+    from .weights.registry import meshinfer_home
+    shard = load_shard(src, dtype=dtype, device=str(device), cache_dir=meshinfer_home() / "converted")
     stream = StreamDecoder(tok)
 
     def show(token: int) -> None:
@@ -578,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--messages", help="JSON file with an OpenAI-style list of {role, content}")
     s.add_argument("--system", help="system message (with -p)")
     s.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
-    s.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
+    s.add_argument("--dtype", default="f32", choices=PRECISION_NAMES, help=DTYPE_HELP)
     s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     s.add_argument("--no-warmup", action="store_true", help="time the first (cold) pass too")
@@ -589,7 +595,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=model_default, help="path or known name [$MESHINFER_MODEL]")
     s.add_argument("--layers", default=_env("MESHINFER_LAYERS"), help="inclusive range, e.g. 0-11 (default: all)")
     s.add_argument("--device", default=_env("MESHINFER_DEVICE", "cpu"), help="cpu, cuda, cuda:N or mps")
-    s.add_argument("--dtype", default=_env("MESHINFER_DTYPE", "f32"), choices=["f32", "bf16", "f16"])
+    s.add_argument("--dtype", default=_env("MESHINFER_DTYPE", "f32"), choices=PRECISION_NAMES,
+                   help=DTYPE_HELP + " [$MESHINFER_DTYPE]")
     s.add_argument("--listen", default=_env("MESHINFER_LISTEN", "127.0.0.1:7700"), help="HOST:PORT (port 0: any)")
     s.add_argument("--public-addr", default=_env("MESHINFER_PUBLIC_ADDR"), help="wss://HOST:PORT others dial (ws:// without TLS)")
     s.add_argument("--peers", default=_env("MESHINFER_BOOTSTRAP"), help="bootstrap peers ws://A:P,ws://B:P")
@@ -694,7 +701,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--splits", default="1,2,3", help="peer counts to measure")
     s.add_argument("--max-tokens", type=int, default=32, help="tokens generated per run")
     s.add_argument("--repeats", type=int, default=3, help="timed runs per setup, after one warm-up")
-    s.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"], help="compute precision")
+    s.add_argument("--dtype", default="f32", choices=PRECISION_NAMES, help=DTYPE_HELP)
     s.add_argument("--base-port", type=int, default=7800, help="first loopback port for the peers")
     s.add_argument("--out", help="also write the results as JSON here")
     s.set_defaults(func=cmd_bench)

@@ -15,6 +15,9 @@ from .errors import LayerRangeError
 
 #: Architectures the Llama-family decoder in ``meshinfer.models.llama`` covers.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+#: Compute precisions (``--dtype`` values and advertised identities); each is one kernel family,
+#: defined in ``meshinfer.models.quant``. Kept here, free of torch, for the CLI's choices.
+PRECISION_NAMES = ("f32", "bf16", "f16", "q8-bf16", "q4-g32-bf16", "q4-g64-bf16", "q4-g128-bf16")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from .config import LayerRange, ModelConfig
 from .errors import ContextOverflow, InvalidInput
 from .kv_cache import KVCache
 from .models.llama import Shard
+from .models.quant import Precision, parse_precision as _parse_precision, precision_names
 from .weights import WeightsSource, open_weights
 
 #: Prompt tokens per prefill step. Matches the mesh's chunking so the baseline and the mesh
@@ -27,26 +28,97 @@ PREFILL_CHUNK = 512
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    """``"f32" | "bf16" | "f16"`` -> torch dtype. Raises ``InvalidInput`` on anything else."""
+def parse_precision(name: str) -> Precision:
+    """A ``--dtype`` value -> :class:`~meshinfer.models.quant.Precision` (see that module's table).
+
+    Raises:
+        InvalidInput: an unknown name; the message lists every choice.
+    """
     try:
-        return DTYPES[name]
-    except KeyError:
-        raise InvalidInput(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
+        return _parse_precision(name)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def parse_dtype(name: str) -> Precision:
+    """Alias of :func:`parse_precision` (``--dtype`` names a precision, not only a torch dtype)."""
+    return parse_precision(name)
 
 
 def load_shard(weights: WeightsSource | str | os.PathLike, layers: LayerRange | None = None, *,
-               dtype: torch.dtype = torch.float32, device: str = "cpu") -> Shard:
+               dtype: torch.dtype | Precision | str = torch.float32, device: str = "cpu",
+               cache_dir: str | os.PathLike | None = None) -> Shard:
     """Load layers ``layers`` (default: all) of a GGUF file or HF directory.
+
+    Args:
+        dtype: a torch float dtype, or a precision (object or name, e.g. ``"q8-bf16"``).
+        cache_dir: for a quantized precision, keep the converted tensors under this folder
+            (see :mod:`meshinfer.weights.converted`) and reuse them on the next load; None: no cache.
 
     Raises:
         WeightsError: unreadable or inconsistent weights.
         LayerRangeError: ``layers`` outside the model.
+        InvalidInput: an unknown precision, or a quantized one on a device other than the CPU.
     """
+    precision = _as_precision(dtype)
+    if precision.quantized and torch.device(device).type != "cpu":
+        raise InvalidInput(f"precision {precision.name} uses CPU kernels; use f32/bf16/f16 on {device}")
     src = weights if hasattr(weights, "iter_shard_tensors") else open_weights(weights)
     layers = layers or LayerRange(0, src.config.num_hidden_layers)
     layers.check_within(src.config.num_hidden_layers)
-    return Shard.from_tensors(src.config, layers, src.iter_shard_tensors(layers), dtype=dtype, device=device)
+    if precision.quantized and cache_dir is not None:
+        return _load_via_cache(src, layers, precision, cache_dir)
+    return Shard.from_tensors(src.config, layers, src.iter_shard_tensors(layers), device=device,
+                              precision=precision)
+
+
+def _load_via_cache(src: WeightsSource, layers: LayerRange, precision: Precision,
+                    cache_dir: str | os.PathLike) -> Shard:
+    """A CPU shard at a quantized ``precision``, from the converted cache when every unit the
+    range needs is there and sound (see :mod:`meshinfer.weights.converted`).
+
+    Otherwise the shard is built from ``src`` layer by layer and every unit is (re)written.
+    Peak memory: the finished shard plus one unit (hit) or one float32 tensor (rebuild).
+
+    Raises:
+        WeightsError: inconsistent source weights. OSError: the cache cannot be written.
+    """
+    from .models.quant import quantize_modules
+    from .weights import converted
+    from .weights.identity import weights_hash
+
+    digest = weights_hash(src.path)
+    meta = converted.unit_meta(digest, precision.name)
+    units = converted.units_for(layers, src.config.num_hidden_layers)
+    with torch.device("meta"):
+        shard = Shard(src.config, layers)
+        quantize_modules(shard, precision)
+    expected = {k: (v.dtype, tuple(v.shape)) for k, v in shard.state_dict(keep_vars=True).items()}
+    for unit in units:
+        tensors = converted.read_unit(converted.unit_path(cache_dir, digest, precision.name, unit), meta)
+        want = {k: v for k, v in expected.items() if converted.unit_of(k) == unit}
+        if tensors is None or {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()} != want:
+            break
+        shard.load_state_dict(tensors, strict=False, assign=True)
+    else:
+        return shard.eval()
+    shard = Shard.from_tensors(src.config, layers, src.iter_shard_tensors(layers), precision=precision)
+    state = shard.state_dict()
+    for unit in units:
+        converted.write_unit(converted.unit_path(cache_dir, digest, precision.name, unit),
+                             {k: v for k, v in state.items() if converted.unit_of(k) == unit}, meta)
+    return shard
+
+
+def _as_precision(dtype: torch.dtype | Precision | str) -> Precision:
+    if isinstance(dtype, Precision):
+        return dtype
+    if isinstance(dtype, str):
+        return parse_precision(dtype)
+    names = {v: k for k, v in DTYPES.items()}
+    if dtype not in names:
+        raise InvalidInput(f"dtype {dtype} is not one of {', '.join(precision_names())}")
+    return Precision(names[dtype], dtype)
 
 
 def new_cache(shard: Shard, run: LayerRange | None = None) -> KVCache:

@@ -993,7 +993,9 @@ async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "c
         model: a path or a known model name (pulled if missing).
         layers: the half-open layer range, or None for every layer.
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
-        dtype: ``f32``, ``bf16`` or ``f16``; also the advertised precision.
+        dtype: a precision name (``meshinfer.config.PRECISION_NAMES``: ``f32``, ``bf16``, ``f16``,
+            ``q8-bf16``, ``q4-gG-bf16``); also the advertised precision. Quantized precisions
+            cache their converted tensors under ``<home>/converted``.
         settings: network and budget settings.
         key_path: Ed25519 key file (created on first start); None: an ephemeral key.
         threads: torch CPU threads for the device thread.
@@ -1010,9 +1012,9 @@ async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "c
     from .tokenizer import Tokenizer
     from .weights import open_weights
     from .weights.identity import weights_hash
-    from .weights.registry import resolve_model
+    from .weights.registry import meshinfer_home, resolve_model
 
-    torch_dtype = parse_dtype(dtype)
+    precision = parse_dtype(dtype)
     dev = parse_device(device)
     path = resolve_model(model, home=home)
     executor = DeviceExecutor(dev, threads=threads)
@@ -1021,7 +1023,8 @@ async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "c
         rng = layers or LayerRange(0, src.config.num_hidden_layers)
         rng.check_within(src.config.num_hidden_layers)
         t0 = time.perf_counter()
-        shard = await executor.run(load_shard, src, rng, dtype=torch_dtype, device=str(dev))
+        shard = await executor.run(load_shard, src, rng, dtype=precision, device=str(dev),
+                                   cache_dir=meshinfer_home(home) / "converted")
         log.info("loaded layers %s of %s in %.1f s", rng.cli(), path.name, time.perf_counter() - t0)
         bundle = None
         if rng.start == 0:  # the first hop serves the tokenizer to clients

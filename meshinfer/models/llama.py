@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from ..config import LayerRange, ModelConfig
 from ..errors import InvalidInput, PositionError, WeightsError
 from .common import LayerCache, RMSNorm, apply_rope, causal_attention, rope_cos_sin
+from .quant import Precision, quantize_modules
 
 
 class Attention(nn.Module):
@@ -98,42 +99,55 @@ class Shard(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """Compute dtype of the shard's weights."""
-        return next(iter(self.layers.values())).mlp.up_proj.weight.dtype
+        """Dtype of hidden states and the KV cache (the norms' dtype; quantized projections
+        keep their own int8/int4 storage, see ``models/quant.py``)."""
+        return next(iter(self.layers.values())).input_layernorm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return next(iter(self.layers.values())).mlp.up_proj.weight.device
+        return next(iter(self.layers.values())).input_layernorm.weight.device
 
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, layers: LayerRange,
                      tensors: Iterable[tuple[str, torch.Tensor]], *,
-                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "Shard":
+                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                     precision: Precision | None = None) -> "Shard":
         """Build a shard on the meta device, then assign each tensor as it arrives.
 
-        No weight exists twice in memory: each float32 tensor from the reader is cast and
-        moved, then dropped (the gpt-fast pattern).
+        No weight exists twice in memory: each float32 tensor from the reader is cast (or, for a
+        quantized ``precision``, quantized) and moved, then dropped (the gpt-fast pattern), so
+        the peak is the finished shard plus one float32 tensor.
+
+        Args:
+            precision: the kernel family; None means float weights in ``dtype``.
 
         Raises:
             WeightsError: a tensor whose shape differs from the model's, an unexpected tensor,
                 or a parameter no tensor filled.
         """
+        precision = precision or Precision(str(dtype), dtype)
         with torch.device("meta"):
             shard = cls(cfg, layers)
-        params = dict(shard.named_parameters())
+            shapes = {name: tuple(p.shape) for name, p in shard.named_parameters()}
+            quantize_modules(shard, precision)
         filled = set()
         for name, tensor in tensors:
-            param = params.get(name)
-            if param is None:
+            if name not in shapes:
                 raise WeightsError(f"unexpected tensor {name!r} for layers {layers.cli()}")
-            if tuple(tensor.shape) != tuple(param.shape):
+            if tuple(tensor.shape) != shapes[name]:
                 raise WeightsError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                   f"the model needs {tuple(param.shape)}")
-            owner, _, attr = name.rpartition(".")
-            value = tensor.to(device=device, dtype=dtype).contiguous()
-            setattr(shard.get_submodule(owner), attr, nn.Parameter(value, requires_grad=False))
+                                   f"the model needs {shapes[name]}")
+            owner_name, _, attr = name.rpartition(".")
+            owner = shard.get_submodule(owner_name)
+            if attr == "weight" and hasattr(owner, "set_float_weight"):
+                owner.set_float_weight(tensor.to(device))  # quantized storage
+            elif attr in owner._buffers:  # a quantized module's bias stays float32
+                setattr(owner, attr, tensor.to(device=device, dtype=torch.float32).contiguous())
+            else:
+                value = tensor.to(device=device, dtype=precision.act_dtype).contiguous()
+                setattr(owner, attr, nn.Parameter(value, requires_grad=False))
             filled.add(name)
-        missing = sorted(set(params) - filled)
+        missing = sorted(set(shapes) - filled)
         if missing:
             raise WeightsError(f"tensors missing for layers {layers.cli()}: {', '.join(missing[:5])}"
                                + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))

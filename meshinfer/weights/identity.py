@@ -48,7 +48,7 @@ CACHE_FILE = "hashcache.json"
 CACHE_VERSION = 1
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_PRECISION = re.compile(r"[A-Za-z0-9_]+")
+_PRECISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")  # "f32", "q4-g32-bf16"
 
 #: In-process cache: (resolved path, size bytes, mtime_ns) -> sha256 hex.
 _memo: dict[tuple[str, int, int], str] = {}
@@ -105,7 +105,7 @@ def shard_identity(weights_hash: str, precision: str) -> str:
     if not _HEX64.fullmatch(weights_hash):
         raise ValueError(f"weights_hash must be 64 lowercase hex characters, got {weights_hash!r}")
     if not _PRECISION.fullmatch(precision):
-        raise ValueError(f"precision must be a dtype name such as 'float32', got {precision!r}")
+        raise ValueError(f"precision must be a name such as 'f32' or 'q8-bf16', got {precision!r}")
     return f"{weights_hash}:{precision}"
 
 
