@@ -88,14 +88,23 @@ def parse_precision(name: str) -> Precision:
     raise ValueError(f"precision {name!r} is not one of {', '.join(precision_names())}")
 
 
+def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """``x`` f32 rounded to a bfloat16 value ``>= x`` (kept as f32), so a scale never shrinks."""
+    b = x.to(torch.bfloat16)
+    up = torch.nextafter(b, torch.full_like(b, float("inf")))
+    return torch.where(b.float() >= x, b, up).float()
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: ``w`` ``(N, K)`` float -> (``q`` ``(N, K)`` int8, ``scale`` ``(N,)`` f32).
 
-    ``w ≈ q * scale[:, None]`` with ``scale = max|w_row| / 127`` (an all-zero row gets scale 1).
+    ``w ≈ q * scale[:, None]`` with ``scale = max|w_row| / 127`` rounded up to a bfloat16 value
+    (the kernels take bf16 scales), so ``|w - q * scale| <= scale / 2``; an all-zero row gets
+    scale 1.
     """
     w = w.float()
     scale = w.abs().amax(dim=1) / 127.0  # (N,)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = _bf16_at_least(torch.where(scale > 0, scale, torch.ones_like(scale)))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # (N, K)
     return q, scale
 
@@ -103,9 +112,10 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric grouped int4 (the gpt-fast / ``_weight_int4pack_mm`` convention).
 
-    For each row and each group of ``group_size`` columns: ``scale = (max - min) / 15``,
-    ``zero = min + 8 * scale``, ``q = round((w - min) / scale)`` in ``[0, 15]``, so
-    ``w ≈ (q - 8) * scale + zero``.
+    For each row and each group of ``group_size`` columns: ``scale = (max - min) / 15`` and
+    ``zero = min + 8 * scale``, both rounded to bfloat16 (what the kernel reads; the scale
+    rounded up), then ``q = round((w - zero) / scale) + 8`` in ``[0, 15]``, so
+    ``w ≈ (q - 8) * scale + zero`` within ``scale / 2`` plus the zero's bf16 rounding.
 
     Args:
         w: ``(N, K)`` float with ``K % group_size == 0``.
@@ -116,9 +126,9 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     N, K = w.shape
     g = w.float().reshape(N, K // group_size, group_size)  # (N, K/G, G)
     lo, hi = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)  # (N, K/G, 1)
-    scale = ((hi - lo) / 15.0).clamp_(min=1e-8)
-    q = torch.round((g - lo) / scale).clamp_(0, 15).to(torch.int32).reshape(N, K)
-    zero = lo + 8.0 * scale
+    scale = _bf16_at_least(((hi - lo) / 15.0).clamp_(min=1e-8))
+    zero = (lo + 8.0 * scale).to(torch.bfloat16).float()
+    q = (torch.round((g - zero) / scale) + 8).clamp_(0, 15).to(torch.int32).reshape(N, K)
     scales_zeros = torch.cat([scale, zero], dim=2).transpose(0, 1).contiguous()  # (K/G, N, 2)
     return q, scales_zeros
 
@@ -148,7 +158,7 @@ class Int8Linear(nn.Module):
     def set_float_weight(self, w: torch.Tensor) -> None:
         """Quantize ``w`` ``(N, K)`` float into this module's buffers (replacing any meta ones)."""
         q, scale = quantize_int8(w)
-        self.weight, self.scales = q, scale.to(torch.bfloat16)
+        self.weight, self.scales = q, scale.to(torch.bfloat16)  # exact: scale is bf16-valued
 
     def dequantized(self) -> torch.Tensor:
         """The effective weight ``(N, K)`` f32 (for tests and error bounds)."""

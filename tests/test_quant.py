@@ -1,0 +1,174 @@
+"""Quantized precisions: the int8/int4 projection modules, shards at those precisions, the
+converted-tensor cache, and that a route never mixes kernel families."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from meshkit import generate_through, mesh, start_peer, tiny_model, wait_for_tables
+from meshinfer.config import PRECISION_NAMES, LayerRange
+from meshinfer.errors import InvalidInput, NoRoute
+from meshinfer.generate import greedy_generate, load_shard, parse_precision
+from meshinfer.models.quant import (Int4Linear, Int8Embedding, Int8Linear, dequantize_int4, quantize_int4,
+                                    quantize_int8, quantized_linear)
+from meshinfer.session import MeshClient
+from meshinfer.weights import converted
+
+QUANTIZED = ["q8-bf16", "q4-g32-bf16"]
+#: Documented tolerance of a quantized module against ``bf16(x) @ dequantized(W).T`` in float32:
+#: the kernels round their output to bfloat16 (8 significant bits, relative error 2**-9) and
+#: may sum in another order; 1% of the largest output covers both with room to spare.
+MODULE_TOLERANCE = 1e-2
+MESSAGES = [{"role": "user", "content": "hello there, tiny model"}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def reference_matmul(module, x: torch.Tensor) -> torch.Tensor:
+    y = x.to(torch.bfloat16).float() @ module.dequantized().T  # (B, T, N)
+    return y + module.bias if module.bias is not None else y
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_matches_dequantize_then_matmul(bias):
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(48, 96, generator=g), torch.randn(2, 5, 96, generator=g)  # (N, K), (B, T, C)
+    m = Int8Linear(96, 48, bias)
+    m.set_float_weight(w)
+    if bias:
+        m.bias = torch.randn(48, generator=g)
+    y = m(x)
+    ref = reference_matmul(m, x)
+    assert y.shape == (2, 5, 48) and y.dtype == torch.float32
+    assert (y - ref).abs().max() <= MODULE_TOLERANCE * ref.abs().max()
+    # quantization itself: each weight within half a step of its row's scale
+    assert ((m.dequantized() - w).abs() <= m.scales.float()[:, None] * 0.5 + 1e-6).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_linear_matches_dequantize_then_matmul(group):
+    g = torch.Generator().manual_seed(group)
+    w, x = torch.randn(64, 256, generator=g), torch.randn(3, 2, 256, generator=g)
+    m = Int4Linear(256, 64, False, group)
+    m.set_float_weight(w)
+    q, sz = quantize_int4(w, group)
+    dq = dequantize_int4(q, sz.to(torch.bfloat16), group)  # what the kernel should multiply by
+    assert (m.dequantized() - dq).abs().max() <= 1e-2 * dq.abs().max()
+    y, ref = m(x), reference_matmul(m, x)
+    assert y.shape == (3, 2, 64)
+    assert (y - ref).abs().max() <= MODULE_TOLERANCE * ref.abs().max()
+    step, zero = (sz[..., i].T.repeat_interleave(group, dim=1) for i in (0, 1))  # (N, K) per weight
+    assert ((dequantize_int4(q, sz, group) - w).abs() <= step * 0.5 + zero.abs() * 2 ** -8 + 1e-6).all()
+
+
+def test_int4_falls_back_to_int8_where_the_kernel_cannot_pack():
+    p = parse_precision("q4-g64-bf16")
+    assert isinstance(quantized_linear(torch.nn.Linear(128, 64), p), Int4Linear)
+    assert isinstance(quantized_linear(torch.nn.Linear(128, 261), p), Int8Linear)  # 261 rows: not 16k
+    assert isinstance(quantized_linear(torch.nn.Linear(96, 64), p), Int8Linear)  # 96 columns: not 64k
+
+
+def test_int8_embedding_rows():
+    w = torch.randn(10, 8)
+    e = Int8Embedding(10, 8, torch.float32)
+    e.set_float_weight(w)
+    q, s = quantize_int8(w)
+    ids = torch.tensor([[3, 0, 9]])
+    assert torch.allclose(e(ids), (q.float() * s[:, None])[ids])
+
+
+def test_unknown_precision_lists_every_choice():
+    with pytest.raises(InvalidInput) as err:
+        parse_precision("q3")
+    assert str(err.value) == f"precision 'q3' is not one of {', '.join(PRECISION_NAMES)}"
+    assert parse_precision("q4-g128-bf16").group_size == 128
+
+
+def test_quantized_precision_is_cpu_only(tiny):
+    with pytest.raises(InvalidInput, match="q8-bf16 uses CPU kernels"):
+        load_shard(tiny[0], dtype="q8-bf16", device="meta")
+
+
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_quantized_shards_chain_like_the_whole_model(tiny, precision):
+    path, _, tok, _ = tiny
+    whole = load_shard(path, dtype=precision)
+    assert whole.dtype == torch.float32 and isinstance(whole.layers["0"].mlp.up_proj, (Int8Linear, Int4Linear))
+    a, b = load_shard(path, LayerRange(0, 2), dtype=precision), load_shard(path, LayerRange(2, 4), dtype=precision)
+    ids = torch.tensor([tok.encode_chat(MESSAGES)])  # (1, T)
+    assert torch.equal(b(a(ids, 0), 0, logits="all"), whole(ids, 0, logits="all"))  # (1, T, V)
+
+
+def test_conversion_cache_round_trips_and_rebuilds_a_corrupt_file(tiny, tmp_path, caplog):
+    path, digest, _, _ = tiny
+    first = load_shard(path, dtype="q4-g32-bf16", cache_dir=tmp_path)
+    files = sorted(p.name for p in (tmp_path / digest / "q4-g32-bf16").iterdir())
+    assert files == ["embed.safetensors", "head.safetensors"] + [f"layer-{i}.safetensors" for i in range(4)]
+    layer1 = converted.unit_path(tmp_path, digest, "q4-g32-bf16", "layer-1")
+    written = layer1.stat().st_mtime_ns
+    again = load_shard(path, dtype="q4-g32-bf16", cache_dir=tmp_path)
+    assert layer1.stat().st_mtime_ns == written  # read, not rewritten
+    state = first.state_dict()
+    assert all(torch.equal(v, state[k]) for k, v in again.state_dict().items()) and again.state_dict().keys() == state.keys()
+
+    data = bytearray(layer1.read_bytes())
+    data[-3] ^= 0xFF  # one byte of the last tensor's payload
+    layer1.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="meshinfer.weights.converted"):
+        rebuilt = load_shard(path, dtype="q4-g32-bf16", cache_dir=tmp_path)
+    assert f"converted cache {layer1} is corrupt (digest mismatch); rebuilding" in caplog.text
+    assert all(torch.equal(v, state[k]) for k, v in rebuilt.state_dict().items())
+    assert converted.read_unit(layer1, converted.unit_meta(digest, "q4-g32-bf16")) is not None  # rewritten
+
+
+def test_conversion_cache_is_keyed_by_layer_units(tiny, tmp_path):
+    path, digest, tok, whole = tiny
+    load_shard(path, LayerRange(2, 4), dtype="q8-bf16", cache_dir=tmp_path)
+    names = sorted(p.name for p in (tmp_path / digest / "q8-bf16").iterdir())
+    assert names == ["head.safetensors", "layer-2.safetensors", "layer-3.safetensors"]
+    truncated = converted.unit_path(tmp_path, digest, "q8-bf16", "head")
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    assert converted.read_unit(truncated, converted.unit_meta(digest, "q8-bf16")) is None
+
+
+async def test_a_route_never_mixes_kernel_families(tiny):
+    path, digest, tok, _ = tiny
+    bundle = tok.to_bundle()
+    first = await start_peer(load_shard(path, LayerRange(0, 2), dtype="q8-bf16"), weights_hash=digest,
+                             precision="q8-bf16", bundle=bundle)
+    other = await start_peer(load_shard(path, LayerRange(2, 4), dtype="q4-g32-bf16"), weights_hash=digest,
+                             precision="q4-g32-bf16", bootstrap=first.addrs)
+    try:
+        await wait_for_tables([first, other])
+        async with MeshClient(list(first.addrs)) as client:
+            with pytest.raises(NoRoute) as err:
+                await client.plan()
+        assert "q8-bf16" in str(err.value) and "q4-g32-bf16" in str(err.value)
+        same = await start_peer(load_shard(path, LayerRange(2, 4), dtype="q8-bf16"), weights_hash=digest,
+                                precision="q8-bf16", bootstrap=first.addrs)
+        try:
+            await wait_for_tables([first, other, same])
+            route, ids, out = await generate_through([first], tok, MESSAGES)
+            assert route.peer_ids == (first.peer_id, same.peer_id)
+            want = greedy_generate(load_shard(path, dtype="q8-bf16"), ids, max_tokens=8).token_ids
+            assert out.token_ids == want
+        finally:
+            await same.close()
+    finally:
+        await other.close()
+        await first.close()
+
+
+async def test_quantized_mesh_equals_single_process(tiny):
+    path, digest, tok, _ = tiny
+    shards = [load_shard(path, r, dtype="q4-g32-bf16") for r in (LayerRange(0, 2), LayerRange(2, 4))]
+    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle(), precision="q4-g32-bf16") as peers:
+        route, ids, out = await generate_through(peers, tok, MESSAGES)
+    assert all(h.peer.precision == "q4-g32-bf16" for h in route.hops)
+    assert out.token_ids == greedy_generate(load_shard(path, dtype="q4-g32-bf16"), ids, max_tokens=8).token_ids
