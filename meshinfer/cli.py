@@ -46,7 +46,8 @@ EXAMPLES = {
     "status": "examples:\n  meshinfer status --peers ws://127.0.0.1:7700\n  meshinfer status --json",
     "netsim": "examples:\n  meshinfer netsim --target 127.0.0.1:7701 --listen 127.0.0.1:7801 --rtt-ms 100\n"
               "  # then start the first peer with --peers ws://127.0.0.1:7801 (or a client with --peers)",
-    "bench": "examples:\n  meshinfer bench\n  meshinfer bench --splits 1,2 --max-tokens 64 --out docs/bench.json",
+    "bench": "examples:\n  meshinfer bench\n  meshinfer bench --splits 1,2 --max-tokens 64 --out docs/bench.json\n"
+             "  meshinfer bench --single --dtypes f32,q8-bf16,q4-g32-bf16 --threads 2",
 }
 
 
@@ -524,6 +525,22 @@ async def _netsim(args) -> int:
     return 0
 
 
+def _bench_single(args) -> int:
+    from .bench_single import run_single, single_table
+
+    dtypes = args.dtypes.split(",")
+    for d in dtypes:
+        if d not in PRECISION_NAMES:
+            raise ValueError(f"precision {d!r} is not one of {', '.join(PRECISION_NAMES)}")
+    rows = run_single(model=args.model, dtypes=dtypes, tokens=args.max_tokens, threads=args.threads,
+                      llama_python=args.llama_python, transformers=not args.no_transformers,
+                      join_times=not args.no_join, progress=lambda line: print(line, file=sys.stderr))
+    print(single_table(rows, tokens=args.max_tokens, threads=args.threads))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def cmd_netsim(args) -> int:
     return _run(_netsim(args))
 
@@ -531,6 +548,9 @@ def cmd_netsim(args) -> int:
 # --------------------------------------------------------------------------- bench
 def cmd_bench(args) -> int:
     from .bench import markdown_table, run_bench
+
+    if args.single:
+        return _bench_single(args)
 
     header, results = run_bench(model=args.model, splits=[int(x) for x in args.splits.split(",")],
                                 max_tokens=args.max_tokens, repeats=args.repeats, dtype=args.dtype,
@@ -704,6 +724,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="f32", choices=PRECISION_NAMES, help=DTYPE_HELP)
     s.add_argument("--base-port", type=int, default=7800, help="first loopback port for the peers")
     s.add_argument("--out", help="also write the results as JSON here")
+    s.add_argument("--single", action="store_true",
+                   help="instead: one machine, whole model, each --dtypes precision vs llama.cpp and transformers")
+    s.add_argument("--dtypes", default="f32,bf16,q8-bf16,q4-g32-bf16", help="with --single: precisions to measure")
+    s.add_argument("--threads", type=int, default=2, help="with --single: CPU threads for every engine")
+    s.add_argument("--llama-python", default=None,
+                   help="with --single: python with llama_cpp [$MESHINFER_LLAMA_PYTHON, else /work/lcpp-venv/bin/python]")
+    s.add_argument("--no-transformers", action="store_true", help="with --single: skip transformers")
+    s.add_argument("--no-join", action="store_true", help="with --single: skip the join-to-ready timings")
     s.set_defaults(func=cmd_bench)
     return p
 
