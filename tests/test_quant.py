@@ -172,3 +172,18 @@ async def test_quantized_mesh_equals_single_process(tiny):
         route, ids, out = await generate_through(peers, tok, MESSAGES)
     assert all(h.peer.precision == "q4-g32-bf16" for h in route.hops)
     assert out.token_ids == greedy_generate(load_shard(path, dtype="q4-g32-bf16"), ids, max_tokens=8).token_ids
+
+
+@pytest.mark.parametrize("make", [lambda: Int8Linear(64, 160, False), lambda: Int4Linear(64, 160, False, 32),
+                                  lambda: Int8Embedding(160, 64, torch.float32)], ids=["int8", "int4", "embedding"])
+def test_quantizing_in_row_chunks_equals_quantizing_at_once(make, monkeypatch):
+    from meshinfer.models import quant
+
+    w = torch.randn(160, 64)
+    whole = make()
+    whole.set_float_weight(w)
+    monkeypatch.setattr(quant, "QUANT_ROWS_PER_CHUNK", 64)  # 160 rows: chunks of 64, 64, 32
+    chunked = make()
+    chunked.set_float_weight(w)
+    assert whole.state_dict().keys() == chunked.state_dict().keys()
+    assert all(torch.equal(v, chunked.state_dict()[k]) for k, v in whole.state_dict().items())
