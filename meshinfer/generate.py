@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,8 @@ from .kv_cache import KVCache
 from .models.llama import Shard
 from .models.quant import Precision, parse_precision as _parse_precision, precision_names
 from .weights import WeightsSource, open_weights
+
+log = logging.getLogger(__name__)
 
 #: Prompt tokens per prefill step. Matches the mesh's chunking so the baseline and the mesh
 #: compute in the same order; 512 tokens of f32 hidden states are 1.8 MB on the wire for C=896.
@@ -81,7 +84,7 @@ def _load_via_cache(src: WeightsSource, layers: LayerRange, precision: Precision
     Peak memory: the finished shard plus one unit (hit) or one float32 tensor (rebuild).
 
     Raises:
-        WeightsError: inconsistent source weights. OSError: the cache cannot be written.
+        WeightsError: inconsistent source weights. (A cache that cannot be written is logged.)
     """
     from .models.quant import quantize_modules
     from .weights import converted
@@ -104,9 +107,12 @@ def _load_via_cache(src: WeightsSource, layers: LayerRange, precision: Precision
         return shard.eval()
     shard = Shard.from_tensors(src.config, layers, src.iter_shard_tensors(layers), precision=precision)
     state = shard.state_dict()
-    for unit in units:
-        converted.write_unit(converted.unit_path(cache_dir, digest, precision.name, unit),
-                             {k: v for k, v in state.items() if converted.unit_of(k) == unit}, meta)
+    try:
+        for unit in units:
+            converted.write_unit(converted.unit_path(cache_dir, digest, precision.name, unit),
+                                 {k: v for k, v in state.items() if converted.unit_of(k) == unit}, meta)
+    except OSError as exc:  # a read-only or full disk costs the next start time, nothing else
+        log.warning("could not write the converted cache under %s: %s", cache_dir, exc)
     return shard
 
 

@@ -187,3 +187,13 @@ def test_quantizing_in_row_chunks_equals_quantizing_at_once(make, monkeypatch):
     chunked.set_float_weight(w)
     assert whole.state_dict().keys() == chunked.state_dict().keys()
     assert all(torch.equal(v, chunked.state_dict()[k]) for k, v in whole.state_dict().items())
+
+
+def test_an_unwritable_conversion_cache_only_costs_time(tiny, tmp_path, caplog):
+    path, _, _, _ = tiny
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    with caplog.at_level(logging.WARNING, logger="meshinfer.generate"):
+        shard = load_shard(path, dtype="q8-bf16", cache_dir=blocker)
+    assert "could not write the converted cache under" in caplog.text
+    assert torch.equal(shard(torch.tensor([[1, 2, 3]]), 0), load_shard(path, dtype="q8-bf16")(torch.tensor([[1, 2, 3]]), 0))
