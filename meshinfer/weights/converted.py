@@ -83,7 +83,8 @@ def write_unit(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str
 
 
 def read_unit(path: Path, meta: dict[str, str]) -> dict[str, torch.Tensor] | None:
-    """The tensors of one unit, or None when the file is missing or corrupt (logged)."""
+    """The tensors of one unit (each in its own 64-byte-aligned storage), or None when the file
+    is missing or corrupt (logged)."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -91,7 +92,10 @@ def read_unit(path: Path, meta: dict[str, str]) -> dict[str, torch.Tensor] | Non
     try:
         with safe_open(str(path), framework="pt") as f:
             found = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            # clone: safetensors hands out views at any byte offset, and the int8/int4 CPU
+            # kernels use aligned vector loads (an unaligned view crashed with SIGSEGV); torch's
+            # allocator aligns to 64 bytes
+            tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
     except Exception as exc:  # safetensors raises several types for a damaged file
         log.warning("converted cache %s is unreadable (%s); rebuilding", path, exc)
         return None
