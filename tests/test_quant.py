@@ -201,3 +201,18 @@ def test_an_unwritable_conversion_cache_only_costs_time(tiny, tmp_path, caplog):
         shard = load_shard(path, dtype="q8-bf16", cache_dir=blocker)
     assert "could not write the converted cache under" in caplog.text
     assert torch.equal(shard(torch.tensor([[1, 2, 3]]), 0), load_shard(path, dtype="q8-bf16")(torch.tensor([[1, 2, 3]]), 0))
+
+
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_spot_check_tolerance_covers_one_shot_vs_token_by_token(tiny, precision):
+    from meshinfer.audit import TOLERANCE
+    from meshinfer.generate import new_cache
+
+    path, _, tok, _ = tiny
+    a = load_shard(path, LayerRange(0, 2), dtype=precision)
+    ids = torch.tensor([tok.encode_chat(MESSAGES)])  # (1, T)
+    one_shot = a(ids, 0)  # (1, T, C)
+    cache = new_cache(a)
+    steps = torch.cat([a(ids[:, t:t + 1], t, cache) for t in range(ids.shape[1])], dim=1)  # (1, T, C)
+    err = ((steps - one_shot).norm() / one_shot.norm()).item()
+    assert err < TOLERANCE[precision] / 10, f"{precision}: one-shot vs token-by-token relative L2 {err:.2e}"
