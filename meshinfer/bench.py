@@ -1,9 +1,19 @@
-"""``meshinfer bench``: a single peer against 2- and 3-peer splits on loopback, in one run.
+"""``meshinfer bench``: measurements that compare setups side by side, in one run each.
 
-Each setup starts real ``meshinfer join`` processes on loopback (as a user would), waits
-until they are ready and gossiped, then runs the same greedy conversation ``repeats`` times
-through :class:`~meshinfer.session.MeshClient` after one warm-up conversation. It reports
-the median first-token latency (TTFT) for a ~30-token prompt and the median decode tokens/s.
+Every suite starts real ``meshinfer join`` processes on loopback (as a user would), waits
+until they are ready and gossiped, and drives them through :class:`~meshinfer.session.MeshClient`.
+
+- ``splits`` (:func:`run_bench`): a single peer against 2- and 3-peer splits: median TTFT for a
+  ~30-token prompt and median decode tokens/s (plain decoding, so the numbers measure the
+  split, not the prompt's repetitiveness), after one warm-up conversation.
+- ``speculative`` (:func:`run_spec_bench`): plain against speculative decoding on a code-editing
+  prompt (:data:`CODE_EDIT_MESSAGES`) over a 2-peer split, with a ``meshinfer netsim`` proxy in
+  front of every peer (so client -> hop 1, hop 1 -> hop 2 and hop 2 -> client each cross one)
+  at each RTT asked for: tokens/s of both, their ratio, the draft acceptance rate, and whether
+  the outputs are identical.
+- ``ttft`` (:func:`run_ttft_bench`): per setup (1 and 2 peers), the time from ``join`` start to
+  ready, the TTFT of the first conversation after ready (cold) against later ones (steady),
+  and the TTFT of a ~1,000-token prompt (pipelined chunked prefill on a split).
 """
 
 from __future__ import annotations
@@ -20,19 +30,65 @@ from pathlib import Path
 
 BENCH_MESSAGES = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
 
+#: A ~30-line function to reproduce with one change: the code-editing prompt of the speculative
+#: benchmark and tests (prompt lookup drafts most of the answer from it).
+CODE_EDIT_FUNCTION = """def summarize_orders(orders, tax_rate=0.2, currency="EUR"):
+    \"\"\"Return totals per customer and the grand total of a list of orders.\"\"\"
+    totals = {}
+    count = 0
+    for order in orders:
+        customer = order.get("customer", "unknown")
+        items = order.get("items", [])
+        subtotal = 0.0
+        for item in items:
+            price = float(item.get("price", 0.0))
+            quantity = int(item.get("quantity", 1))
+            if quantity <= 0:
+                continue
+            subtotal += price * quantity
+        discount = order.get("discount", 0.0)
+        if discount:
+            subtotal -= subtotal * discount
+        tax = subtotal * tax_rate
+        total = round(subtotal + tax, 2)
+        totals[customer] = totals.get(customer, 0.0) + total
+        count += 1
+    grand_total = round(sum(totals.values()), 2)
+    report = []
+    for customer, amount in sorted(totals.items()):
+        report.append(f"{customer}: {amount:.2f} {currency}")
+    report.append(f"orders: {count}")
+    report.append(f"grand total: {grand_total:.2f} {currency}")
+    return totals, grand_total, "\\n".join(report)
+"""
+CODE_EDIT_MESSAGES = [{"role": "user", "content": (
+    "Here is a Python function:\n\n```python\n" + CODE_EDIT_FUNCTION + "```\n\n"
+    "Rewrite it with the variable `subtotal` renamed to `net`. Change nothing else and reply "
+    "with the whole function in one code block.")}]
+
 
 def even_splits(num_layers: int, n: int) -> list[tuple[int, int]]:
     """``n`` consecutive inclusive ranges covering ``num_layers`` layers as evenly as possible."""
     return [(i * num_layers // n, (i + 1) * num_layers // n - 1) for i in range(n)]
 
 
-def _start_peers(model: str, splits: list[tuple[int, int]], base_port: int, dtype: str, logdir: Path):
+def _start_peers(model: str, splits: list[tuple[int, int]], base_port: int, dtype: str, logdir: Path, *,
+                 public_ports: list[int] | None = None, ready_s: list[float] | None = None):
+    """Start one ``meshinfer join`` per split; wait until all are ready.
+
+    ``public_ports``: advertise ``ws://127.0.0.1:PORT`` (a proxy) instead of the listening port.
+    ``ready_s``: filled with each peer's seconds from process start to its ready line (peers
+    start together, so they share the CPU while loading).
+    """
     procs = []
+    t0 = time.monotonic()
     for i, (a, b) in enumerate(splits):
         cmd = [sys.executable, "-m", "meshinfer", "join", "--model", model, "--layers", f"{a}-{b}",
                "--listen", f"127.0.0.1:{base_port + i}", "--dtype", dtype, "--key", str(logdir / f"k{i}.pem")]
         if i:
             cmd += ["--peers", f"ws://127.0.0.1:{base_port}"]
+        if public_ports:
+            cmd += ["--public-addr", f"ws://127.0.0.1:{public_ports[i]}"]
         log = open(logdir / f"peer{i}.log", "w")
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), logdir / f"peer{i}.log"))
     deadline = time.monotonic() + 600
@@ -40,28 +96,47 @@ def _start_peers(model: str, splits: list[tuple[int, int]], base_port: int, dtyp
         while "ready:" not in log.read_text():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"peer failed to start:\n{log.read_text()[-2000:]}")
-            time.sleep(0.3)
+            time.sleep(0.1)
+        if ready_s is not None:
+            ready_s.append(round(time.monotonic() - t0, 2))
     return [p for p, _ in procs]
 
 
-async def _measure(url: str, n_peers: int, max_tokens: int, repeats: int) -> dict:
+def _stop(procs) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(30)
+
+
+async def _route(client, n_peers: int):
+    """Plan until gossip has spread every advert and the route has ``n_peers`` hops."""
     from .errors import NoRoute
+
+    route = None
+    for _ in range(100):
+        try:
+            route = await client.plan()
+            if len(route.hops) == n_peers:
+                return route
+        except NoRoute:
+            pass
+        await asyncio.sleep(0.3)
+    if route is None:
+        raise RuntimeError(f"no route over {n_peers} peers formed")
+    return route
+
+
+async def _measure(url: str, n_peers: int, max_tokens: int, repeats: int) -> dict:
     from .session import MeshClient
 
     async with MeshClient([url]) as client:
-        for _ in range(100):  # gossip needs a moment to spread every advert
-            try:
-                route = await client.plan()
-                if len(route.hops) == n_peers:
-                    break
-            except NoRoute:
-                pass
-            await asyncio.sleep(0.3)
+        route = await _route(client, n_peers)
         tok = await client.tokenizer(route)
         ids = tok.encode_chat(BENCH_MESSAGES)
         runs = []
         for i in range(repeats + 1):
-            conv = client.conversation(route, max_tokens_total=len(ids) + max_tokens)
+            conv = client.conversation(route, max_tokens_total=len(ids) + max_tokens, speculate=False)
             out = await conv.generate(ids, max_tokens=max_tokens, eos_ids=())
             await conv.close()
             if i:  # the first conversation is a warm-up
@@ -104,10 +179,7 @@ def run_bench(*, model: str, splits: list[int], max_tokens: int, repeats: int, d
             try:
                 r = asyncio.run(_measure(f"ws://127.0.0.1:{base_port}", n, max_tokens, repeats))
             finally:
-                for p in procs:
-                    p.terminate()
-                for p in procs:
-                    p.wait(30)
+                _stop(procs)
         r["peers"] = n
         results.append(r)
         if progress:
@@ -126,4 +198,174 @@ def markdown_table(results: list[dict]) -> str:
     for r in results:
         lines.append(f"| {r['peers']} | {r['route']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | "
                      f"{r['decode_tokens_per_s']:.2f} | {r['decode_tokens_per_s'] / base:.2f} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- speculative
+async def _spec_measure(base_port: int, proxy_ports: list[int], rtts_ms: list[float], *, max_tokens: int,
+                        repeats: int, draft_tokens: int, context: int, progress) -> list[dict]:
+    from .netsim import NetSim
+    from .session import MeshClient
+
+    proxies = [await NetSim("127.0.0.1", base_port + i, port=p).start() for i, p in enumerate(proxy_ports)]
+    try:
+        async with MeshClient([f"ws://127.0.0.1:{proxy_ports[0]}"]) as client:
+            route = await _route(client, len(proxy_ports))
+            tok = await client.tokenizer(route)
+            ids = tok.encode_chat(CODE_EDIT_MESSAGES)
+            ids = ids[max(0, len(ids) - (context - max_tokens - 1)):]  # cut to fit only tiny test models
+            rows = []
+            for rtt in rtts_ms:
+                for proxy in proxies:
+                    proxy.one_way_s = rtt / 2e3
+                runs = {False: [], True: []}
+                for i in range(repeats + 1):
+                    for spec in (False, True):
+                        conv = client.conversation(route, max_tokens_total=len(ids) + max_tokens, speculate=spec,
+                                                   draft_tokens=draft_tokens)
+                        out = await conv.generate(ids, max_tokens=max_tokens, eos_ids=tok.eos_ids)
+                        await conv.close()
+                        if i:  # the first round is a warm-up
+                            runs[spec].append(out)
+                rows.append(_spec_row(rtt, route, ids, runs))
+                if progress:
+                    progress(f"RTT {rtt:g} ms: plain {rows[-1]['plain_tokens_per_s']:.2f} tok/s, speculative "
+                             f"{rows[-1]['speculative_tokens_per_s']:.2f} tok/s (x{rows[-1]['speedup']:.2f})")
+            return rows
+    finally:
+        for proxy in proxies:
+            await proxy.close()
+
+
+def _spec_row(rtt: float, route, ids: list[int], runs: dict) -> dict:
+    """One RTT's result: median decode tokens/s (tokens after the first over their wall time) of both modes."""
+    plain = statistics.median(r.decode_tokens_per_s for r in runs[False])
+    spec = statistics.median(r.decode_tokens_per_s for r in runs[True])
+    proposed = sum(r.speculative.get("proposed", 0) for r in runs[True])
+    accepted = sum(r.speculative.get("accepted", 0) for r in runs[True])
+    return {"rtt_ms": rtt, "route": route.describe(), "prompt_tokens": len(ids),
+            "new_tokens": len(runs[True][-1].token_ids), "plain_tokens_per_s": plain,
+            "speculative_tokens_per_s": spec, "speedup": spec / plain if plain else 0.0,
+            "acceptance": accepted / proposed if proposed else 0.0,
+            "steps": runs[True][-1].speculative.get("steps", 0),
+            "identical": all(a.token_ids == b.token_ids for a, b in zip(runs[False], runs[True]))}
+
+
+def run_spec_bench(*, model: str, rtts_ms: list[float], max_tokens: int, repeats: int, dtype: str, base_port: int,
+                   draft_tokens: int, peers: int = 2, progress=None) -> tuple[str, list[dict]]:
+    """Plain against speculative decoding on a code edit, through netsim proxies (module docstring).
+
+    Returns:
+        ``(header, rows)``: one row per RTT with both tokens/s, their ratio and the acceptance rate.
+
+    Raises:
+        RuntimeError: a peer failed to start.
+    """
+    from .weights import open_weights
+    from .weights.registry import resolve_model
+
+    path = resolve_model(model)
+    cfg = open_weights(path).config
+    num_layers = cfg.num_hidden_layers
+    proxy_ports = [base_port + 50 + i for i in range(peers)]
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = _start_peers(str(path), even_splits(num_layers, peers), base_port, dtype, Path(tmp),
+                             public_ports=proxy_ports)
+        try:
+            rows = asyncio.run(_spec_measure(base_port, proxy_ports, rtts_ms, max_tokens=max_tokens,
+                                             repeats=repeats, draft_tokens=draft_tokens,
+                                             context=cfg.max_position_embeddings, progress=progress))
+        finally:
+            _stop(procs)
+    header = (f"speculative decoding: model {path.name}, {dtype}, {peers} peers on loopback, a netsim proxy in "
+              f"front of each peer, code-edit prompt, {max_tokens} new tokens, --draft-tokens {draft_tokens}, "
+              f"median of {repeats} runs after a warm-up")
+    return header, rows
+
+
+def spec_table(rows: list[dict]) -> str:
+    """The rows of :func:`run_spec_bench` as a markdown table."""
+    lines = ["| RTT ms | plain tok/s | speculative tok/s | speedup | acceptance | steps | identical |",
+             "|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['rtt_ms']:g} | {r['plain_tokens_per_s']:.2f} | {r['speculative_tokens_per_s']:.2f} | "
+                     f"{r['speedup']:.2f} | {r['acceptance']:.2f} | {r['steps']} | {r['identical']} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- TTFT
+def long_prompt(tok, n_tokens: int) -> list[int]:
+    """A chat prompt of exactly ``n_tokens`` ids: the code-edit text repeated, cut to length."""
+    text = CODE_EDIT_FUNCTION
+    while len(tok.encode_chat([{"role": "user", "content": text}])) < n_tokens:
+        text += "\n" + CODE_EDIT_FUNCTION
+    return tok.encode_chat([{"role": "user", "content": text}])[:n_tokens]
+
+
+async def _ttft_measure(url: str, n_peers: int, long_tokens: int, repeats: int) -> dict:
+    from .session import MeshClient
+
+    async def ttft(client, route, ids) -> float:
+        conv = client.conversation(route, max_tokens_total=len(ids) + 1, speculate=False)
+        out = await conv.generate(ids, max_tokens=1, eos_ids=())
+        await conv.close()
+        return out.ttft_ms
+
+    async with MeshClient([url]) as client:
+        route = await _route(client, n_peers)
+        tok = await client.tokenizer(route)
+        short = tok.encode_chat(BENCH_MESSAGES)
+        cold = await ttft(client, route, short)  # the first conversation after ready
+        steady = [await ttft(client, route, short) for _ in range(repeats)]
+        long_ids = long_prompt(tok, min(long_tokens, route.hops[0].peer.free_kv_tokens - 1))
+        long = [await ttft(client, route, long_ids) for _ in range(repeats)]
+        return {"route": route.describe(), "short_prompt_tokens": len(short), "cold_ttft_ms": cold,
+                "steady_ttft_ms": statistics.median(steady), "long_prompt_tokens": len(long_ids),
+                "long_ttft_ms": statistics.median(long)}
+
+
+def run_ttft_bench(*, model: str, splits: list[int], long_tokens: int, repeats: int, dtype: str, base_port: int,
+                   progress=None) -> tuple[str, list[dict]]:
+    """Join-to-ready time, cold against steady TTFT, and long-prompt TTFT per setup (module docstring).
+
+    Raises:
+        RuntimeError: a peer failed to start.
+    """
+    from .weights import open_weights
+    from .weights.registry import resolve_model
+
+    path = resolve_model(model)
+    cfg = open_weights(path).config
+    long_tokens = min(long_tokens, cfg.max_position_embeddings - 2)
+    rows = []
+    for n in splits:
+        ready: list[float] = []
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = _start_peers(str(path), even_splits(cfg.num_hidden_layers, n), base_port, dtype, Path(tmp),
+                                 ready_s=ready)
+            try:
+                r = asyncio.run(_ttft_measure(f"ws://127.0.0.1:{base_port}", n, long_tokens, repeats))
+            finally:
+                _stop(procs)
+        r |= {"peers": n, "join_to_ready_s": max(ready)}
+        rows.append(r)
+        if progress:
+            progress(f"{n} peer(s): ready in {r['join_to_ready_s']:.1f} s, cold TTFT {r['cold_ttft_ms']:.0f} ms, "
+                     f"steady {r['steady_ttft_ms']:.0f} ms, {r['long_prompt_tokens']}-token TTFT "
+                     f"{r['long_ttft_ms']:.0f} ms")
+    header = (f"TTFT: model {path.name}, {dtype}, loopback, peers started together, median of {repeats} "
+              f"steady runs; cold = the first conversation after every peer printed ready (peers warm up "
+              f"before announcing)")
+    return header, rows
+
+
+def ttft_table(rows: list[dict]) -> str:
+    """The rows of :func:`run_ttft_bench` as a markdown table, long-prompt TTFT relative to the first row."""
+    base = rows[0]["long_ttft_ms"] or 1.0
+    lines = ["| peers | join to ready s | cold TTFT ms | steady TTFT ms | long prompt tokens | long TTFT ms | "
+             "vs first |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['peers']} | {r['join_to_ready_s']:.1f} | {r['cold_ttft_ms']:.0f} | "
+                     f"{r['steady_ttft_ms']:.0f} | {r['long_prompt_tokens']} | {r['long_ttft_ms']:.0f} | "
+                     f"{r['long_ttft_ms'] / base:.2f} |")
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .config import PRECISION_NAMES
 from .errors import MeshError
+from .speculative import DEFAULT_DRAFT_TOKENS
 
 #: ``--dtype`` help: every precision is one kernel family (docs/performance.md).
 DTYPE_HELP = ("compute precision: f32, bf16, f16 (float weights), q8-bf16 (int8 weights), "
@@ -47,12 +48,36 @@ EXAMPLES = {
     "netsim": "examples:\n  meshinfer netsim --target 127.0.0.1:7701 --listen 127.0.0.1:7801 --rtt-ms 100\n"
               "  # then start the first peer with --peers ws://127.0.0.1:7801 (or a client with --peers)",
     "bench": "examples:\n  meshinfer bench\n  meshinfer bench --splits 1,2 --max-tokens 64 --out docs/bench.json\n"
-             "  meshinfer bench --single --dtypes f32,q8-bf16,q4-g32-bf16 --threads 2",
+             "  meshinfer bench --single --dtypes f32,q8-bf16,q4-g32-bf16 --threads 2\n"
+             "  meshinfer bench --suite speculative --rtts 0,100 --max-tokens 64\n"
+             "  meshinfer bench --suite ttft --splits 1,2",
 }
 
 
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    """A boolean environment variable: 1/true/yes/on or 0/false/no/off. Raises ValueError otherwise."""
+    text = os.environ.get(name)
+    if text is None or not text.strip():
+        return default
+    if text.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"${name}={text!r} is not one of 1/true/yes/on or 0/false/no/off")
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None or not text.strip():
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"${name}={text!r} is not a whole number") from None
 
 
 def parse_bytes(text: str) -> int:
@@ -285,6 +310,7 @@ async def _chat(args) -> int:
     if args.context < 2:
         raise ValueError("--context must be at least 2 tokens")
     args.sampling = _sampling(args)
+    _spec(args)  # bad speculation options fail before the mesh is contacted
     _warn_plain(_peers(args.peers), args.insecure)
     async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
                           tls_ca=args.tls_ca, allow_ids=_allow_ids(args), **_audit_options(args)) as client:
@@ -293,18 +319,30 @@ async def _chat(args) -> int:
             print(f"route: {route.describe()}", file=sys.stderr)
         if not interactive:
             result = await one_reply(client, route, tok, tok.encode_chat(messages), max_tokens=args.max_tokens,
-                                     sampling=args.sampling, on_text=None if args.json else _show)
+                                     sampling=args.sampling, on_text=None if args.json else _show,
+                                     conversation_options=_spec(args))
             _reply_done(result, args)
             return 0
         await _repl(client, route, tok, args)
     return 0
 
 
+def _spec(args) -> dict:
+    """Speculation options of a conversation from ``--speculate``/``--draft-tokens`` (or their env vars)."""
+    from .speculative import MAX_DRAFT_TOKENS
+
+    speculate = _env_flag("MESHINFER_SPECULATE", True) if args.speculate is None else args.speculate
+    k = _env_int("MESHINFER_DRAFT_TOKENS", DEFAULT_DRAFT_TOKENS) if args.draft_tokens is None else args.draft_tokens
+    if not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--draft-tokens must be 1-{MAX_DRAFT_TOKENS}, got {k}")
+    return {"speculate": speculate, "draft_tokens": k}
+
+
 async def _repl(client, route, tok, args) -> None:
     """Interactive chat: Ctrl-C stops the current reply, Ctrl-D or /exit leaves."""
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
-    conv = client.conversation(route, max_tokens_total=args.context)
+    conv = client.conversation(route, max_tokens_total=args.context, **_spec(args))
     lines = _stdin_lines()
     loop = asyncio.get_running_loop()
     print("meshinfer chat: type a message; /reset starts over; /exit or Ctrl-D leaves; "
@@ -386,7 +424,9 @@ def _stats_line(r) -> str:
     speed = f", {r.decode_tokens_per_s:.1f} tok/s" if n > 1 else ""
     failover = f", {len(r.failovers)} failover(s)" if getattr(r, "failovers", None) else ""
     liars = f", {len(r.detections)} lying peer(s) excluded" if getattr(r, "detections", None) else ""
-    return (f"[{n} token{'s' if n != 1 else ''}, TTFT {r.ttft_ms:.0f} ms{speed}{failover}{liars}, "
+    spec = getattr(r, "speculative", None) or {}
+    drafts = f", drafts {spec['accepted']}/{spec['proposed']} accepted" if spec.get("proposed") else ""
+    return (f"[{n} token{'s' if n != 1 else ''}, TTFT {r.ttft_ms:.0f} ms{speed}{drafts}{failover}{liars}, "
             f"finish: {r.finish_reason}]")
 
 
@@ -547,19 +587,35 @@ def cmd_netsim(args) -> int:
 
 # --------------------------------------------------------------------------- bench
 def cmd_bench(args) -> int:
-    from .bench import markdown_table, run_bench
+    from . import bench
 
     if args.single:
         return _bench_single(args)
 
-    header, results = run_bench(model=args.model, splits=[int(x) for x in args.splits.split(",")],
-                                max_tokens=args.max_tokens, repeats=args.repeats, dtype=args.dtype,
-                                base_port=args.base_port, progress=lambda line: print(line, file=sys.stderr))
-    print(header)
-    print()
-    print(markdown_table(results))
+    suites = [x.strip() for x in args.suite.split(",") if x.strip()]
+    unknown = sorted(set(suites) - {"splits", "speculative", "ttft"})
+    if unknown or not suites:
+        raise ValueError(f"--suite {args.suite!r}: choose from splits, speculative, ttft")
+    splits = [int(x) for x in args.splits.split(",")]
+    common = dict(model=args.model, repeats=args.repeats, dtype=args.dtype, base_port=args.base_port,
+                  progress=lambda line: print(line, file=sys.stderr))
+    out = {}
+    for suite in suites:
+        if suite == "splits":
+            header, rows = bench.run_bench(splits=splits, max_tokens=args.max_tokens, **common)
+            table = bench.markdown_table(rows)
+        elif suite == "speculative":
+            header, rows = bench.run_spec_bench(rtts_ms=[float(x) for x in args.rtts.split(",")],
+                                                max_tokens=args.max_tokens, draft_tokens=args.draft_tokens, **common)
+            table = bench.spec_table(rows)
+        else:
+            header, rows = bench.run_ttft_bench(splits=[n for n in splits if n <= 2] or [1],
+                                                long_tokens=args.long_prompt_tokens, **common)
+            table = bench.ttft_table(rows)
+        print(header, table, sep="\n\n", end="\n\n")
+        out[suite] = rows
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        Path(args.out).write_text(json.dumps(out if len(suites) > 1 else out[suites[0]], indent=1))
     return 0
 
 
@@ -658,6 +714,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--system", help="system message")
     s.add_argument("--max-tokens", type=int, default=512, help="tokens to generate per reply")
     s.add_argument("--context", type=int, default=4096, help="tokens reserved for a REPL conversation")
+    s.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=None,
+                   help="verify prompt-lookup drafts in each decode step; the output is unchanged "
+                        "(default: on) [$MESHINFER_SPECULATE]")
+    s.add_argument("--draft-tokens", type=int, default=None,
+                   help=f"most drafted tokens per decode step, 1-31 (default: {DEFAULT_DRAFT_TOKENS}) "
+                        f"[$MESHINFER_DRAFT_TOKENS]")
     s.add_argument("--mesh-key-file", default=mesh_key_default,
                    help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
     s.add_argument("--insecure", action="store_true", help="allow plain ws:// to other machines (unencrypted)")
@@ -723,6 +785,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeats", type=int, default=3, help="timed runs per setup, after one warm-up")
     s.add_argument("--dtype", default="f32", choices=PRECISION_NAMES, help=DTYPE_HELP)
     s.add_argument("--base-port", type=int, default=7800, help="first loopback port for the peers")
+    s.add_argument("--suite", default="splits",
+                   help="comma list of: splits (1/2/3 peers), speculative (plain vs speculative through netsim), "
+                        "ttft (join to ready, cold vs steady TTFT, long-prompt TTFT for 1 and 2 peers)")
+    s.add_argument("--rtts", default="0,100", help="speculative suite: RTTs to simulate, ms")
+    s.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, help="speculative suite: drafts per step")
+    s.add_argument("--long-prompt-tokens", type=int, default=1000, help="ttft suite: tokens of the long prompt")
     s.add_argument("--out", help="also write the results as JSON here")
     s.add_argument("--single", action="store_true",
                    help="instead: one machine, whole model, each --dtypes precision vs llama.cpp and transformers")

@@ -659,7 +659,8 @@ class Peer:
                 d = audit.DIGEST_BYTES
                 conv.received[d * start:d * (start + x.shape[1])] = audit.row_digests(x)
             return
-        if start != conv.expected_start:
+        rollback = f.get("rollback", bool, False)
+        if start != conv.expected_start and not (rollback and start < conv.expected_start):
             raise PositionError(f"step {seq} starts at position {start}; conversation {conv.conv_id} "
                                 f"expects position {conv.expected_start}")
         if start + x.shape[1] > conv.reserved_tokens:
@@ -667,11 +668,16 @@ class Peer:
                             f"it reserved {conv.reserved_tokens}")
         trace = protocol.trace_from_wire(f.get("trace", list, []), "step")
         want = f.str("want", "none")
-        if want not in ("token", "none"):
-            raise ProtocolError(f"step {seq}: want {want[:40]!r} is not token or none")
+        if want not in protocol.STEP_WANTS:
+            raise ProtocolError(f"step {seq}: want {want[:40]!r} is not one of {', '.join(protocol.STEP_WANTS)}")
+        if want == "tokens" and x.shape[1] > protocol.MAX_VERIFY_TOKENS:
+            raise InvalidInput(f"step {seq}: want=tokens allows at most {protocol.MAX_VERIFY_TOKENS} tokens "
+                               f"per step, got {x.shape[1]}")
         sampling = protocol.sampling_from_wire(f.get("sampling", dict, None), f"step {seq}")
+        if want == "tokens" and sampling is not None:
+            raise InvalidInput(f"step {seq}: want=tokens verifies greedy drafts; it cannot carry sampling")
         self._enqueue(conv, (seq, start, x, want, trace, time.perf_counter(), f.get("replay", bool, False),
-                             sampling))
+                             sampling, rollback))
         conv.expected_start = start + x.shape[1]
         if conv.run.start > 0:  # what the previous hop sent, for spot-checks of its log
             del conv.received[audit.DIGEST_BYTES * start:]
@@ -808,7 +814,7 @@ class Peer:
     # ------------------------------------------------------------------ compute
     async def _conv_worker(self, conv: _Conv) -> None:
         while True:
-            seq, start, x, want, trace, t_recv, replay, sampling = await conv.queue.get()
+            seq, start, x, want, trace, t_recv, replay, sampling, *rest = await conv.queue.get()
             try:
                 t0 = time.perf_counter()
                 if isinstance(x, int):  # a replayed step this hop holds: resend what it sent then
@@ -817,20 +823,23 @@ class Peer:
                         await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, replay=True,
                                        hidden=protocol.tensor_to_wire(conv.sent.slice(start, start + x)), trace=[])
                     continue
+                rollback = bool(rest and rest[0])
                 out = await self.executor.run(self._compute, conv, x, start,
-                                              **({"sampling": sampling} if sampling else {}))
+                                              **({"sampling": sampling} if sampling else {}),
+                                              **({"want": want} if want == "tokens" else {}))
                 self.metrics.step(x.shape[1], time.perf_counter() - t0)
                 hop = {"peer": self.peer_id, "compute_ms": round((time.perf_counter() - t0) * 1e3, 3),
                        "queue_ms": round((t0 - t_recv) * 1e3, 3)}
                 if conv.next_id is None:
-                    if want == "token":
-                        await conv.owner.send("token", conv=conv.conv_id, seq=seq, token=out,
-                                              trace=trace + [hop], length=conv.cache.length)
+                    if want != "none":
+                        await conv.owner.send("token", conv=conv.conv_id, seq=seq, trace=trace + [hop],
+                                              length=conv.cache.length, **last_hop_reply(out, want))
                 else:
                     nxt = await self._link_to(conv.next_id, conv.next_addrs)
                     await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, replay=replay,
                                    hidden=protocol.tensor_to_wire(out), trace=trace + [hop],
-                                   **({"sampling": sampling.to_wire()} if sampling else {}))
+                                   **({"sampling": sampling.to_wire()} if sampling else {}),
+                                   **({"rollback": True} if rollback else {}))
             except MeshError as exc:
                 await self._report(conv, seq, exc)
             except asyncio.CancelledError:
@@ -842,19 +851,26 @@ class Peer:
             finally:
                 conv.queue.task_done()
 
-    def _compute(self, conv: _Conv, x: torch.Tensor, start: int, sampling=None):
-        """On the device thread: run the conversation's layers; hidden states or a token id.
+    def _compute(self, conv: _Conv, x: torch.Tensor, start: int, sampling=None, *, want: str = "token"):
+        """On the device thread: run the conversation's layers; hidden states, or on the last hop
+        a list of token ids.
 
-        On the last hop the token is :func:`meshinfer.sampling.pick_token` of the last
-        position's logits: argmax without ``sampling``, else a draw seeded by (seed, position).
+        ``want="tokens"`` (speculative verification): the argmax at every position, ``(T,)``.
+        Otherwise one id, :func:`meshinfer.sampling.pick_token` of the last position's logits:
+        argmax without ``sampling``, else a draw seeded by (seed, position). Positions ``>= start``
+        left by rejected drafts are dropped first (:func:`roll_back_to`).
         """
-        out = self.shard(x.to(self.shard.device), start, conv.cache, run=conv.run, logits="last")
+        roll_back_to(conv, start)
+        out = self.shard(x.to(self.shard.device), start, conv.cache, run=conv.run,
+                         logits="all" if want == "tokens" else "last")
         if not bool(torch.isfinite(out).all()):
             conv.cache.truncate(start)
             raise InvalidInput(f"layers {conv.run.cli()} produced NaN or inf at positions "
                                f"{start}..{start + x.shape[1] - 1}")
         if conv.run.stop == self.cfg.num_hidden_layers:
-            return pick_token(out[0, -1], sampling, position=start + x.shape[1])
+            if want == "tokens":
+                return out[0].argmax(-1).tolist()  # (T,) ids
+            return [pick_token(out[0, -1], sampling, position=start + x.shape[1])]
         out = out.float().cpu()  # the wire form (float32), copied off the device on its own thread
         if conv.sent is not None:
             conv.sent.append(start, out)
@@ -949,6 +965,31 @@ class Peer:
             log.debug("gossip to %s failed: %s", peer_id[:12], exc)
         finally:
             self._gossiping.discard(peer_id)
+
+
+def roll_back_to(conv: _Conv, start: int) -> None:
+    """Implicit rollback (speculative decoding): forget cached and logged positions ``>= start``.
+
+    ``_on_step`` lets a step start below the hop's length only with ``rollback: true``; every
+    other step starts at the cache length and this does nothing. Runs on the device thread,
+    in step order, so it drops exactly the rejected drafts of the previous step.
+    """
+    if conv.cache.length > start:
+        conv.cache.truncate(start)
+        if conv.sent is not None:
+            conv.sent.truncate(start)
+
+
+def last_hop_reply(ids: list[int], want: str) -> dict:
+    """The fields of the last hop's ``token`` reply for a step computed to argmax ``ids``.
+
+    ``token`` is the last position's choice; with ``want="tokens"`` the reply also carries
+    ``tokens``, the choice at every position of the step (speculative verification).
+    """
+    fields = {"token": ids[-1]}
+    if want == "tokens":
+        fields["tokens"] = ids
+    return fields
 
 
 def _client_host(link: Link) -> str:

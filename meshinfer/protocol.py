@@ -43,6 +43,13 @@ MAX_STR_LEN = 4096
 MAX_ID_LEN = 64
 #: Most entries of a step's trace (one per hop).
 MAX_TRACE_HOPS = 64
+#: Most tokens of a step with ``want="tokens"`` (speculative verification): the last hop computes
+#: T x V float32 logits for it (19 MB for T = 32 and V = 151,936), not only the last position's.
+MAX_VERIFY_TOKENS = 32
+#: What a step asks the last hop for: nothing, the argmax of its last position, or the argmax
+#: of every position (speculative verification; added in protocol 1 without a version bump:
+#: a peer that predates it answers ``protocol_error`` naming ``want``).
+STEP_WANTS = ("none", "token", "tokens")
 
 
 @dataclass(frozen=True)
@@ -201,6 +208,15 @@ class Fields:
             raise ProtocolError(f"{self.what}: field {key!r} must be a list of at most 64 strings")
         return value
 
+    def int_list(self, key: str, *, lo: int, hi: int, max_len: int, default: Any = ...) -> list[int]:
+        """A list of at most ``max_len`` ints, each in ``[lo, hi]`` (bools refused)."""
+        value = self.get(key, list, default)
+        if value is not None and (len(value) > max_len or not all(
+                type(x) is int and lo <= x <= hi for x in value)):
+            raise ProtocolError(f"{self.what}: field {key!r} must be a list of at most {max_len} "
+                                f"integers in [{lo}, {hi}]")
+        return value
+
     def layer_range(self, key: str) -> LayerRange:
         value = self.get(key, list)
         if len(value) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
@@ -318,7 +334,7 @@ MESSAGE_TYPES = frozenset({
     "open",       # C -> P     open a conversation on this hop
     "opened",     # P -> C
     "step",       # C -> P1 (token ids), Pi -> Pi+1 (hidden states)
-    "token",      # Plast -> C the chosen token of a step
+    "token",      # Plast -> C the chosen token of a step (and every position's, want="tokens")
     "truncate",   # C -> P     drop cached positions >= length
     "truncated",  # P -> C
     "reroute",    # C -> P     failover: new prev/next for a hop that stays on the route

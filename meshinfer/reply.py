@@ -121,13 +121,14 @@ async def reply(conv: Conversation, tok: Tokenizer, prompt_ids: Sequence[int], *
 
 
 async def one_reply(client: MeshClient, route: Route, tok: Tokenizer, prompt_ids: Sequence[int], *,
-                    max_tokens: int, **options) -> ChatResult:
+                    max_tokens: int, conversation_options: dict | None = None, **options) -> ChatResult:
     """:func:`reply` in a new conversation holding ``len(prompt_ids) + max_tokens`` tokens.
 
     The conversation is closed on every hop afterwards, also when this coroutine is cancelled
-    (a client that went away) or raises. ``options`` go to :func:`reply`.
+    (a client that went away) or raises. ``conversation_options`` go to
+    :meth:`MeshClient.conversation` (``speculate``, ``draft_tokens``), ``options`` to :func:`reply`.
     """
-    conv = client.conversation(route, max_tokens_total=len(prompt_ids) + max_tokens)
+    conv = client.conversation(route, max_tokens_total=len(prompt_ids) + max_tokens, **(conversation_options or {}))
     try:
         return await reply(conv, tok, prompt_ids, max_tokens=max_tokens, **options)
     finally:

@@ -19,9 +19,10 @@ from . import audit, discovery
 from .errors import (CacheFull, IncompatiblePeer, InvalidInput, LyingPeer, MeshError, PeerUnavailable,
                      ProtocolError, Unauthenticated)
 from .generate import Generation, check_context
-from .protocol import PeerAdvert
+from .protocol import MAX_VERIFY_TOKENS, PeerAdvert
 from .routing import Route, plan_route
 from .sampling import SamplingParams
+from .speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SpecStats, accept, next_draft_length, propose
 from .tokenizer import Tokenizer
 from .transport import Link, dial, remote_error
 
@@ -61,11 +62,13 @@ class HopStats:
 @dataclass
 class ChatResult(Generation):
     """What ``meshinfer chat --json`` prints: a :class:`Generation` plus the route, failovers and
-    lying hops detected (``detections``: peer, reason, tokens kept after the rollback)."""
+    lying hops detected (``detections``: peer, reason, tokens kept after the rollback) and
+    speculation counters (``{proposed, accepted, steps, draft_tokens, acceptance}``; empty when off)."""
 
     route: list[dict] = field(default_factory=list)
     failovers: list[dict] = field(default_factory=list)
     detections: list[dict] = field(default_factory=list)
+    speculative: dict = field(default_factory=dict)
 
 
 class MeshClient:
@@ -299,7 +302,7 @@ class MeshClient:
         """A new conversation over ``route`` holding at most ``max_tokens_total`` tokens.
 
         ``options`` go to :class:`Conversation` (``deadline_floor_s``, ``spot_check_rate``
-        (default: this client's), ``spot_check_seed``).
+        (default: this client's), ``spot_check_seed``, ``speculate``, ``draft_tokens``).
         """
         options.setdefault("spot_check_rate", self.spot_check_rate)
         return Conversation(self, route, max_tokens_total=max_tokens_total, **options)
@@ -317,6 +320,12 @@ class Conversation:
             top of a check of every hop after each prefill (0: no spot-checks); see
             :mod:`meshinfer.audit`.
         spot_check_seed: seed of the random choice of checked steps and hops (None: random).
+        speculate: verify prompt-lookup drafts with each decode step (exact under greedy decoding;
+            see :mod:`meshinfer.speculative`).
+        draft_tokens: most drafts per step, 1 to :data:`~meshinfer.speculative.MAX_DRAFT_TOKENS`.
+
+    Raises:
+        InvalidInput: ``draft_tokens`` out of range.
 
     When a hop's connection closes, a hop reports that it lost the next hop, or a step misses
     its deadline, the conversation finds the failed hops (closed links, unanswered probes, or
@@ -333,8 +342,13 @@ class Conversation:
     def __init__(self, client: MeshClient, route: Route, *, max_tokens_total: int,
                  deadline_floor_s: float = DEADLINE_FLOOR_S,
                  spot_check_rate: float = audit.DEFAULT_SPOT_CHECK_RATE,
-                 spot_check_seed: int | None = None) -> None:
+                 spot_check_seed: int | None = None, speculate: bool = True,
+                 draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> None:
         import uuid
+
+        if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidInput(f"draft_tokens must be 1-{MAX_DRAFT_TOKENS}, got {draft_tokens}")
+        self.speculate, self.draft_tokens = speculate, draft_tokens
 
         self.client, self.route = client, route
         self.conv_id = uuid.uuid4().hex
@@ -343,6 +357,8 @@ class Conversation:
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.cached: list[int] = []  # token ids sent to the route, in order
         self.confirmed = 0  # tokens every hop is known to hold (a token came back after them)
+        self._held = 0  # positions the hops may hold: more than cached after rejected drafts
+        self._k = draft_tokens  # drafts of the next step (adapts; see speculative.next_draft_length)
         self.max_step_tokens = 512
         self.failovers: list[dict] = []
         self._seq = 0
@@ -418,20 +434,25 @@ class Conversation:
         del self.cached[length:]
         self.confirmed = min(self.confirmed, length)
         self.audit.truncate(length)
+        self._held = length
 
     # ------------------------------------------------------------------ steps
-    async def _send(self, tokens: Sequence[int], start: int, *, want_token: bool, replay: bool = False) -> int:
+    async def _send(self, tokens: Sequence[int], start: int, *, want: str, replay: bool = False) -> int:
         self._seq += 1
         first = await self.client.link(self.route.hops[0].peer)
-        extra = {"sampling": self.sampling.to_wire()} if want_token and self.sampling else {}
+        extra = {"sampling": self.sampling.to_wire()} if want == "token" and self.sampling else {}
+        if start < self._held and not replay:
+            extra["rollback"] = True  # hops drop the rejected drafts of the step before
         await first.send("step", conv=self.conv_id, seq=self._seq, start=start, tokens=list(tokens),
-                         want="token" if want_token else "none", replay=replay, **extra)
+                         want=want, replay=replay, **extra)
+        self._held = start + len(tokens)
         return self._seq
 
     def _deadline_s(self, n_tokens: int) -> float:
         return self.deadline_floor_s + DEADLINE_FACTOR * self.route.estimated_ms_per_token / 1e3 * n_tokens
 
-    async def _await_token(self, seq: int, timeout_s: float) -> tuple[int, list]:
+    async def _await_token(self, seq: int, timeout_s: float, n_tokens: int | None = None) -> tuple[list[int], list]:
+        """The chosen ids of step ``seq`` (``n_tokens`` of them for want="tokens", else one) and its trace."""
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -453,10 +474,18 @@ class Conversation:
             if link.remote_id != self.route.hops[-1].peer_id:
                 raise ProtocolError(f"token for step {seq} came from {link.remote_id}, not the last hop")
             self._reply_length = f.get("length", int, None)
-            return f.int("token", lo=0, hi=1 << 31), f.get("trace", list, [])
+            if n_tokens is None:
+                return [f.int("token", lo=0, hi=1 << 31)], f.get("trace", list, [])
+            ids = f.int_list("tokens", lo=0, hi=1 << 31, max_len=MAX_VERIFY_TOKENS)
+            if len(ids) != n_tokens:
+                raise ProtocolError(f"step {seq} carried {n_tokens} tokens; the last hop chose {len(ids)}")
+            return ids, f.get("trace", list, [])
 
-    async def _step(self, tokens: Sequence[int]) -> tuple[int, list]:
-        """Append ``tokens`` (chunked) to the conversation and return the next token and its trace.
+    async def _step(self, tokens: Sequence[int], *, want: str = "token") -> tuple[list[int], list]:
+        """Append ``tokens`` (chunked) to the conversation; return the chosen ids and the trace.
+
+        ``want="token"``: one id, the next token. ``want="tokens"`` (one chunk, speculative
+        verification): the greedy choice after each of ``tokens``.
 
         Retries through :meth:`_failover` up to :data:`MAX_FAILOVERS` times.
         """
@@ -467,11 +496,13 @@ class Conversation:
                 seq = 0
                 for i in range(0, len(tokens), self.max_step_tokens):
                     chunk = tokens[i:i + self.max_step_tokens]
-                    seq = await self._send(chunk, start + i, want_token=i + self.max_step_tokens >= len(tokens))
+                    seq = await self._send(chunk, start + i,
+                                           want=want if i + self.max_step_tokens >= len(tokens) else "none")
                 self.cached.extend(tokens)
-                token, trace = await self._await_token(seq, self._deadline_s(len(tokens)))
+                ids, trace = await self._await_token(seq, self._deadline_s(len(tokens)),
+                                                     len(tokens) if want == "tokens" else None)
                 self.confirmed = len(self.cached)
-                return token, trace
+                return ids, trace
             except MeshError as exc:
                 del self.cached[start:]
                 if getattr(exc, "code", None) not in FAILOVER_CODES or attempt == MAX_FAILOVERS:
@@ -495,8 +526,10 @@ class Conversation:
     async def _find_failed(self, in_flight: int) -> set[str]:
         lengths = await asyncio.gather(*(self._probe(h) for h in self.route.hops))
         failed = {h.peer_id for h, n in zip(self.route.hops, lengths) if n is None}
-        if not failed:  # everyone answers: the first hop that never got the step is stuck
-            stuck = next((h for h, n in zip(self.route.hops, lengths) if n < in_flight), None)
+        if not failed:  # everyone answers: the first hop that has not finished the step is stuck
+            # (!=, not <: a hop that never got a step after rejected drafts still holds them, maybe
+            # more positions than the step would leave; a hop that finished holds exactly in_flight)
+            stuck = next((h for h, n in zip(self.route.hops, lengths) if n != in_flight), None)
             if stuck is not None:
                 failed.add(stuck.peer_id)
         return failed
@@ -526,7 +559,7 @@ class Conversation:
         history = self.cached[:self.confirmed]
         self._min_seq = self._seq + 1
         for i in range(0, len(history), self.max_step_tokens):
-            await self._send(history[i:i + self.max_step_tokens], i, want_token=False, replay=True)
+            await self._send(history[i:i + self.max_step_tokens], i, want="none", replay=True)
         self.failovers.append({"failed": sorted(failed), "reason": str(exc), "replayed_tokens": len(history),
                                "kept_hops": len(kept), "seconds": round(time.perf_counter() - t0, 3)})
 
@@ -568,56 +601,102 @@ class Conversation:
                 self.confirmed = min(self.confirmed, keep)
                 await self._failover(exc, in_flight=keep)
         t0 = time.perf_counter()
-        token, _ = await self._audited_step(prompt_ids[keep:], result, prefill=True)
+        ids, _ = await self._audited_step(prompt_ids[keep:], result, prefill=True)
         result.ttft_ms = (time.perf_counter() - t0) * 1e3
-        eos = set(eos_ids)
+        eos = set(eos_ids)  # speculation verifies greedy choices: sampled generation decodes plainly
+        spec = SpecStats(draft_tokens=self.draft_tokens) if self.speculate and self.sampling is None else None
         t1 = time.perf_counter()
-        decode_steps = 0
-        while result.accept(token, budget=budget, eos=eos, on_token=on_token):
+        taken = 0  # chosen ids seen by accept: the prefill's one, then one per plain decode step
+
+        def take(token: int) -> bool:
+            nonlocal taken
+            taken += 1
+            return result.accept(token, budget=budget, eos=eos, on_token=on_token)
+
+        # all() stops at the first token that ends generation: later ids of that step are dropped
+        while all(take(t) for t in ids):
             ts = time.perf_counter()
-            token, trace = await self._audited_step([token], result)
-            self._record(trace, (time.perf_counter() - ts) * 1e3)
-            decode_steps += 1
-        result.set_decode_rate(decode_steps, time.perf_counter() - t1)
+            ids, trace = await self._decode_step(result, prompt_ids + result.token_ids,
+                                                 budget - len(result.token_ids), spec)
+            self._record(trace, (time.perf_counter() - ts) * 1e3, len(ids))
+        result.set_decode_rate(taken - 1, time.perf_counter() - t1)
         result.route = self.hop_stats()
         result.failovers = list(self.failovers)
         result.detections = list(self.detections)
+        result.speculative = spec.to_dict() if spec else {}
         return result
 
+    async def _decode_step(self, result: ChatResult, history: list[int], remaining: int,
+                           spec: SpecStats | None) -> tuple[list[int], list]:
+        """One decode step after ``history`` (whose last token is not sent yet): 1 to k + 1 new ids.
+
+        With speculation, prompt-lookup drafts ride along and :func:`~meshinfer.speculative.accept`
+        keeps what plain greedy decoding would choose. Drafts are clipped to the ``remaining``
+        tokens of the budget and to the conversation's reserved context, so a step never asks
+        a hop for positions it did not reserve. Positions of rejected drafts stay on the hops
+        until the next step rolls them back (``rollback: true``): no extra round trip.
+        """
+        room = min(remaining - 1, self.max_tokens_total - len(self.cached) - 1, self.max_step_tokens - 1)
+        drafts = propose(history, min(self._k, room)) if spec is not None and self.speculate else []
+        if not drafts:
+            return await self._audited_step(history[-1:], result)
+        try:
+            out, trace = await self._audited_step([history[-1], *drafts], result, drafts=drafts)
+        except ProtocolError as exc:  # a hop that predates speculative decoding: go on without it
+            if "want" not in str(exc):
+                raise
+            log.warning("conversation %s: a hop does not verify drafts (%s); speculation off", self.conv_id[:12], exc)
+            self.speculate = False
+            return await self._audited_step(history[-1:], result)
+        spec.steps += 1
+        spec.proposed += len(drafts)
+        spec.accepted += len(out) - 1
+        self._k = next_draft_length(self._k, len(out) - 1, len(drafts), limit=self.draft_tokens)
+        return out, trace
     # ------------------------------------------------------------------ lying hops
-    async def _audited_step(self, tokens: Sequence[int], result: ChatResult, *,
-                            prefill: bool = False) -> tuple[int, list]:
+    async def _audited_step(self, tokens: Sequence[int], result: ChatResult, *, prefill: bool = False,
+                            drafts: Sequence[int] | None = None) -> tuple[list[int], list]:
         """:meth:`_step`, then the lying-peer checks; a liar is excluded and the step redone.
 
+        With ``drafts`` (the tail of ``tokens``) the step verifies them: the accepted ids are
+        returned and the rejected positions dropped from ``cached`` before the checks.
         On :class:`LyingPeer` the tokens after the rollback point are dropped from ``result``
-        (``on_token`` has already seen them) and regenerated over a route without the liar.
+        (``on_token`` has already seen them) and regenerated over a route without the liar
+        (plainly: drafts are never trusted tokens).
         """
         tokens = list(tokens)
         for attempt in range(MAX_DETECTIONS + 1):
             start = len(self.cached)
             try:
-                token, trace = await self._step(tokens)
-                await self._audit_step(token, prefill=prefill)
-                return token, trace
+                ids, trace = await self._step(tokens, want="tokens" if drafts else "token")
+                held = len(self.cached)  # positions every hop holds after the step
+                if drafts:
+                    ids = accept(drafts, ids)
+                    del self.cached[start + len(ids):]  # rejected drafts (the hops roll them back later)
+                    self.confirmed = len(self.cached)
+                await self._audit_step(ids, held=held, prefill=prefill)
+                return ids, trace
             except LyingPeer as exc:
                 if attempt == MAX_DETECTIONS or exc.suspect not in self.route.peer_ids:
                     raise
                 tokens = await self._exclude_liar(exc, self.cached[:start] + tokens, result)
-                prefill = True  # the new route's hops are checked from their first position
+                prefill, drafts = True, None  # the new route's hops are checked from their first position
         raise AssertionError("unreachable")
 
-    async def _audit_step(self, token: int, *, prefill: bool) -> None:
-        """Check the step just answered: the last hop's position count, then spot-checks.
+    async def _audit_step(self, ids: list[int], *, held: int, prefill: bool) -> None:
+        """Check the step just answered: the last hop's position count (``held``: positions the
+        step left on every hop, rejected drafts included), then spot-checks of kept positions.
 
         Raises:
             LyingPeer: naming the hop at fault.
         """
         n = len(self.cached)
-        self.audit.emitted[n - 1] = token
+        for i, token in enumerate(ids):  # the choice after each kept position of the step
+            self.audit.emitted[n - len(ids) + i] = token
         length, self._reply_length = self._reply_length, None
-        if length is not None and length != n:
-            suspect = await audit.find_length_liar(self, n)
-            raise LyingPeer(f"the last hop holds {length} positions after the step; the conversation has {n}",
+        if length is not None and length != held:
+            suspect = await audit.find_length_liar(self, held)
+            raise LyingPeer(f"the last hop holds {length} positions after the step; the conversation has {held}",
                             suspect=suspect)
         for i in self.audit.hops_to_check(self.route.hops, after_prefill=prefill):
             await audit.spot_check(self, i)
@@ -639,12 +718,14 @@ class Conversation:
                                 "kept_tokens": trusted, "dropped_tokens": len(sent) - trusted})
         return sent[keep:trusted]
 
-    def _record(self, trace: list, step_ms: float) -> None:
-        self._step_ms.append(step_ms)
+    def _record(self, trace: list, step_ms: float, n_tokens: int = 1) -> None:
+        """Keep a decode step's wall ms and each hop's compute ms, per token the step produced."""
+        self._step_ms.append(step_ms / n_tokens)
         for entry in trace[:64]:
             if isinstance(entry, dict) and isinstance(entry.get("peer"), str):
                 ms = entry.get("compute_ms", 0.0)
-                self._compute_ms.setdefault(entry["peer"], []).append(float(ms) if isinstance(ms, (int, float)) else 0.0)
+                ms = float(ms) if isinstance(ms, (int, float)) else 0.0
+                self._compute_ms.setdefault(entry["peer"], []).append(ms / n_tokens)
 
     def hop_stats(self) -> list[dict]:
         """Per-hop compute ms/token (from the hops' traces) and network ms/token.

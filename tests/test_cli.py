@@ -49,6 +49,7 @@ def test_generate_json(tiny_gguf):
     (["generate", "-p", "x", "--model", "no-such-model"], "no-such-model"),
     (["generate", "-p", "x", "--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1"], "no bootstrap peer answered"),
+    (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1", "--draft-tokens", "0"], "--draft-tokens must be 1-31, got 0"),
     (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1", "--mesh-key-file", "/nonexistent/mesh.key"],
      "--mesh-key-file /nonexistent/mesh.key: No such file or directory"),
     (["join", "--listen", "0.0.0.0:0"], "refusing to listen on 0.0.0.0 without TLS: pass --tls self-signed "
@@ -86,6 +87,13 @@ def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
         d = json.loads(chat.stdout)
         assert d["token_ids"] == expected_tokens(tiny_gguf, "hello", 6)
         assert d["route"][0]["layers"] == "0-3" and d["route"][0]["peer_id"].startswith(m.group(1))
+        assert set(d["speculative"]) >= {"proposed", "accepted", "steps"}  # on by default
+        plain = meshinfer("chat", "--peers", url, "-p", "hello", "--max-tokens", "6", "--json", "--no-speculate",
+                          env=env)
+        assert plain.returncode == 0, plain.stderr
+        assert (json.loads(plain.stdout)["token_ids"], json.loads(plain.stdout)["speculative"]) == (d["token_ids"], {})
+        bad = meshinfer("chat", "--peers", url, "-p", "hello", env=env | {"MESHINFER_SPECULATE": "maybe"})
+        assert bad.returncode == 2 and "$MESHINFER_SPECULATE='maybe' is not one of" in bad.stderr
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
@@ -162,3 +170,20 @@ def test_bench_measures_single_peer_and_split(tiny_gguf, tmp_path):
     assert "| 1 |" in out.stdout and "| 2 |" in out.stdout and "[0-1] ->" in out.stdout
     rows = json.loads((tmp_path / "b.json").read_text())
     assert [r["peers"] for r in rows] == [1, 2] and all(r["decode_tokens_per_s"] > 0 for r in rows)
+
+
+def test_bench_speculative_and_ttft_suites_run(tiny_gguf, tmp_path):
+    out = meshinfer("bench", "--model", str(tiny_gguf), "--suite", "speculative,ttft", "--splits", "1,2",
+                    "--rtts", "0,20", "--max-tokens", "6", "--repeats", "1", "--long-prompt-tokens", "100",
+                    "--base-port", "7970", "--out", str(tmp_path / "b.json"), timeout=400)
+    assert out.returncode == 0, out.stderr
+    assert "| RTT ms | plain tok/s | speculative tok/s |" in out.stdout and "| peers | join to ready s |" in out.stdout
+    result = json.loads((tmp_path / "b.json").read_text())
+    spec, ttft = result["speculative"], result["ttft"]
+    assert [r["rtt_ms"] for r in spec] == [0, 20] and all(r["identical"] for r in spec)
+    assert all(r["plain_tokens_per_s"] > 0 and r["speculative_tokens_per_s"] > 0 for r in spec)
+    assert [r["peers"] for r in ttft] == [1, 2]
+    assert all(r["long_prompt_tokens"] == 100 and r["long_ttft_ms"] > 0 and r["cold_ttft_ms"] > 0
+               and r["join_to_ready_s"] > 0 for r in ttft)
+    bad = meshinfer("bench", "--model", str(tiny_gguf), "--suite", "fastest")
+    assert bad.returncode == 2 and "--suite 'fastest': choose from splits, speculative, ttft" in bad.stderr

@@ -524,7 +524,7 @@ def step_cases():
         (dict(tokens=[1 << 63]), "invalid_input", bad_ids),
         (dict(tokens=big), "invalid_input", bad_ids),
         (dict(want=1), "protocol_error", "step: field 'want' has type int"),
-        (dict(want="everything"), "protocol_error", "step 1: want 'everything' is not token or none"),
+        (dict(want="everything"), "protocol_error", "step 1: want 'everything' is not one of none, token, tokens"),
         (dict(sampling="hot"), "protocol_error", "step: field 'sampling' has type str"),
         (dict(sampling={"temperature": 1, "top_p": 1}), "protocol_error", "step 1.sampling: field 'seed' is missing"),
         (dict(sampling={"temperature": math.inf, "top_p": 1, "seed": 0}), "protocol_error",
@@ -539,6 +539,8 @@ def step_cases():
          "step.trace: field 'compute_ms' = nan is not a finite number in [0.0, inf]"),
         (dict(hidden=f32(torch.zeros(1, 1, WIDTH)), tokens=None), "protocol_error", "step: field 'tokens' is missing"),
         (dict(start=3), "bad_positions", "step 1 starts at position 3; conversation s expects position 0"),
+        (dict(start=3, rollback=True), "bad_positions", "step 1 starts at position 3; conversation s expects position 0"),
+        (dict(rollback="yes"), "protocol_error", "step: field 'rollback' has type str"),
         (dict(tokens=[1] * 17), "cache_full", "step 1 would grow the conversation to 17 tokens; it reserved 16"),
     ]
 

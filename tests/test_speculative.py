@@ -1,0 +1,298 @@
+"""Exact speculative decoding: prompt-lookup drafting, verification in one step, implicit rollback.
+
+Speculative output must equal plain greedy decoding token for token: on the tiny model and on
+the real default model through 2-3 peer meshes, when drafts are mostly accepted (a code edit)
+and mostly rejected, when EOS or max_tokens lands inside an accepted draft, and across a
+failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from meshkit import crash, mesh, split, start_peer, tiny_model, wait_for_tables
+from test_hostile import Raw, last_token, serving
+from meshinfer import protocol, speculative
+from meshinfer.bench import CODE_EDIT_MESSAGES
+from meshinfer.config import LayerRange
+from meshinfer.errors import InvalidInput, ProtocolError
+from meshinfer.generate import greedy_generate, load_shard
+from meshinfer.session import MeshClient
+from meshinfer.speculative import accept, next_draft_length, propose
+
+REPEAT = [{"role": "user", "content": "abc abc abc abc abc abc abc abc"}]
+PLAIN = [{"role": "user", "content": "hello there, tiny model"}]
+
+
+# --------------------------------------------------------------------------- pure
+def test_propose_prefers_the_longest_ngram_and_its_most_recent_occurrence():
+    #          0  1  2  3  4  5  6  7  8  9
+    history = [1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3]
+    assert propose(history, 3) == [5, 6, 2]  # 2-gram (2, 3): most recent earlier occurrence at 5
+    assert propose([7, 1, 2, 3, 8, 9, 0, 2, 3, 1, 2, 3], 2) == [8, 9]  # 3-gram (1, 2, 3) wins over (2, 3)
+    assert propose([5, 6, 7, 5], 4) == [6, 7, 5]  # 1-gram; drafts stop at the end of history
+
+
+def test_propose_gives_nothing_without_a_recurring_ngram_or_room():
+    assert propose([1, 2, 3, 4], 5) == []
+    assert propose([1, 2, 1, 2], 0) == []
+    assert propose([], 4) == [] and propose([3], 4) == []
+    assert propose([1, 2, 1, 2], 8, max_ngram=2, min_ngram=2) == [1, 2]
+
+
+def test_accept_keeps_the_matching_prefix_and_one_greedy_token():
+    assert accept([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + bonus
+    assert accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the first mismatch is corrected, the rest dropped
+    assert accept([5, 6, 7], [4, 6, 7, 8]) == [4]  # nothing accepted: plain decoding's token
+    assert accept([], [3]) == [3]
+    with pytest.raises(ValueError, match="a step with 2 drafts needs 3 argmaxes, got 2"):
+        accept([1, 2], [1, 2])
+
+
+def test_draft_length_adapts_within_its_limit():
+    assert next_draft_length(4, accepted=4, proposed=4, limit=8) == 8
+    assert next_draft_length(8, accepted=8, proposed=8, limit=8) == 8
+    assert next_draft_length(8, accepted=2, proposed=8, limit=8) == 3
+    assert next_draft_length(8, accepted=0, proposed=8, limit=8) == 1
+
+
+def test_draft_limit_fits_the_verification_limit_of_a_step():
+    assert speculative.MAX_DRAFT_TOKENS + 1 == protocol.MAX_VERIFY_TOKENS
+    assert 1 <= speculative.DEFAULT_DRAFT_TOKENS <= speculative.MAX_DRAFT_TOKENS
+
+
+# --------------------------------------------------------------------------- tiny mesh
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("spec"))
+
+
+def _watch_steps(conv) -> list[list[int]]:
+    """Record the ids every decode step of ``conv`` returns."""
+    steps: list[list[int]] = []
+    real = conv._decode_step
+
+    async def watched(*args):
+        ids, trace = await real(*args)
+        steps.append(list(ids))
+        return ids, trace
+
+    conv._decode_step = watched
+    return steps
+
+
+async def _generate(client, route, ids, *, max_tokens, eos_ids=(), **options):
+    conv = client.conversation(route, max_tokens_total=len(ids) + max_tokens, **options)
+    steps = _watch_steps(conv)
+    try:
+        return await conv.generate(ids, max_tokens=max_tokens, eos_ids=eos_ids), steps
+    finally:
+        await conv.close()
+
+
+@pytest.mark.parametrize("bounds", [[0, 2, 4], [0, 1, 3, 4]], ids=["2-peers", "3-peers"])
+async def test_speculative_equals_plain_greedy_on_the_tiny_model(tiny, bounds):
+    path, digest, tok, whole = tiny
+    async with mesh(split(lambda r: load_shard(path, r), bounds), weights_hash=digest,
+                    bundle=tok.to_bundle()) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            route = await client.plan()
+            for messages in (REPEAT, PLAIN):
+                ids = tok.encode_chat(messages)
+                expected = greedy_generate(whole, ids, max_tokens=60).token_ids
+                plain, _ = await _generate(client, route, ids, max_tokens=60, speculate=False)
+                spec, steps = await _generate(client, route, ids, max_tokens=60, draft_tokens=6)
+                assert plain.token_ids == expected and spec.token_ids == expected, messages
+                assert plain.speculative == {} and spec.speculative["steps"] > 0
+                assert spec.speculative["accepted"] <= spec.speculative["proposed"]
+                assert len(steps) < 59 and max(map(len, steps)) > 1  # fewer steps than tokens
+                assert spec.decode_tokens_per_s > 0
+
+
+async def test_sampled_generation_does_not_speculate_and_is_reproducible(tiny):
+    """Drafts are verified against argmax, so a sampled conversation decodes one token per step."""
+    from meshinfer.sampling import SamplingParams
+
+    path, digest, tok, _ = tiny
+    async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest,
+                    bundle=tok.to_bundle()) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            route = await client.plan()
+            ids = tok.encode_chat(REPEAT)
+            runs = []
+            for speculate in (True, False):
+                conv = client.conversation(route, max_tokens_total=len(ids) + 30, speculate=speculate)
+                steps = _watch_steps(conv)
+                out = await conv.generate(ids, max_tokens=30, sampling=SamplingParams(temperature=0.8, seed=5))
+                await conv.close()
+                runs.append(out.token_ids)
+                assert out.speculative == {} and all(len(s) == 1 for s in steps)
+    assert runs[0] == runs[1] and len(runs[0]) == 30
+
+
+async def test_eos_and_max_tokens_inside_an_accepted_draft_end_as_plain_decoding_does(tiny):
+    """A prompt ending inside the tiny model's own output loop, so drafts are accepted from the
+    first decode step on; every stop position near the start must end as plain decoding does."""
+    path, digest, tok, whole = tiny
+    chat = tok.encode_chat(REPEAT)
+    ids = chat + greedy_generate(whole, chat, max_tokens=45).token_ids  # ends in a loop
+    free = greedy_generate(whole, ids, max_tokens=12).token_ids
+    inside = {"eos": 0, "length": 0}
+    async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest,
+                    bundle=tok.to_bundle()) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            route = await client.plan()
+            for j in range(1, 9):
+                first = free.index(free[j])  # plain decoding stops at the first occurrence
+                for kind, opts in (("eos", dict(max_tokens=12, eos_ids=(free[j],))), ("length", dict(max_tokens=j))):
+                    want = greedy_generate(whole, ids, **opts)
+                    got, steps = await _generate(client, route, ids, **opts)
+                    assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), (kind, j)
+                    assert len(got.token_ids) == (first if kind == "eos" else j)
+                    returned = 1 + sum(map(len, steps))  # ids the hops chose, past the stop too
+                    if kind == "eos":  # EOS was an accepted draft and later ids were dropped
+                        inside[kind] += returned - 1 > first and bool(steps) and len(steps[-1]) > 1
+                    else:  # drafts were clipped to the budget: the last step filled it exactly
+                        assert returned == j
+                        inside[kind] += bool(steps) and len(steps[-1]) > 1
+    assert inside["eos"] > 0 and inside["length"] > 0, inside
+
+
+async def test_a_hop_that_predates_speculation_makes_the_client_decode_plainly(tiny):
+    path, digest, tok, whole = tiny
+    async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest,
+                    bundle=tok.to_bundle()) as peers:
+        old, refused = peers[1]._on_step, []
+
+        async def old_on_step(link, f):  # protocol 1 before speculative decoding
+            f.d.pop("rollback", None)
+            if f.d.get("want") == "tokens":
+                refused.append(f.d["seq"])
+                raise ProtocolError(f"step {f.d['seq']}: want 'tokens' is not token or none")
+            await old(link, f)
+
+        peers[1]._on_step = old_on_step
+        async with MeshClient(list(peers[0].addrs)) as client:
+            ids = tok.encode_chat(REPEAT)
+            out, steps = await _generate(client, await client.plan(), ids, max_tokens=40)
+    assert out.token_ids == greedy_generate(whole, ids, max_tokens=40).token_ids
+    assert len(refused) == 1 and all(len(s) == 1 for s in steps)
+
+
+async def test_verification_returns_every_position_and_rollback_drops_rejected_positions(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raw = await Raw.connect(peer)
+        try:
+            await raw.request("open", conv="c", layers=[0, 4], max_tokens=64)
+            await raw.send("step", conv="c", seq=1, start=0, tokens=[1, 2, 3, 4], want="tokens")
+            reply = await raw.recv()
+            want = [last_token(tiny, [1, 2, 3, 4][:i + 1]) for i in range(4)]
+            assert (reply["t"], reply["seq"], reply["tokens"], reply["token"]) == ("token", 1, want, want[-1])
+            assert await raw.error("step", conv="c", seq=2, start=2, tokens=[7, 8], want="tokens") == (
+                "bad_positions", "step 2 starts at position 2; conversation c expects position 4")
+            await raw.send("step", conv="c", seq=3, start=2, tokens=[7, 8], want="tokens", rollback=True)
+            reply = await raw.recv()
+            assert reply["tokens"] == [last_token(tiny, [1, 2, 7]), last_token(tiny, [1, 2, 7, 8])]
+            assert peer.convs["c"].cache.length == 4
+            assert await raw.error("step", conv="c", seq=4, start=4, tokens=[5] * 33, want="tokens") == (
+                "invalid_input", "step 4: want=tokens allows at most 32 tokens per step, got 33")
+            await raw.send("step", conv="c", seq=5, start=4, tokens=[9], want="token")
+            reply = await raw.recv()
+            assert (reply["token"], "tokens" in reply) == (last_token(tiny, [1, 2, 7, 8, 9]), False)
+        finally:
+            await raw.close()
+
+
+def test_draft_tokens_out_of_range_is_refused_with_the_limit():
+    client = MeshClient(["ws://127.0.0.1:1"])
+    with pytest.raises(InvalidInput, match="draft_tokens must be 1-31, got 32"):
+        client.conversation(None, max_tokens_total=8, draft_tokens=32)
+
+
+async def test_failover_with_speculation_replays_and_matches_plain_greedy(tiny):
+    path, digest, tok, whole = tiny
+    ids = tok.encode_chat(REPEAT)
+    expected = greedy_generate(whole, ids, max_tokens=50).token_ids
+    first = await start_peer(load_shard(path, LayerRange(0, 1)), weights_hash=digest, bundle=tok.to_bundle())
+    rest = [await start_peer(load_shard(path, r), weights_hash=digest, bootstrap=first.addrs)
+            for r in (LayerRange(1, 3), LayerRange(1, 3), LayerRange(3, 4))]
+    try:
+        await wait_for_tables([first, *rest])
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan()
+            mid = next(p for p in rest[:2] if p.peer_id == route.hops[1].peer_id)
+            conv = client.conversation(route, max_tokens_total=len(ids) + 50, deadline_floor_s=1.0)
+
+            def on_token(_):
+                if len(conv.cached) - len(ids) >= 9 and not mid._closing:
+                    asyncio.ensure_future(crash(mid))
+
+            out = await conv.generate(ids, max_tokens=50, eos_ids=(), on_token=on_token)
+            await conv.close()
+    finally:
+        for p in (first, *rest):
+            await p.close()
+    assert out.token_ids == expected
+    assert [f["failed"] for f in out.failovers] == [[mid.peer_id]]
+    assert out.speculative["accepted"] > 0
+
+
+async def test_a_stuck_hop_still_holding_rejected_drafts_is_found():
+    """A hop that never got a step may hold more positions than the step leaves (rejected drafts
+    of the step before): failover must still name it."""
+    from types import SimpleNamespace
+
+    from meshinfer.session import Conversation
+
+    hops = [SimpleNamespace(peer_id=p) for p in ("a", "b", "c")]
+    conv = Conversation(MeshClient(["ws://127.0.0.1:1"]), SimpleNamespace(hops=hops), max_tokens_total=64)
+    lengths = {"a": 10, "b": 14, "c": 14}
+
+    async def probe(hop):
+        return lengths[hop.peer_id]
+
+    conv._probe = probe
+    assert await conv._find_failed(in_flight=10) == {"b"}
+    lengths["b"] = 10
+    assert await conv._find_failed(in_flight=10) == {"c"}
+
+
+# --------------------------------------------------------------------------- real model
+@pytest.mark.realmodel
+async def test_speculative_equals_plain_greedy_on_the_default_model():
+    """Code edit (drafts mostly accepted; max_tokens and EOS inside a draft) on 2 peers, and a
+    reference case (drafts mostly rejected) on 3 peers."""
+    from conftest import model_path
+    from meshkit import file_hash
+    from meshinfer.tokenizer import Tokenizer
+    from realmodels import DEFAULT, first_near_tie, load_cases, shard_of
+
+    path = model_path(DEFAULT)
+    tok = Tokenizer.from_gguf(path)
+    ids = tok.encode_chat(CODE_EDIT_MESSAGES)
+    shards = [shard_of(DEFAULT, 0, 12), shard_of(DEFAULT, 12, 24)]
+    async with mesh(shards, weights_hash=file_hash(path), bundle=tok.to_bundle()) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            route = await client.plan()
+            plain, _ = await _generate(client, route, ids, max_tokens=40, speculate=False)
+            spec, steps = await _generate(client, route, ids, max_tokens=40)
+            assert spec.token_ids == plain.token_ids and len(plain.token_ids) == 40
+            assert spec.speculative["accepted"] >= 0.7 * spec.speculative["proposed"] > 0, spec.speculative
+            assert len(steps) < 20
+            cut, _ = await _generate(client, route, ids, max_tokens=21)
+            assert cut.token_ids == plain.token_ids[:21] and cut.finish_reason == "length"
+            stop = plain.token_ids[30]
+            ended, _ = await _generate(client, route, ids, max_tokens=40, eos_ids=(stop,))
+            assert ended.token_ids == plain.token_ids[:plain.token_ids.index(stop)]
+            assert ended.finish_reason == "stop"
+    case = load_cases(DEFAULT)["prime"]
+    shards = [shard_of(DEFAULT, 0, 8), shard_of(DEFAULT, 8, 16), shard_of(DEFAULT, 16, 24)]
+    async with mesh(shards, weights_hash=file_hash(path), bundle=tok.to_bundle()) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            n = first_near_tie(case)
+            spec, _ = await _generate(client, await client.plan(), case["prompt_ids"], max_tokens=n)
+            assert spec.token_ids == case["greedy_ids"][:n]
+            assert spec.speculative["steps"] > 0
