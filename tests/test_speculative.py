@@ -111,6 +111,22 @@ async def test_speculative_equals_plain_greedy_on_the_tiny_model(tiny, bounds):
                 assert spec.decode_tokens_per_s > 0
 
 
+async def test_spot_checks_of_verification_steps_find_no_liar(tiny):
+    """Every decode step spot-checked (rate 1) on a peer that also holds every layer: accepted
+    positions are checked, rejected ones are not, and honest hops are never blamed."""
+    path, digest, tok, whole = tiny
+    shards = [load_shard(path, LayerRange(0, 2)), load_shard(path, LayerRange(2, 4)), load_shard(path)]
+    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle()) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            route = await client.plan(exclude=frozenset({peers[2].peer_id}))
+            ids = tok.encode_chat(REPEAT)
+            conv = client.conversation(route, max_tokens_total=len(ids) + 50, spot_check_rate=1.0, spot_check_seed=3)
+            out = await conv.generate(ids, max_tokens=50)
+            await conv.close()
+    assert out.token_ids == greedy_generate(whole, ids, max_tokens=50).token_ids
+    assert out.detections == [] and conv.audit.checks > 5 and out.speculative["accepted"] > 0
+
+
 async def test_sampled_generation_does_not_speculate_and_is_reproducible(tiny):
     """Drafts are verified against argmax, so a sampled conversation decodes one token per step."""
     from meshinfer.sampling import SamplingParams
