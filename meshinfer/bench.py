@@ -14,6 +14,9 @@ until they are ready and gossiped, and drives them through :class:`~meshinfer.se
 - ``ttft`` (:func:`run_ttft_bench`): per setup (1 and 2 peers), the time from ``join`` start to
   ready, the TTFT of the first conversation after ready (cold) against later ones (steady),
   and the TTFT of a ~1,000-token prompt (pipelined chunked prefill on a split).
+- with ``--concurrency 1,4,16,32`` (:func:`run_concurrency_bench`): for each setup, N greedy
+  conversations at once on the same route; aggregate tokens/s (the peers batch decode steps
+  that arrive together, :mod:`meshinfer.scheduler`).
 """
 
 from __future__ import annotations
@@ -145,6 +148,121 @@ async def _measure(url: str, n_peers: int, max_tokens: int, repeats: int) -> dic
                 "ttft_ms": statistics.median(r.ttft_ms for r in runs),
                 "decode_tokens_per_s": statistics.median(r.decode_tokens_per_s for r in runs),
                 "hops": runs[-1].route}
+
+
+def _start(model: str, n: int, base_port: int, dtype: str, tmp: str):
+    from .weights import open_weights
+    from .weights.registry import resolve_model
+
+    path = resolve_model(model)
+    num_layers = open_weights(path).config.num_hidden_layers
+    return _start_peers(str(path), even_splits(num_layers, n), base_port, dtype, Path(tmp))
+
+
+async def _route(client, n_peers: int):
+    from .errors import NoRoute
+
+    for _ in range(100):  # gossip needs a moment to spread every advert
+        try:
+            route = await client.plan()
+            if len(route.hops) == n_peers:
+                return route
+        except NoRoute:
+            pass
+        await asyncio.sleep(0.3)
+    return await client.plan()
+
+
+async def _concurrent(client, route, ids: list[int], n: int, max_tokens: int) -> dict:
+    """``n`` conversations: each prefills (and takes its first token) in turn, then all decode
+    ``max_tokens`` more together; the decode phase gives the aggregate rate. Prefills run one
+    after another because N prefills at once queue on the first hop beyond the client's step
+    deadline on a slow CPU (a prefill runs alone; see :mod:`meshinfer.scheduler`)."""
+    convs = [client.conversation(route, max_tokens_total=len(ids) + 1 + max_tokens) for _ in range(n)]
+    try:
+        t0 = time.perf_counter()
+        firsts = [await c.generate(ids, max_tokens=1, eos_ids=()) for c in convs]
+        t1 = time.perf_counter()
+        outs = await asyncio.gather(*(c.generate(ids + f.token_ids, max_tokens=max_tokens, eos_ids=())
+                                      for c, f in zip(convs, firsts)))
+        t2 = time.perf_counter()
+    finally:
+        for c in convs:
+            await c.close()
+    decoded = sum(len(o.token_ids) for o in outs)
+    return {"conversations": n, "tokens": n + decoded, "prefill_s": t1 - t0, "decode_s": t2 - t1,
+            "aggregate_tokens_per_s": decoded / (t2 - t1),
+            "end_to_end_tokens_per_s": (n + decoded) / (t2 - t0)}
+
+
+async def _measure_concurrency(url: str, n_peers: int, counts: list[int], max_tokens: int,
+                               progress=None) -> list[dict]:
+    from .session import MeshClient
+
+    async with MeshClient([url]) as client:
+        route = await _route(client, n_peers)
+        ids = (await client.tokenizer(route)).encode_chat(BENCH_MESSAGES)
+        await _concurrent(client, route, ids, 1, 4)  # warm-up
+        rows = []
+        for n in counts:
+            r = await _concurrent(client, route, ids, n, max_tokens)
+            rows.append(r | {"route": route.describe(), "prompt_tokens": len(ids), "peers": n_peers})
+            if progress:
+                progress(f"{n_peers} peer(s), {n} conversations: {r['aggregate_tokens_per_s']:.2f} tok/s "
+                         f"aggregate decode, {r['end_to_end_tokens_per_s']:.2f} end to end")
+        return rows
+
+
+def run_concurrency_bench(*, model: str, splits: list[int], concurrency: list[int], max_tokens: int, dtype: str,
+                          base_port: int, progress=None) -> tuple[str, list[dict]]:
+    """Aggregate tokens/s of N simultaneous conversations on one route, for each setup.
+
+    For each peer count in ``splits`` and each N in ``concurrency``, N greedy conversations on
+    the same route each prefill the prompt and take their first token (one after another), then
+    all decode ``max_tokens`` more tokens at once. ``aggregate_tokens_per_s`` is the decode phase's
+    tokens over its wall time; ``end_to_end_tokens_per_s`` counts every token (the first ones
+    too) over both phases.
+
+    Returns:
+        ``(header, results)``: one dict per (setup, N) with ``peers`` and ``conversations``.
+
+    Raises:
+        RuntimeError: a peer failed to start.
+    """
+    from .weights.identity import weights_hash
+    from .weights.registry import resolve_model
+
+    results = []
+    for n in splits:
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = _start(model, n, base_port, dtype, tmp)
+            try:
+                rows = asyncio.run(_measure_concurrency(f"ws://127.0.0.1:{base_port}", n, concurrency, max_tokens,
+                                                        progress))
+            finally:
+                for p in procs:
+                    p.terminate()
+                for p in procs:
+                    p.wait(30)
+        results.extend(rows)
+    path = resolve_model(model)
+    header = (f"model {path.name} (weights {weights_hash(path)[:12]}), {dtype}, CPU "
+              f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {max_tokens} new tokens "
+              f"decoded per conversation after its first, all conversations together on one route")
+    return header, results
+
+
+def concurrency_table(results: list[dict]) -> str:
+    """The results of :func:`run_concurrency_bench` as a markdown table, relative to 1 conversation."""
+    lines = ["| peers | conversations | aggregate decode tok/s | vs 1 conversation | end-to-end tok/s | prefill s |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    base = {r["peers"]: r["aggregate_tokens_per_s"] for r in results if r["conversations"] == 1}
+    for r in results:
+        one = base.get(r["peers"]) or 0.0
+        rel = f"{r['aggregate_tokens_per_s'] / one:.2f}" if one else "-"
+        lines.append(f"| {r['peers']} | {r['conversations']} | {r['aggregate_tokens_per_s']:.2f} | {rel} | "
+                     f"{r['end_to_end_tokens_per_s']:.2f} | {r['prefill_s']:.1f} |")
+    return "\n".join(lines)
 
 
 def run_bench(*, model: str, splits: list[int], max_tokens: int, repeats: int, dtype: str, base_port: int,

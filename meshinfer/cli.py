@@ -50,7 +50,8 @@ EXAMPLES = {
     "bench": "examples:\n  meshinfer bench\n  meshinfer bench --splits 1,2 --max-tokens 64 --out docs/bench.json\n"
              "  meshinfer bench --single --dtypes f32,q8-bf16,q4-g32-bf16 --threads 2\n"
              "  meshinfer bench --suite speculative --rtts 0,100 --max-tokens 64\n"
-             "  meshinfer bench --suite ttft --splits 1,2",
+             "  meshinfer bench --suite ttft --splits 1,2\n"
+             "  meshinfer bench --splits 1,2 --concurrency 1,4,16,32 --max-tokens 32",
 }
 
 
@@ -253,6 +254,8 @@ async def _join(args) -> int:
     layers = LayerRange.parse(args.layers) if args.layers else None
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be at least 1 (1 turns batching off), got {args.max_batch}")
     check_listen(host, tls=bool(args.tls or args.tls_cert), insecure=args.insecure)
     settings = PeerSettings(host=host, port=port, public_addrs=tuple(_peers(args.public_addr)),
                             bootstrap=tuple(_peers(args.peers)),
@@ -260,7 +263,7 @@ async def _join(args) -> int:
                             idle_timeout_s=args.idle_timeout, mesh_key=_mesh_key(args),
                             tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure,
                             tls_ca=args.tls_ca, metrics_port=args.metrics_port or None,
-                            allow_ids=_allow_ids(args))
+                            allow_ids=_allow_ids(args), max_batch=args.max_batch)
     if not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0 turns metrics off)")
     _check_port_free(host, port)
@@ -592,11 +595,23 @@ def cmd_bench(args) -> int:
     if args.single:
         return _bench_single(args)
 
+    splits = [int(x) for x in args.splits.split(",")]
+    if args.concurrency:
+        counts = [int(x) for x in args.concurrency.split(",")]
+        if min(counts) < 1:
+            raise ValueError(f"--concurrency takes conversation counts of at least 1, got {args.concurrency}")
+        header, results = bench.run_concurrency_bench(model=args.model, splits=splits, concurrency=counts,
+                                                      max_tokens=args.max_tokens, dtype=args.dtype,
+                                                      base_port=args.base_port,
+                                                      progress=lambda line: print(line, file=sys.stderr))
+        print(header, bench.concurrency_table(results), sep="\n\n")
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+        return 0
     suites = [x.strip() for x in args.suite.split(",") if x.strip()]
     unknown = sorted(set(suites) - {"splits", "speculative", "ttft"})
     if unknown or not suites:
         raise ValueError(f"--suite {args.suite!r}: choose from splits, speculative, ttft")
-    splits = [int(x) for x in args.splits.split(",")]
     common = dict(model=args.model, repeats=args.repeats, dtype=args.dtype, base_port=args.base_port,
                   progress=lambda line: print(line, file=sys.stderr))
     out = {}
@@ -679,6 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-budget", default=_env("MESHINFER_KV_BUDGET", "auto"),
                    help="KV cache memory, e.g. 2GiB; auto: half the memory free at start")
     s.add_argument("--idle-timeout", type=float, default=300.0, help="free idle conversations after S seconds")
+    s.add_argument("--max-batch", type=int, default=_env("MESHINFER_MAX_BATCH", "32"),
+                   help="most conversations whose decode steps share one forward pass (1: no batching) "
+                        "[$MESHINFER_MAX_BATCH]")
     s.add_argument("--key", default=_env("MESHINFER_KEY"), help="Ed25519 key file (created if missing)")
     s.add_argument("--mesh-key-file", default=mesh_key_default,
                    help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
@@ -791,6 +809,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rtts", default="0,100", help="speculative suite: RTTs to simulate, ms")
     s.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, help="speculative suite: drafts per step")
     s.add_argument("--long-prompt-tokens", type=int, default=1000, help="ttft suite: tokens of the long prompt")
+    s.add_argument("--concurrency", help="instead: aggregate tok/s of N conversations at once on one route, "
+                                         "for each N listed, e.g. 1,4,16,32")
     s.add_argument("--out", help="also write the results as JSON here")
     s.add_argument("--single", action="store_true",
                    help="instead: one machine, whole model, each --dtypes precision vs llama.cpp and transformers")

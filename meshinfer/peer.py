@@ -34,6 +34,7 @@ from .metrics import PeerMetrics
 from .models.llama import Shard
 from .protocol import PeerAdvert
 from .sampling import pick_token
+from .scheduler import DEFAULT_MAX_BATCH, BatchStats, StepScheduler
 from .transport import CLOSE_SHUTDOWN, Link, dial
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class PeerSettings:
         allow_ids: peer ids allowed in this peer's mesh (``--allow-keys``), or None for any.
             Hellos, adverts and gossip of other peers are refused or dropped; this peer's
             own id is always allowed. See :func:`meshinfer.discovery.load_allowlist`.
+        max_batch: most conversations whose decode steps run in one batched forward pass
+            (see :mod:`meshinfer.scheduler`); 1 runs every step alone.
     """
 
     host: str = "127.0.0.1"
@@ -106,6 +109,7 @@ class PeerSettings:
     metrics_port: int | None = None
     metrics_host: str | None = None
     allow_ids: frozenset[str] | None = None
+    max_batch: int = DEFAULT_MAX_BATCH
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,14 @@ class Peer:
         self._buckets: dict[str, tuple[_Bucket, _Bucket]] = {}
         self.metrics = PeerMetrics(self)
         self._verifying = False
+        self.scheduler = StepScheduler(  # all looked up per call, so a subclass or test may replace them
+            executor, lambda: self.shard, finish=lambda *a: self._finish_step(*a),
+            logits_mode=lambda w: self._logits_mode(w), spawn=self._spawn, max_batch=self.settings.max_batch)
+
+    @property
+    def batch_stats(self) -> BatchStats:
+        """Counters of the forward passes run for steps (batched and not)."""
+        return self.scheduler.stats
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -309,6 +321,7 @@ class Peer:
         self._seq += 1
         self._spawn(self._gossip_loop(), "gossip")
         self._spawn(self._janitor_loop(), "janitor")
+        self.scheduler.start()
         self.metrics.set_info(peer_id=self.peer_id, layers=self.shard.range.cli(), device=self.executor.device,
                               precision=self.precision, weights=self.weights_hash[:12],
                               architecture=self.cfg.architecture)
@@ -824,9 +837,9 @@ class Peer:
                                        hidden=protocol.tensor_to_wire(conv.sent.slice(start, start + x)), trace=[])
                     continue
                 rollback = bool(rest and rest[0])
-                out = await self.executor.run(self._compute, conv, x, start,
-                                              **({"sampling": sampling} if sampling else {}),
-                                              **({"want": want} if want == "tokens" else {}))
+                if conv.cache.length > start:  # rejected drafts of the previous step (speculation)
+                    await self.executor.run(roll_back_to, conv, start)
+                out = await self.scheduler.submit(conv, x, start, want, sampling)
                 self.metrics.step(x.shape[1], time.perf_counter() - t0)
                 hop = {"peer": self.peer_id, "compute_ms": round((time.perf_counter() - t0) * 1e3, 3),
                        "queue_ms": round((t0 - t_recv) * 1e3, 3)}
@@ -851,26 +864,32 @@ class Peer:
             finally:
                 conv.queue.task_done()
 
-    def _compute(self, conv: _Conv, x: torch.Tensor, start: int, sampling=None, *, want: str = "token"):
-        """On the device thread: run the conversation's layers; hidden states, or on the last hop
-        a list of token ids.
+    @staticmethod
+    def _logits_mode(want: str) -> str:
+        """Which logits a step needs from the last layer (``Shard.forward``'s ``logits``):
+        every position for a speculative verification step (``want="tokens"``), else the last."""
+        return "all" if want == "tokens" else "last"
 
-        ``want="tokens"`` (speculative verification): the argmax at every position, ``(T,)``.
-        Otherwise one id, :func:`meshinfer.sampling.pick_token` of the last position's logits:
-        argmax without ``sampling``, else a draw seeded by (seed, position). Positions ``>= start``
-        left by rejected drafts are dropped first (:func:`roll_back_to`).
+    def _finish_step(self, conv: _Conv, start: int, tokens: int, want: str, out: torch.Tensor, sampling=None):
+        """On the device thread: what a step yields from its forward output ``out``.
+
+        ``out`` is ``(1, T, C)`` hidden states, or ``(1, 1, V)`` float32 logits on the last hop.
+        Returns the chosen token (last hop: :func:`meshinfer.sampling.pick_token` of the last
+        position's logits, argmax without ``sampling``, else a draw seeded by (seed, position)),
+        or the float32 hidden states to send, logged for replay. Called for a step run alone
+        and for each step of a batched pass alike.
+
+        Raises:
+            InvalidInput: NaN or inf in ``out``; the step's positions are dropped from the cache.
         """
-        roll_back_to(conv, start)
-        out = self.shard(x.to(self.shard.device), start, conv.cache, run=conv.run,
-                         logits="all" if want == "tokens" else "last")
         if not bool(torch.isfinite(out).all()):
             conv.cache.truncate(start)
             raise InvalidInput(f"layers {conv.run.cli()} produced NaN or inf at positions "
-                               f"{start}..{start + x.shape[1] - 1}")
+                               f"{start}..{start + tokens - 1}")
         if conv.run.stop == self.cfg.num_hidden_layers:
             if want == "tokens":
-                return out[0].argmax(-1).tolist()  # (T,) ids
-            return [pick_token(out[0, -1], sampling, position=start + x.shape[1])]
+                return out[0].argmax(-1).tolist()  # (T,) ids: speculative verification
+            return [pick_token(out[0, -1], sampling, position=start + tokens)]
         out = out.float().cpu()  # the wire form (float32), copied off the device on its own thread
         if conv.sent is not None:
             conv.sent.append(start, out)

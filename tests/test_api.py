@@ -242,14 +242,14 @@ async def test_client_that_disconnects_mid_stream_leaves_no_conversation(tiny, m
     async with tiny_api(tiny) as (peers, server, api):
         last = peers[-1]
         steps = []
-        compute = last._compute
+        finish = last._finish_step
 
-        def slow(conv, x, start, *rest):  # about 40 ms a step, so the reply is still running
+        def slow(conv, start, *rest):  # about 40 ms a step, so the reply is still running
             steps.append(start)
             time.sleep(0.04)
-            return compute(conv, x, start, *rest)
+            return finish(conv, start, *rest)
 
-        monkeypatch.setattr(last, "_compute", slow)
+        monkeypatch.setattr(last, "_finish_step", slow)
         body = {"model": digest, "messages": MESSAGES, "max_tokens": 150, "stream": True}
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{server.url}/chat/completions", json=body) as r:

@@ -52,6 +52,7 @@ def test_generate_json(tiny_gguf):
     (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1", "--draft-tokens", "0"], "--draft-tokens must be 1-31, got 0"),
     (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1", "--mesh-key-file", "/nonexistent/mesh.key"],
      "--mesh-key-file /nonexistent/mesh.key: No such file or directory"),
+    (["join", "--max-batch", "0"], "--max-batch must be at least 1 (1 turns batching off), got 0"),
     (["join", "--listen", "0.0.0.0:0"], "refusing to listen on 0.0.0.0 without TLS: pass --tls self-signed "
                                         "(or --tls-cert/--tls-key), or --insecure to serve plain ws://"),
     (["chat", "-p", "x", "--peers", "ws://10.0.0.5:7700"], "ws://10.0.0.5:7700 is plain ws:// to another "
@@ -187,3 +188,14 @@ def test_bench_speculative_and_ttft_suites_run(tiny_gguf, tmp_path):
                and r["join_to_ready_s"] > 0 for r in ttft)
     bad = meshinfer("bench", "--model", str(tiny_gguf), "--suite", "fastest")
     assert bad.returncode == 2 and "--suite 'fastest': choose from splits, speculative, ttft" in bad.stderr
+
+
+def test_bench_concurrency_reports_aggregate_tokens_per_s(tiny_gguf, tmp_path):
+    out = meshinfer("bench", "--model", str(tiny_gguf), "--splits", "1,2", "--concurrency", "1,3", "--max-tokens", "6",
+                    "--base-port", "7960", "--out", str(tmp_path / "c.json"), timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "| peers | conversations | aggregate decode tok/s |" in out.stdout and "| 2 | 3 |" in out.stdout
+    rows = json.loads((tmp_path / "c.json").read_text())
+    assert [(r["peers"], r["conversations"]) for r in rows] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert [r["tokens"] for r in rows] == [7, 21, 7, 21]  # the first token, then 6 decoded each
+    assert all(r["end_to_end_tokens_per_s"] > 0 and r["aggregate_tokens_per_s"] > 0 for r in rows)

@@ -92,14 +92,14 @@ async def test_middle_hop_stalls(model):
     release = threading.Event()
 
     async def fault(conv, mid):
-        real = mid._compute
+        real = mid.shard.forward
 
-        def stuck(c, x, start, **kw):
+        def stuck(x, start, *args, **kwargs):
             if start >= len(model[3]) + 10:
-                release.wait(30)  # the device thread hangs; the event loop still answers
-            return real(c, x, start, **kw)
+                release.wait(30)  # the device thread hangs before the pass; the event loop still answers
+            return real(x, start, *args, **kwargs)
 
-        mid._compute = stuck
+        mid.shard.forward = stuck
         return None
 
     try:

@@ -72,8 +72,8 @@ async def run_with_liar(tiny, *, lie_shard=None, lie_compute=None, rate=audit.DE
     if lie_shard is not None:
         liar.shard = LyingShard(liar.shard, lie_shard)
     if lie_compute is not None:
-        real = liar._compute
-        liar._compute = lambda conv, x, start: lie_compute(real(conv, x, start))
+        real = liar._finish_step  # what a hop yields from its forward pass: the hidden states it sends
+        liar._finish_step = lambda *args: lie_compute(real(*args))
     try:
         await wait_for_tables(peers)
         async with MeshClient(list(first.addrs)) as client:

@@ -8,7 +8,8 @@ Pure torch: nothing here logs, prints, awaits or touches files.
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -45,6 +46,27 @@ class Attention(nn.Module):
         y = causal_attention(q, k, v, start)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
+    def forward_ragged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       segments: Sequence["Segment"], layer: int) -> torch.Tensor:
+        """Several sequences packed along T: ``x`` ``(1, N, C)`` -> ``(1, N, C)``, ``N = sum(T_i)``.
+
+        The projections run once over all ``N`` rows (each weight read once for the whole
+        batch); attention runs per segment against that segment's own cache, so a sequence
+        never sees another's keys. ``cos/sin`` ``(N, D)`` hold each row's own position.
+        """
+        _, N, _ = x.shape
+        q = self.q_proj(x).view(1, N, self.n_heads, self.head_dim).transpose(1, 2)  # (1, H, N, D)
+        k = self.k_proj(x).view(1, N, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (1, Hkv, N, D)
+        v = self.v_proj(x).view(1, N, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (1, Hkv, N, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ys = []
+        for seg in segments:
+            rows = slice(seg.offset, seg.offset + seg.length)
+            k_all, v_all = seg.cache.update(layer, k[:, :, rows], v[:, :, rows])  # (1, Hkv, S_i, D)
+            ys.append(causal_attention(q[:, :, rows], k_all, v_all, seg.start))  # (1, H, T_i, D)
+        y = torch.cat(ys, dim=2) if len(ys) > 1 else ys[0]  # (1, H, N, D)
+        return self.o_proj(y.transpose(1, 2).reshape(1, N, -1))
+
 
 class MLP(nn.Module):
     """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
@@ -72,6 +94,21 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, start, cache, layer):  # (B, T, C) -> (B, T, C)
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, start, cache, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_ragged(self, x, cos, sin, segments, layer):  # (1, N, C) -> (1, N, C), see Attention
+        h = x + self.self_attn.forward_ragged(self.input_layernorm(x), cos, sin, segments, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence of a packed batch: rows ``[offset, offset + length)`` of the packed
+    ``(1, N, C)`` tensor are its new tokens at positions ``start .. start + length - 1``."""
+
+    offset: int
+    length: int
+    start: int
+    cache: LayerCache
 
 
 class Shard(nn.Module):
@@ -166,6 +203,30 @@ class Shard(nn.Module):
         if x.shape[1] == 0:
             raise InvalidInput("a step must carry at least one token")
 
+    def check_step(self, x: torch.Tensor, start: int, cache: "LayerCache | None" = None,
+                   run: LayerRange | None = None) -> LayerRange:
+        """Check one step's input before any computation; return the layer range it runs.
+
+        Args: as :meth:`forward`.
+
+        Raises:
+            InvalidInput: wrong input kind or shape, a token id outside the vocabulary.
+            PositionError: ``start`` differs from the cache length, or exceeds the context.
+            LayerRangeError: ``run`` is not within this shard.
+        """
+        run = run or self.range
+        if run.start < self.range.start or run.stop > self.range.stop:
+            from ..errors import LayerRangeError
+            raise LayerRangeError(f"this shard holds layers {self.range.cli()}, asked for {run.cli()}")
+        self._check_input(x, run)
+        T = x.shape[1]
+        if start < 0 or start + T > self.cfg.max_position_embeddings:
+            raise PositionError(f"positions {start}..{start + T - 1} exceed the context of "
+                                f"{self.cfg.max_position_embeddings} tokens")
+        if cache is not None and getattr(cache, "length", start) != start:
+            raise PositionError(f"step starts at position {start} but the cache holds {cache.length} tokens")
+        return run
+
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, start: int, cache: "LayerCache | None" = None, *,
                 run: LayerRange | None = None, logits: str = "last") -> torch.Tensor:
@@ -187,17 +248,8 @@ class Shard(nn.Module):
             PositionError: ``start`` differs from the cache length, or exceeds the context.
             LayerRangeError: ``run`` is not within this shard.
         """
-        run = run or self.range
-        if run.start < self.range.start or run.stop > self.range.stop:
-            from ..errors import LayerRangeError
-            raise LayerRangeError(f"this shard holds layers {self.range.cli()}, asked for {run.cli()}")
-        self._check_input(x, run)
+        run = self.check_step(x, start, cache, run)
         T = x.shape[1]
-        if start < 0 or start + T > self.cfg.max_position_embeddings:
-            raise PositionError(f"positions {start}..{start + T - 1} exceed the context of "
-                                f"{self.cfg.max_position_embeddings} tokens")
-        if cache is not None and getattr(cache, "length", start) != start:
-            raise PositionError(f"step starts at position {start} but the cache holds {cache.length} tokens")
         if cache is not None:
             cache.reserve(T)
         h = self.embed_tokens(x) if run.start == 0 else x.to(self.dtype)  # (B, T, C)
@@ -212,3 +264,71 @@ class Shard(nn.Module):
         if logits == "last":
             h = h[:, -1:]  # (B, 1, C)
         return self.lm_head(self.norm(h)).float()  # (B, T|1, V)
+
+    @torch.inference_mode()
+    def forward_batch(self, xs: Sequence[torch.Tensor], starts: Sequence[int], caches: Sequence[LayerCache], *,
+                      run: LayerRange | None = None, logits: str = "last") -> list[torch.Tensor]:
+        """One step of each of ``B`` sequences in one pass, each with its own cache and position.
+
+        The sequences are packed along T into one ``(1, N, C)`` tensor, ``N = sum(T_i)``, so
+        every projection and the MLP run once for the batch (each weight read once, which is
+        what decode on a memory-bound CPU pays for); attention runs per sequence over its own
+        cache (ragged lengths, no padding, no mask across sequences). Row ``i`` of a matmul
+        depends only on row ``i`` of its input, so the results equal ``B`` calls of
+        :meth:`forward` up to the float rounding of the BLAS kernel chosen for ``N`` rows
+        instead of 1 (measured: max abs difference about 1e-6 per layer in float32).
+
+        Args:
+            xs: ``B`` inputs, each token ids ``(1, T_i)`` int64 when ``run.start == 0``, else
+                hidden states ``(1, T_i, C)``.
+            starts: position of each sequence's first new token; must equal its cache length.
+            caches: each sequence's KV cache for these layers (distinct objects).
+            run: a sub-range of this shard's layers to apply, the same for every sequence.
+            logits: on the last layer, ``"last"`` gives each sequence ``(1, 1, V)``, ``"all"``
+                ``(1, T_i, V)``.
+
+        Returns:
+            ``B`` tensors in input order: hidden states ``(1, T_i, C)`` in the compute dtype, or
+            float32 logits when ``run`` ends at the model's last layer.
+
+        Raises:
+            InvalidInput, PositionError, LayerRangeError: as :meth:`forward`, for the first bad
+                sequence, before any cache changes; CacheFull: a cache has no room.
+            ValueError: ``xs``, ``starts`` and ``caches`` differ in length or are empty, or a
+                cache appears twice.
+        """
+        if not xs or not len(xs) == len(starts) == len(caches):
+            raise ValueError(f"forward_batch needs as many inputs, starts and caches (got {len(xs)}, "
+                             f"{len(starts)}, {len(caches)}), at least one")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("forward_batch: each sequence needs its own cache")
+        run = run or self.range
+        for x, start, cache in zip(xs, starts, caches):
+            self.check_step(x, start, cache, run)
+            if x.shape[0] != 1:
+                raise InvalidInput(f"forward_batch takes one sequence per input, got batch {x.shape[0]}")
+        for x, cache in zip(xs, caches):
+            cache.reserve(x.shape[1])
+        segments, offset = [], 0
+        for x, start, cache in zip(xs, starts, caches):
+            segments.append(Segment(offset, x.shape[1], start, cache))
+            offset += x.shape[1]
+        device = self.device
+        if run.start == 0:
+            h = self.embed_tokens(torch.cat([x.to(device) for x in xs], dim=1))  # (1, N, C)
+        else:
+            h = torch.cat([x.to(device=device, dtype=self.dtype) for x in xs], dim=1)  # (1, N, C)
+        positions = torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in segments])  # (N,)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)  # (N, D)
+        for i in range(run.start, run.stop):
+            h = self.layers[str(i)].forward_ragged(h, cos, sin, segments, i)
+        for seg in segments:
+            seg.cache.commit(seg.length)
+        if run.stop < self.cfg.num_hidden_layers:
+            return [h[:, s.offset:s.offset + s.length] for s in segments]  # B x (1, T_i, C)
+        if logits == "last":
+            last = torch.tensor([s.offset + s.length - 1 for s in segments], device=device)  # (B,)
+            out = self.lm_head(self.norm(h[:, last])).float()  # (1, B, V)
+            return [out[:, i:i + 1] for i in range(len(segments))]  # B x (1, 1, V)
+        out = self.lm_head(self.norm(h)).float()  # (1, N, V)
+        return [out[:, s.offset:s.offset + s.length] for s in segments]  # B x (1, T_i, V)

@@ -1,0 +1,261 @@
+"""Per-peer step scheduler: decode steps of different conversations that are ready together
+run as one batched forward pass.
+
+Each conversation's worker (``Peer._conv_worker``) submits one step at a time and awaits its
+result, so a conversation's steps stay in order. The scheduler runs one pass at a time on the
+device executor; while a pass runs, the steps that arrive queue up, and the next pass takes
+them together. Nothing waits on a timer: a lone conversation runs exactly as before (one
+:meth:`Shard.forward`), and batches form only when steps really overlap.
+
+Policy, in :meth:`StepScheduler._take`:
+
+- the oldest pending step always runs in the next pass, so a long prefill waits for at most
+  one batch of decode steps and decode steps wait for at most one prefill (no starvation);
+- steps of at most :data:`BATCH_STEP_TOKENS` tokens that run the same layers and want the
+  same logits join the oldest one, up to ``max_batch`` conversations;
+- a longer step (prefill) runs alone.
+
+Error isolation: each step is checked (:meth:`Shard.check_step`) before the batch is built,
+so a bad step fails alone; if the batched pass itself raises, every step of the batch is
+rerun alone, so the error lands on the conversation that caused it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .errors import MeshError
+
+log = logging.getLogger(__name__)
+
+#: Steps of at most this many tokens may share a pass (decode is 1; short speculative
+#: verification steps fit too). Longer steps are prefill chunks and run alone: their
+#: matmuls already read each weight once for many rows.
+BATCH_STEP_TOKENS = 8
+#: Default most conversations in one batched pass (``PeerSettings.max_batch``).
+DEFAULT_MAX_BATCH = 32
+
+
+@dataclass
+class StepJob:
+    """One step of one conversation, waiting for a pass.
+
+    Attributes:
+        conv: the peer's conversation (its ``cache`` and ``run`` are used).
+        x: token ids ``(1, T)`` int64 on the first hop, else hidden states ``(1, T, C)``.
+        start: position of the step's first token.
+        want: what the client asked the last hop for (``"token"`` or ``"none"``).
+        future: resolved with the step's result, or its exception.
+        sampling: the step's sampling settings for the last hop, or None (greedy); passed
+            to ``finish`` as is (they never change the forward pass, so they batch freely).
+    """
+
+    conv: Any
+    x: torch.Tensor
+    start: int
+    want: str
+    future: asyncio.Future
+    sampling: Any = None
+    queued_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def tokens(self) -> int:
+        return self.x.shape[1]
+
+
+@dataclass
+class BatchStats:
+    """Counters of the passes a peer ran (read them on the event loop).
+
+    Attributes:
+        passes: forward passes run for steps, batched or not.
+        batched_passes: passes that carried more than one conversation.
+        batched_steps: steps that ran inside a batched pass.
+        largest_batch: most conversations seen in one pass.
+        fallbacks: batched passes that raised and were rerun one step at a time.
+    """
+
+    passes: int = 0
+    batched_passes: int = 0
+    batched_steps: int = 0
+    largest_batch: int = 0
+    fallbacks: int = 0
+
+
+class StepScheduler:
+    """Group ready steps into passes on one device executor.
+
+    Args:
+        executor: the :class:`~meshinfer.executor.DeviceExecutor` owning ``shard``.
+        get_shard: returns the peer's :class:`~meshinfer.models.llama.Shard`, looked up at
+            every pass (a peer's shard object may be replaced, e.g. wrapped).
+        finish: ``finish(conv, start, tokens, want, out, sampling)``, called on the device
+            thread with a step's forward output; returns what the step yields (a token id on the last hop,
+            the hidden states to send otherwise) or raises a :class:`MeshError` for that step.
+        logits_mode: ``logits_mode(want)`` -> the ``logits=`` argument a step needs
+            (``"last"`` or ``"all"``); steps only share a pass with the same mode.
+        spawn: starts and tracks a task (the peer's ``_spawn``); the scheduler's loop is
+            started by :meth:`start` or on first use, and cancelled with the peer's tasks.
+        max_batch: most conversations per pass; 1 turns batching off.
+    """
+
+    def __init__(self, executor, get_shard: Callable, *, finish: Callable, logits_mode: Callable[[str], str],
+                 spawn: Callable, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.executor, self.get_shard = executor, get_shard
+        self.finish, self.logits_mode, self.spawn = finish, logits_mode, spawn
+        self.max_batch = max_batch
+        self.stats = BatchStats()
+        self._pending: list[StepJob] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start the scheduling loop (on the running event loop) unless it runs already.
+
+        :meth:`submit` starts it too; a peer starts it with its other tasks so its task count
+        is steady from then on.
+        """
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = self.spawn(self._loop(), "step scheduler")
+
+    async def submit(self, conv, x: torch.Tensor, start: int, want: str, sampling=None):
+        """Run one step of ``conv`` in the next pass that can take it; return what ``finish``
+        returned.
+
+        Cancelling the caller withdraws a step still pending; a step already in a pass
+        completes (its cache advances) and the result is dropped, as with
+        :meth:`DeviceExecutor.run`.
+
+        Raises:
+            MeshError: the step's own error (bad input, position, a full cache, NaN output).
+            Exception: an unexpected error of the forward pass run for this step alone.
+        """
+        self.start()
+        job = StepJob(conv, x, start, want, asyncio.get_running_loop().create_future(), sampling)
+        self._pending.append(job)
+        self._wake.set()
+        return await job.future
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(0)  # steps that arrived in this loop turn join the same pass
+            while True:
+                group = self._take()
+                if not group:
+                    break
+                await self._run(group)
+
+    def _take(self) -> list[StepJob]:
+        """The next pass: the oldest pending step plus the compatible small steps after it."""
+        self._pending = [j for j in self._pending if not j.future.done()]  # withdrawn by cancellation
+        if not self._pending:
+            return []
+        first = self._pending[0]
+        group = [first]
+        if first.tokens <= BATCH_STEP_TOKENS and self.max_batch > 1:
+            key = self._key(first)
+            for job in self._pending[1:]:
+                if len(group) >= self.max_batch:
+                    break
+                if job.tokens <= BATCH_STEP_TOKENS and self._key(job) == key:
+                    group.append(job)
+        taken = {id(j) for j in group}
+        self._pending = [j for j in self._pending if id(j) not in taken]
+        return group
+
+    def _key(self, job: StepJob) -> tuple:
+        run = job.conv.run
+        return run.start, run.stop, self.logits_mode(job.want)
+
+    async def _run(self, group: list[StepJob]) -> None:
+        try:
+            results = await self.executor.run(self._compute, group)
+        except Exception as exc:  # the executor itself failed (shut down): no step may hang on it
+            for job in group:
+                if not job.future.done():
+                    job.future.set_exception(exc)
+            return
+        ran = sum(1 for r in results if not isinstance(r, _Skipped))
+        self.stats.passes += 1
+        self.stats.largest_batch = max(self.stats.largest_batch, ran)
+        if ran > 1:
+            self.stats.batched_passes += 1
+            self.stats.batched_steps += ran
+        if any(isinstance(r, _Fallback) for r in results):
+            self.stats.fallbacks += 1
+        for job, result in zip(group, results):
+            if job.future.done():
+                continue
+            value = result.value
+            if isinstance(value, BaseException):
+                job.future.set_exception(value)
+            else:
+                job.future.set_result(value)
+
+    # ---------------------------------------------------------------- on the device thread
+    def _compute(self, group: list[StepJob]) -> list:
+        """Run ``group`` as one pass (or one step alone); one outcome per job, never raises."""
+        if len(group) == 1:
+            return [_Outcome(self._one(group[0]))]
+        outcomes: list = [None] * len(group)
+        valid = []
+        for i, job in enumerate(group):
+            try:
+                self.get_shard().check_step(job.x, job.start, job.conv.cache, job.conv.run)
+                valid.append(i)
+            except MeshError as exc:
+                outcomes[i] = _Skipped(exc)
+        if len(valid) == 1:
+            outcomes[valid[0]] = _Outcome(self._one(group[valid[0]]))
+        elif valid:
+            self._batch([group[i] for i in valid], outcomes, valid)
+        return outcomes
+
+    def _batch(self, jobs: list[StepJob], outcomes: list, where: list[int]) -> None:
+        try:
+            outs = self.get_shard().forward_batch([j.x for j in jobs], [j.start for j in jobs],
+                                            [j.conv.cache for j in jobs], run=jobs[0].conv.run,
+                                            logits=self.logits_mode(jobs[0].want))
+        except Exception:
+            log.warning("a batched pass of %d steps failed; running them one by one", len(jobs), exc_info=True)
+            for i, job in zip(where, jobs):
+                outcomes[i] = _Fallback(self._one(job))
+            return
+        for i, job, out in zip(where, jobs, outs):
+            try:
+                outcomes[i] = _Outcome(self.finish(job.conv, job.start, job.tokens, job.want, out, job.sampling))
+            except Exception as exc:
+                outcomes[i] = _Outcome(exc)
+
+    def _one(self, job: StepJob):
+        """One step alone: its result, or the exception it raised."""
+        try:
+            shard = self.get_shard()
+            out = shard(job.x.to(shard.device), job.start, job.conv.cache, run=job.conv.run,
+                        logits=self.logits_mode(job.want))
+            return self.finish(job.conv, job.start, job.tokens, job.want, out, job.sampling)
+        except Exception as exc:
+            return exc
+
+
+@dataclass
+class _Outcome:
+    value: Any
+
+
+class _Fallback(_Outcome):
+    """A step rerun alone after its batched pass raised."""
+
+
+class _Skipped(_Outcome):
+    """A step refused by its check before the pass: it ran nothing."""

@@ -1,0 +1,314 @@
+"""Batched decode across conversations: the same tokens as each conversation alone (f32).
+
+Three levels: ``Shard.forward_batch`` against one ``forward`` per sequence (tiny and the real
+default model); concurrent conversations through a real 2-peer mesh against the same
+conversations run one at a time; a bad step inside a batch failing only its conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from meshkit import file_hash, generate_through, mesh, split, tiny_model
+from meshinfer.config import LayerRange
+from meshinfer.generate import load_shard
+from meshinfer.kv_cache import KVCache
+from meshinfer.peer import ClientLimits
+from meshinfer.scheduler import BATCH_STEP_TOKENS, StepScheduler
+from meshinfer.tokenizer import Tokenizer
+from realmodels import DEFAULT, first_near_tie, load_cases, shard_of
+from test_hostile import Raw, f32, hidden_after, last_token, rogue_advert
+
+#: Largest relative difference (max |a - b| / max |b|) allowed between batched and single
+#: outputs. Measured on the default model: 5e-7 (the BLAS kernel for N rows rounds
+#: differently from the one for 1 row); 1e-5 leaves room for other CPUs.
+REL_TOL = 1e-5
+#: Client limits high enough that a test's many fast conversations from 127.0.0.1 are not throttled.
+UNLIMITED = ClientLimits(conversations=64, steps_per_s=1e6, bytes_per_s=1e12)
+PROMPTS = ["hi", "what is a mesh?", "add two numbers in python", "x", "tell me about layers and caches",
+           "why", "count to five", "a much longer prompt that makes this conversation's cache longer than the rest",
+           "ok", "name three colours", "sum", "the end of the list of prompts, also quite long"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("batching"), context=256)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def new_cache(shard, run: LayerRange) -> KVCache:
+    cfg = shard.cfg
+    return KVCache(run, cfg.num_key_value_heads, cfg.head_dim, dtype=shard.dtype,
+                   max_tokens=cfg.max_position_embeddings)
+
+
+def compare_batched_with_single(shards: list, prompts: list[list[int]], steps: int, *, step_tokens=None) -> int:
+    """Run ``prompts`` through the chain ``shards`` one sequence at a time and batched; assert
+    every hop's output agrees within REL_TOL and every chosen token is the same. Each sequence
+    decodes its own single-path argmax (free-running), ``step_tokens(i, step)`` tokens a step
+    (the chosen token repeated: any ids do for a comparison). Returns tokens compared."""
+    runs = [s.range for s in shards]
+    single = [[new_cache(s, s.range) for s in shards] for _ in prompts]
+    nxt = []
+    for p, cs in zip(prompts, single):
+        x = torch.tensor([p])
+        for shard, c in zip(shards, cs):
+            x = shard(x, 0, c)
+        nxt.append(int(x[0, -1].argmax()))
+    batch = copy.deepcopy(single)  # the same prefilled caches, computed once
+    compared = 0
+    for step in range(steps):
+        widths = [step_tokens(i, step) if step_tokens else 1 for i in range(len(prompts))]
+        xs_single = [torch.tensor([[t] * w]) for t, w in zip(nxt, widths)]
+        xs_batch = list(xs_single)
+        for h, shard in enumerate(shards):
+            starts = [c[h].length for c in single]
+            assert starts == [c[h].length for c in batch]
+            outs1 = [shard(x, s, c[h]) for x, s, c in zip(xs_single, starts, single)]
+            outsb = shard.forward_batch(xs_batch, starts, [c[h] for c in batch], run=runs[h])
+            for o1, ob in zip(outs1, outsb):
+                assert o1.shape == ob.shape
+                assert rel_err(ob, o1) <= REL_TOL, (h, step, rel_err(ob, o1))
+            xs_single, xs_batch = outs1, outsb
+        tokens_single = [int(o[0, -1].argmax()) for o in xs_single]
+        assert [int(o[0, -1].argmax()) for o in xs_batch] == tokens_single, step
+        compared += len(tokens_single)
+        nxt = tokens_single
+    return compared
+
+
+# --------------------------------------------------------------------------- model level
+@pytest.mark.parametrize("bounds", [[0, 4], [0, 2, 4], [0, 1, 3, 4]], ids=["whole", "2-shards", "3-shards"])
+def test_forward_batch_equals_single_forwards_tiny(tiny, bounds):
+    path = tiny[0]
+    shards = split(lambda r: load_shard(path, r), bounds)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 3, 17, 40, 9, 64, 2, 30)]
+    assert compare_batched_with_single(shards, prompts, steps=6) == 6 * len(prompts)
+
+
+def test_forward_batch_with_ragged_step_lengths_tiny(tiny):
+    """Steps of 1..BATCH_STEP_TOKENS tokens (speculative verification) in one pass."""
+    shards = split(lambda r: load_shard(tiny[0], r), [0, 2, 4])
+    prompts = [[7] * n for n in (5, 11, 2, 33)]
+    widths = lambda i, step: 1 + (i * 3 + step) % BATCH_STEP_TOKENS  # noqa: E731
+    assert compare_batched_with_single(shards, prompts, steps=4, step_tokens=widths) == 16
+
+
+def test_forward_batch_checks_every_input_before_touching_a_cache(tiny):
+    shard = tiny[3]
+    caches = [new_cache(shard, shard.range) for _ in range(3)]
+    shard(torch.tensor([[1, 2, 3]]), 0, caches[1])
+    with pytest.raises(Exception, match="step starts at position 0 but the cache holds 3 tokens"):
+        shard.forward_batch([torch.tensor([[5]])] * 3, [0, 0, 0], caches)
+    assert [c.length for c in caches] == [0, 3, 0]
+    with pytest.raises(Exception, match=r"token id 999 is outside the vocabulary \[0, 260\)"):
+        shard.forward_batch([torch.tensor([[5]]), torch.tensor([[999]])], [0, 3], caches[:2])
+    with pytest.raises(ValueError, match="each sequence needs its own cache"):
+        shard.forward_batch([torch.tensor([[5]])] * 2, [0, 0], [caches[0], caches[0]])
+    assert [c.length for c in caches] == [0, 3, 0]
+
+
+@pytest.mark.realmodel
+def test_forward_batch_equals_single_forwards_default_model():
+    """The reference prompts and prefixes of them: 6 sequences of 12..41 tokens, 2 hops."""
+    cases = load_cases(DEFAULT)
+    prompts = [c["prompt_ids"] for c in cases.values()]
+    prompts += [p[:n] for p, n in zip(prompts, (12, 25, 19))]
+    shards = [shard_of(DEFAULT, 0, 12), shard_of(DEFAULT, 12, 24)]
+    assert compare_batched_with_single(shards, prompts, steps=4) == 4 * len(prompts)
+
+
+@pytest.mark.realmodel
+def test_forward_batch_picks_the_reference_tokens_default_model():
+    """Teacher-forced batched decode of the reference cases picks their greedy tokens up to the first near-tie."""
+    cases = list(load_cases(DEFAULT).values())
+    shard = shard_of(DEFAULT, 0, 24)
+    caches = [new_cache(shard, shard.range) for _ in cases]
+    for c, cache in zip(cases, caches):
+        first = int(shard(torch.tensor([c["prompt_ids"]]), 0, cache)[0, -1].argmax())
+        assert first == c["greedy_ids"][0]
+    ties = [first_near_tie(c) for c in cases]  # positions from there on may fairly differ
+    compared = 0
+    for j in range(min(12, max(ties) - 1)):
+        live = [i for i, tie in enumerate(ties) if j + 1 < tie]
+        outs = shard.forward_batch([torch.tensor([[cases[i]["greedy_ids"][j]]]) for i in live],
+                                   [caches[i].length for i in live], [caches[i] for i in live])
+        assert [int(o[0, -1].argmax()) for o in outs] == [cases[i]["greedy_ids"][j + 1] for i in live], j
+        compared += len(live)
+    assert compared >= 15, compared
+
+
+# --------------------------------------------------------------------------- scheduler policy
+def test_the_oldest_step_runs_next_and_a_prefill_runs_alone():
+    sched = StepScheduler(None, None, finish=None, logits_mode=lambda w: "last", spawn=None, max_batch=3)
+    loop = asyncio.new_event_loop()
+    try:
+        def job(tokens, run=(0, 4)):
+            conv = SimpleNamespace(run=LayerRange(*run))
+            sched._pending.append(SimpleNamespace(conv=conv, tokens=tokens, want="token",
+                                                  future=loop.create_future()))
+            return sched._pending[-1]
+
+        a, b, p, c, d, other, e = job(1), job(2), job(200), job(1), job(1), job(1, (0, 2)), job(1)
+        assert sched._take() == [a, b, c]  # small steps join the oldest, up to max_batch
+        assert sched._take() == [p]  # the prefill is now oldest: it runs alone, not after every decode
+        e.future.cancel()  # a cancelled worker's step is dropped
+        assert sched._take() == [d]
+        assert sched._take() == [other]  # other layers never share a pass
+        assert sched._take() == []
+    finally:
+        loop.close()
+
+
+# --------------------------------------------------------------------------- mesh level
+async def alone_then_together(peers, tok, prompts: list[str], *, max_tokens: int, stagger_s: float):
+    """Each prompt through the mesh alone, then all at once (started ``stagger_s`` apart)."""
+    alone = []
+    for p in prompts:
+        _, _, out = await generate_through(peers, tok, [{"role": "user", "content": p}], max_tokens=max_tokens,
+                                         max_tokens_total=200)
+        alone.append(out.token_ids)
+    before = [p.batch_stats.batched_passes for p in peers]
+
+    async def later(i, p):
+        await asyncio.sleep(i * stagger_s)
+        _, _, out = await generate_through(peers, tok, [{"role": "user", "content": p}], max_tokens=max_tokens,
+                                         max_tokens_total=200)
+        return out.token_ids
+
+    together = await asyncio.gather(*(later(i, p) for i, p in enumerate(prompts)))
+    return alone, list(together), [p.batch_stats.batched_passes - b for p, b in zip(peers, before)]
+
+
+async def test_concurrent_conversations_give_the_tokens_each_gives_alone_tiny(tiny):
+    path, digest, tok, _ = tiny
+    shards = split(lambda r: load_shard(path, r), [0, 2, 4])
+    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle(), client_limits=UNLIMITED) as peers:
+        alone, together, batched = await alone_then_together(peers, tok, PROMPTS, max_tokens=12, stagger_s=0.005)
+        assert together == alone
+        assert all(len(t) == 12 for t in alone)
+        assert all(b > 0 for b in batched), batched  # both hops really ran batched passes
+        assert all(p.batch_stats.largest_batch > 1 for p in peers)
+        assert all(p.batch_stats.fallbacks == 0 for p in peers)
+        await asyncio.sleep(0.1)
+        assert [p.kv_bytes_used for p in peers] == [0, 0]
+
+
+async def test_max_batch_1_runs_every_step_alone(tiny):
+    path, digest, tok, _ = tiny
+    async with mesh([load_shard(path)], weights_hash=digest, bundle=tok.to_bundle(), client_limits=UNLIMITED,
+                    max_batch=1) as peers:
+        alone, together, batched = await alone_then_together(peers, tok, PROMPTS[:6], max_tokens=6, stagger_s=0)
+        assert together == alone
+        assert batched == [0] and peers[0].batch_stats.largest_batch == 1
+
+
+@pytest.mark.realmodel
+async def test_concurrent_conversations_give_the_tokens_each_gives_alone_default_model():
+    from conftest import model_path
+
+    path = model_path(DEFAULT)
+    bundle = Tokenizer.from_gguf(path).to_bundle()
+    tok = Tokenizer.from_bundle(bundle)
+    prompts = [c["messages"][-1]["content"] for c in load_cases(DEFAULT).values()]
+    prompts += ["Write a haiku about caches.", "What is 17 times 3?", "Name a sorting algorithm.",
+                "Explain recursion in one sentence.", "Reverse a string in Python."]
+    shards = [shard_of(DEFAULT, 0, 12), shard_of(DEFAULT, 12, 24)]
+    async with mesh(shards, weights_hash=file_hash(path), bundle=bundle, client_limits=UNLIMITED) as peers:
+        alone, together, batched = await alone_then_together(peers, tok, prompts, max_tokens=8, stagger_s=0.2)
+        assert together == alone
+        assert all(b > 0 for b in batched), batched
+        assert all(p.batch_stats.largest_batch > 1 for p in peers)
+
+
+# --------------------------------------------------------------------------- error isolation
+async def steps_in_one_batch(peer, raw, hidden: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Send one step per conversation while the device thread is held, so they queue and run as
+    one pass (after the first, which the scheduler has already taken); each conversation's reply."""
+    gate = threading.Event()
+    peer.executor.submit(gate.wait, 30)
+    try:
+        for conv, h in hidden.items():
+            await raw.send("step", conv=conv, seq=1, start=0, hidden=f32(h), want="token")
+        await asyncio.sleep(0.2)
+    finally:
+        gate.set()
+    replies = {}
+    while len(replies) < len(hidden):
+        reply = await raw.recv(10)
+        replies[reply["conv"]] = reply
+    return replies
+
+
+def open_hidden_conversations(tiny, n: int, bad: int | None = None):
+    """A rogue previous hop holding ``n`` conversations over layers 2-3 of a whole-model peer."""
+    ids = [[3 + i, 1, 4, 1, 5][: 2 + i % 4] for i in range(n)]
+    hidden = {}
+    for i, x in enumerate(ids):
+        h = hidden_after(tiny, x, 2).clone()
+        if i == bad:
+            h[0, -1, 3] = float("nan")
+        hidden[f"c{i}"] = h
+    return ids, hidden
+
+
+async def test_a_bad_step_in_a_batch_fails_only_its_conversation(tiny):
+    path, digest, tok, _ = tiny
+    async with mesh([load_shard(path)], weights_hash=digest, bundle=tok.to_bundle()) as peers:
+        peer = peers[0]
+        ad = rogue_advert(digest)
+        raw = await Raw.connect(peer, role="peer", advert=ad)
+        try:
+            ids, hidden = open_hidden_conversations(tiny, 6, bad=5)  # last: never in the first pass
+            for conv in hidden:
+                await raw.request("open", conv=conv, layers=[2, 4], max_tokens=16, prev=ad["peer_id"])
+            replies = await steps_in_one_batch(peer, raw, hidden)
+            assert peer.batch_stats.largest_batch >= 4  # the bad step was inside a batched pass
+            for i, x in enumerate(ids):
+                r = replies[f"c{i}"]
+                if i == 5:
+                    assert (r["t"], r["code"], r["seq"]) == ("error", "invalid_input", 1)
+                    assert r["message"] == f"layers 2-3 produced NaN or inf at positions 0..{len(x) - 1}"
+                else:
+                    assert (r["t"], r["token"]) == ("token", last_token(tiny, x)), i
+            assert peer.convs["c5"].cache.length == 0 and peer.convs["c0"].cache.length == len(ids[0])
+            await raw.send("step", conv="c5", seq=2, start=0, hidden=f32(hidden_after(tiny, ids[5], 2)), want="token")
+            r = await raw.recv()
+            assert (r["t"], r["seq"], r["token"]) == ("token", 2, last_token(tiny, ids[5]))
+            assert peer.batch_stats.fallbacks == 0
+        finally:
+            await raw.close()
+
+
+async def test_a_failing_batched_pass_reruns_its_steps_one_by_one(tiny, monkeypatch):
+    path, digest, tok, _ = tiny
+    async with mesh([load_shard(path)], weights_hash=digest, bundle=tok.to_bundle()) as peers:
+        peer = peers[0]
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("simulated kernel failure")
+
+        monkeypatch.setattr(peer.shard, "forward_batch", broken)
+        ad = rogue_advert(digest)
+        raw = await Raw.connect(peer, role="peer", advert=ad)
+        try:
+            ids, hidden = open_hidden_conversations(tiny, 5)
+            for conv in hidden:
+                await raw.request("open", conv=conv, layers=[2, 4], max_tokens=16, prev=ad["peer_id"])
+            replies = await steps_in_one_batch(peer, raw, hidden)
+            assert [replies[f"c{i}"].get("token") for i in range(5)] == [last_token(tiny, x) for x in ids]
+            assert peer.batch_stats.fallbacks == 1
+            assert [peer.convs[f"c{i}"].cache.length for i in range(5)] == [len(x) for x in ids]
+        finally:
+            await raw.close()
