@@ -496,11 +496,13 @@ class Tokenizer:
     def _split_control(self, text: str, spans: list[tuple[int, int]]) -> list[str | int]:
         """Split ``text`` at control strings lying wholly outside ``spans`` -> text and ids."""
         pieces: list[str | int] = []
-        last = 0
+        last = j = 0  # spans are sorted and disjoint, matches come in order: one pass over both
         for match in self._control_re.finditer(text):
             start, name = match.start(), match.group(1)
             stop = start + len(name)
-            if start < last or any(start < e and s < stop for s, e in spans):
+            while j < len(spans) and spans[j][1] <= start:
+                j += 1
+            if start < last or (j < len(spans) and spans[j][0] < stop):
                 continue
             if start > last:
                 pieces.append(text[last:start])

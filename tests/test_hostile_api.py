@@ -1,0 +1,86 @@
+"""Hostile HTTP clients against ``meshinfer serve``, and hostile peers against the newer peer
+messages (``error.suspect``, ``verify``, ``sampling``) and the per-client limits.
+
+Tiny random model only (tests/meshkit.py); each test names the attack it pins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import aiohttp
+import pytest
+import torch
+
+from meshkit import mesh, split, tiny_model
+from meshinfer import protocol
+from meshinfer.api import ApiServer
+from meshinfer.errors import LyingPeer
+from meshinfer.generate import greedy_generate, load_shard
+from meshinfer.peer import ClientLimits
+from meshinfer.sampling import SamplingParams, pick_token
+from meshinfer.session import MeshClient
+from test_hostile import Raw, new_key, rogue_advert
+
+MESSAGES = [{"role": "user", "content": "a hostile world"}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("hostile_api"))
+
+
+@contextlib.asynccontextmanager
+async def api_over(tiny, bounds=(0, 2, 4), **options):
+    path, digest, tok, _ = tiny
+    async with mesh(split(lambda r: load_shard(path, r), list(bounds)), weights_hash=digest,
+                    bundle=tok.to_bundle(), advert_ttl_s=30.0) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            server = ApiServer(client, host="127.0.0.1", port=0, **options)
+            await server.start()
+            try:
+                yield peers, server
+            finally:
+                await server.close()
+
+
+async def post(http, server, raw: bytes) -> tuple[int, dict]:
+    async with http.post(f"{server.url}/chat/completions", data=raw,
+                         headers={"Content-Type": "application/json"}) as r:
+        return r.status, await r.json()
+
+
+# --------------------------------------------------------------------------- HTTP API
+def test_chat_encoding_is_linear_in_the_number_of_messages(tiny):
+    """20,000 empty messages (a 600 KB body) took minutes: every control token was tested
+    against every content span. Now one pass: well under a second per 20,000."""
+    _, _, tok, _ = tiny
+    t0 = time.perf_counter()
+    ids = tok.encode_chat([{"role": "user", "content": ""}] * 20_000)
+    assert time.perf_counter() - t0 < 5.0
+    assert len(ids) > 20_000
+
+
+async def test_a_huge_prompt_does_not_stall_other_requests(tiny):
+    """Encoding a 4 MB prompt runs off the event loop: /v1/models answers meanwhile."""
+    _, digest, _, _ = tiny
+    body = json.dumps({"model": digest, "messages": [{"role": "user", "content": ""}] * 100_000}).encode()
+    async with api_over(tiny) as (peers, server), aiohttp.ClientSession() as http:
+        await post(http, server, json.dumps({"model": digest, "messages": MESSAGES, "max_tokens": 1}).encode())
+        big = asyncio.ensure_future(post(http, server, body))
+        await asyncio.sleep(0.3)
+        t0 = time.perf_counter()
+        async with http.get(f"{server.url}/models") as r:
+            assert r.status == 200
+        waited = time.perf_counter() - t0
+        status, answer = await big
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+    assert waited < 1.5, f"/v1/models waited {waited:.1f} s behind one request's tokenization"
+
+
+# --------------------------------------------------------------------------- lying-peer reports
+
+# --------------------------------------------------------------------------- per-client limits
