@@ -129,11 +129,16 @@ def _content(m: dict, i: int) -> str:
     content = m.get("content")
     if content is None and m.get("role") == "assistant":
         return ""
-    if isinstance(content, str):
-        return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        content = "".join(p["text"] for p in content)
+    if isinstance(content, str):
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as exc:  # JSON may spell a lone surrogate ("\ud800"); no tokenizer takes it
+            raise ApiError(400, f"messages[{i}].content is not valid Unicode: {exc.reason} at character {exc.start}",
+                           param=f"messages[{i}].content", code="invalid_value") from None
+        return content
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts "
                         f"(images, audio and files are not supported)", param=f"messages[{i}].content")
 
@@ -378,7 +383,7 @@ class ApiServer:
         raw = await request.read()
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting too deep
             raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
         req = parse_chat_request(body)
         model = await self.models.find(req.model)

@@ -81,6 +81,35 @@ async def test_a_huge_prompt_does_not_stall_other_requests(tiny):
     assert waited < 1.5, f"/v1/models waited {waited:.1f} s behind one request's tokenization"
 
 
-# --------------------------------------------------------------------------- lying-peer reports
+@pytest.mark.parametrize("name, raw", [
+    ("lone surrogate in content", b'{"model": "M", "messages": [{"role": "user", "content": "\\ud800x"}]}'),
+    ("lone surrogate in a text part",
+     b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}'),
+    ("nested arrays", b"[" * 100_000 + b"]" * 100_000),
+    ("nested objects", b'{"a":' * 100_000 + b"1" + b"}" * 100_000),
+])
+async def test_malformed_text_and_deep_nesting_are_400_not_500(tiny, name, raw, caplog):
+    """A lone surrogate reached the tokenizer (UnicodeEncodeError) and deep nesting hit
+    RecursionError in json.loads: both were 500 with a traceback logged per request."""
+    _, digest, _, _ = tiny
+    async with api_over(tiny) as (peers, server), aiohttp.ClientSession() as http:
+        status, body = await post(http, server, raw.replace(b'"M"', json.dumps(digest).encode()))
+        ok, _ = await post(http, server, json.dumps({"model": digest, "messages": MESSAGES,
+                                                     "max_tokens": 1}).encode())
+    assert status == 400, (name, body)
+    assert body["error"]["type"] == "invalid_request_error"
+    assert ok == 200
+    assert not [r for r in caplog.records if r.levelname == "ERROR" and r.name == "meshinfer.api"]
 
+
+async def test_models_path_traversal_and_odd_ids_are_404(tiny):
+    async with api_over(tiny) as (peers, server), aiohttp.ClientSession() as http:
+        for path in ("/v1/models/..%2F..%2Fetc%2Fpasswd", "/v1/models/%00", "/v1/models/%ED%A0%80",
+                     "/v1/models/../../etc/passwd"):
+            async with http.get(f"http://127.0.0.1:{server.port}{path}") as r:
+                body = await r.json()
+                assert r.status == 404 and body["error"]["code"] in ("model_not_found", "not_found"), path
+
+
+# --------------------------------------------------------------------------- lying-peer reports
 # --------------------------------------------------------------------------- per-client limits
