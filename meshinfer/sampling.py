@@ -78,7 +78,10 @@ def pick_token(logits: torch.Tensor, params: SamplingParams | None, *, position:
     """
     if params is None or params.greedy:
         return int(logits.argmax())
-    probs = torch.softmax(logits.detach().float().cpu() / params.temperature, dim=-1)  # (V,)
+    scaled = logits.detach().float().cpu() / params.temperature
+    if not bool(torch.isfinite(scaled).all()):  # a tiny temperature overflows float32: its limit is the argmax
+        return int(logits.argmax())
+    probs = torch.softmax(scaled, dim=-1)  # (V,)
     order = torch.sort(probs, descending=True, stable=True)
     cdf = torch.cumsum(order.values, dim=0)  # (V,)
     keep = int(torch.searchsorted(cdf, torch.tensor([params.top_p]), right=False)) + 1

@@ -102,6 +102,21 @@ async def test_malformed_text_and_deep_nesting_are_400_not_500(tiny, name, raw, 
     assert not [r for r in caplog.records if r.levelname == "ERROR" and r.name == "meshinfer.api"]
 
 
+def test_a_tiny_temperature_samples_the_argmax_not_garbage():
+    """temperature 1e-300 passes every check (API: (0, 2]; wire: [0, 100]) but logits / T
+    overflowed float32 to inf, softmax gave NaN, and the draw returned the last vocabulary id
+    whatever the logits. The limit of T -> 0 is the argmax."""
+    torch.manual_seed(0)
+    logits = torch.randn(260) * 3
+    best = int(logits.argmax())
+    assert best != 259
+    for t in (1e-300, 1e-45, 1e-40):
+        for seed in range(4):
+            assert pick_token(logits, SamplingParams(temperature=t, top_p=1.0, seed=seed), position=5) == best
+            assert pick_token(logits, SamplingParams(temperature=t, top_p=0.3, seed=seed), position=5) == best
+    assert protocol.sampling_from_wire({"temperature": 1e-300, "top_p": 1.0, "seed": 0}, "step") is not None
+
+
 async def test_models_path_traversal_and_odd_ids_are_404(tiny):
     async with api_over(tiny) as (peers, server), aiohttp.ClientSession() as http:
         for path in ("/v1/models/..%2F..%2Fetc%2Fpasswd", "/v1/models/%00", "/v1/models/%ED%A0%80",
