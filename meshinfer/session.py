@@ -468,7 +468,7 @@ class Conversation:
             if msg_seq is not None and msg_seq < self._min_seq:
                 continue  # a late reply from before a failover
             if msg_type == "error":
-                raise remote_error(f)
+                raise self._credible(remote_error(f), link)
             if msg_seq != seq:
                 continue
             if link.remote_id != self.route.hops[-1].peer_id:
@@ -480,6 +480,18 @@ class Conversation:
             if len(ids) != n_tokens:
                 raise ProtocolError(f"step {seq} carried {n_tokens} tokens; the last hop chose {len(ids)}")
             return ids, f.get("trace", list, [])
+
+    def _credible(self, exc: MeshError, link: Link) -> MeshError:
+        """``exc`` when it is not a :class:`LyingPeer` or its ``suspect`` is the hop just before
+        the reporting one (the only hop whose hidden states the reporter checks); otherwise a
+        :class:`LyingPeer` naming the reporter, which accused a hop it cannot have checked."""
+        if not isinstance(exc, LyingPeer) or exc.suspect is None:
+            return exc
+        hops = self.route.hops
+        if any(a.peer_id == exc.suspect and b.peer_id == link.remote_id for a, b in zip(hops, hops[1:])):
+            return exc
+        return LyingPeer(f"peer {(link.remote_id or '?')[:12]} blamed peer {exc.suspect[:12]}, whose output it "
+                         f"does not receive: {exc}", suspect=link.remote_id)
 
     async def _step(self, tokens: Sequence[int], *, want: str = "token") -> tuple[list[int], list]:
         """Append ``tokens`` (chunked) to the conversation; return the chosen ids and the trace.

@@ -127,4 +127,37 @@ async def test_models_path_traversal_and_odd_ids_are_404(tiny):
 
 
 # --------------------------------------------------------------------------- lying-peer reports
+async def test_a_hop_cannot_frame_a_hop_it_does_not_receive_from(tiny):
+    """Route 0-1, 1-2, 2-4: the last hop sends ``error{code: lying_peer, suspect: hop 0}``.
+    Only hop 1 receives hop 0's hidden states, so only it can have seen them fail the cheap
+    checks; the client believed any hop of the route and banned the honest first hop (one
+    forged frame per step bans up to three honest peers). The accuser is the one to exclude."""
+    path, digest, tok, whole = tiny
+    shards = split(lambda r: load_shard(path, r), [0, 1, 2, 4]) + [load_shard(path, protocol.LayerRange(2, 4))]
+    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle(), advert_ttl_s=30.0) as peers:
+        async with MeshClient(list(peers[0].addrs), spot_check_rate=0.0) as client:
+            route = await client.plan()
+            first, liar = route.hops[0].peer_id, route.hops[-1].peer_id
+            bad = next(p for p in peers if p.peer_id == liar)
+
+            def forge(conv, x, start, sampling=None):
+                raise LyingPeer("previous hop sent NaN hidden states", suspect=first)
+
+            async def report(conv, seq, exc):
+                await conv.owner.send("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc),
+                                      suspect=getattr(exc, "suspect", None))
+
+            bad._compute, bad._report = forge, report
+            ids = tok.encode_chat(MESSAGES)
+            conv = client.conversation(route, max_tokens_total=len(ids) + 8)
+            try:
+                out = await conv.generate(ids, max_tokens=8, eos_ids=())
+            finally:
+                await conv.close()
+            banned = client.backed_off()
+    assert first not in banned
+    assert liar in banned
+    assert out.token_ids == greedy_generate(whole, ids, max_tokens=8, eos_ids=()).token_ids
+
+
 # --------------------------------------------------------------------------- per-client limits
