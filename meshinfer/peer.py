@@ -54,6 +54,9 @@ MAX_KNOWN_PEERS = 256
 MAX_ADVERT_BYTES = 16 * 1024
 #: Largest gossip payload, bytes: below every peer's frame limit whatever its hidden size.
 GOSSIP_BUDGET_BYTES = FRAME_OVERHEAD_BYTES // 2
+#: Requests only clients make: charged to the sender's host whatever role its hello claimed
+#: (a fresh key makes anyone a "peer" in an open mesh).
+CLIENT_REQUESTS = frozenset({"open", "verify", "get_log", "truncate", "get_tokenizer", "get_peers"})
 #: What a connection that has not proven the mesh key is told, whatever it asks.
 PRIVATE_MESH = "this mesh is private: pass its key with --mesh-key-file (or MESHINFER_MESH_KEY_FILE)"
 
@@ -465,7 +468,7 @@ class Peer:
     async def _on_message(self, link: Link, msg_type: str, f) -> None:
         if link.role is None and msg_type != "hello":
             raise ProtocolError(f"the first frame must be hello, got {msg_type}")
-        if link.role == "client":
+        if link.role == "client" or msg_type in CLIENT_REQUESTS:
             self._charge(link, msg_type)
         if self.settings.mesh_key is not None and not link.info.get("authed") and msg_type not in ("hello", "auth"):
             raise Unauthenticated(PRIVATE_MESH)
@@ -609,7 +612,7 @@ class Peer:
         if sum(1 for c in self.convs.values() if c.owner is link) >= MAX_CONVERSATIONS_PER_LINK:
             raise CacheFull(f"this connection already holds {MAX_CONVERSATIONS_PER_LINK} conversations")
         host, limit = _client_host(link), self.settings.client_limits.conversations
-        if link.role == "client" and sum(1 for c in self.convs.values() if _client_host(c.owner) == host) >= limit:
+        if sum(1 for c in self.convs.values() if _client_host(c.owner) == host) >= limit:
             raise RateLimited(f"client {host} already holds {limit} conversations on this peer")
         if tokens > self.free_kv_tokens:
             raise CacheFull(f"conversation needs {tokens} tokens of KV cache; this peer has "
@@ -648,6 +651,8 @@ class Peer:
         allowed = link is conv.owner if conv.run.start == 0 else link.remote_id == conv.prev_id
         if not allowed:
             raise ProtocolError(f"step {seq}: this connection may not send steps for conversation {conv.conv_id}")
+        if link is conv.owner and link.role != "client":  # a "peer" driving its own conversation is a client
+            self._charge(link, "step")
         start = f.int("start", lo=0, hi=self.cfg.max_position_embeddings)
         if conv.run.start == 0:
             tokens = f.get("tokens", list)

@@ -161,3 +161,22 @@ async def test_a_hop_cannot_frame_a_hop_it_does_not_receive_from(tiny):
 
 
 # --------------------------------------------------------------------------- per-client limits
+async def test_hello_as_a_peer_does_not_escape_the_per_client_limits(tiny):
+    """Per-host limits applied to ``role: client`` links only: a rogue that says hello as a
+    peer with a fresh key (free in an open mesh) opened conversations and sent steps and
+    verifies without any limit."""
+    path, digest, tok, _ = tiny
+    limits = ClientLimits(conversations=2, steps_per_s=5.0, bytes_per_s=1e9)
+    async with mesh([load_shard(path)], weights_hash=digest, bundle=tok.to_bundle(),
+                    client_limits=limits) as peers:
+        peer = peers[0]
+        key = new_key()
+        raw = await Raw.connect(peer, role="peer", advert=rogue_advert(digest, key=key), key=key)
+        try:
+            opened = [(await raw.request("open", conv=f"c{i}", layers=[0, 4], max_tokens=32))["t"]
+                      for i in range(4)]
+            assert opened[:2] == ["opened", "opened"] and opened[2:] == ["error", "error"], opened
+            verifies = [await raw.request("verify", layers=[0, 4], tokens=[1, 2, 3], check=0) for _ in range(15)]
+            assert any(v["t"] == "error" and v["code"] == "rate_limited" for v in verifies)
+        finally:
+            await raw.close()
