@@ -210,7 +210,7 @@ class Peer:
         self.owns_executor = False
         self._buckets: dict[str, tuple[_Bucket, _Bucket]] = {}
         self.metrics = PeerMetrics(self)
-        self._verifying = False
+        self._verifying: set[str] = set()  # hosts with a verify running
         self.scheduler = StepScheduler(  # all looked up per call, so a subclass or test may replace them
             executor, lambda: self.shard, finish=lambda *a: self._finish_step(*a),
             logits_mode=lambda w: self._logits_mode(w), spawn=self._spawn, max_batch=self.settings.max_batch)
@@ -742,7 +742,7 @@ class Peer:
     async def _on_verify(self, link: Link, f) -> None:
         """Spot-check: run ``layers`` statelessly over a prefix; return positions from ``check`` on.
 
-        At most one verify runs at a time (another gets ``rate_limited``); a prefix holds at most
+        At most one verify per client host runs at a time (another gets ``rate_limited``); a prefix holds at most
         ``max_step_tokens`` positions, and clients' verifies count as steps in their limits.
         """
         run = f.layer_range("layers")
@@ -761,13 +761,14 @@ class Peer:
             if x.dim() != 3 or x.shape[0] != 1 or x.dtype != torch.float32:
                 raise InvalidInput(f"verify: hidden states must be float32 (1, P, {self.cfg.hidden_size})")
         check = f.int("check", lo=0, hi=x.shape[1] - 1)
-        if self._verifying:
-            raise RateLimited(f"peer {self.peer_id[:12]} is busy with another verify; try later")
-        self._verifying = True
+        host = _client_host(link)
+        if host in self._verifying:  # one at a time per host: a flood from one cannot starve the others
+            raise RateLimited(f"peer {self.peer_id[:12]} is busy with another verify from {host}; try later")
+        self._verifying.add(host)
         try:
             out = await self.executor.run(audit.recompute, self.shard, x, run, check)
         finally:
-            self._verifying = False
+            self._verifying.discard(host)
         reply = {"tokens": out} if isinstance(out, list) else {"hidden": protocol.tensor_to_wire(out)}
         await link.send("verified", re=f.get("id", int, None), **reply)
 

@@ -180,3 +180,45 @@ async def test_hello_as_a_peer_does_not_escape_the_per_client_limits(tiny):
             assert any(v["t"] == "error" and v["code"] == "rate_limited" for v in verifies)
         finally:
             await raw.close()
+
+
+# --------------------------------------------------------------------------- verify
+class SlowVerify:
+    """A shard whose whole-prefix passes (``logits="all"``: only a verify asks for them) take 0.3 s."""
+
+    def __init__(self, shard) -> None:
+        self._shard = shard
+
+    def __getattr__(self, name):
+        return getattr(self._shard, name)
+
+    def __call__(self, x, start, cache=None, *, run=None, logits="last"):
+        if logits == "all":
+            time.sleep(0.3)
+        return self._shard(x, start, cache, run=run, logits=logits)
+
+
+async def test_a_verify_flood_from_one_host_does_not_starve_other_spot_checks(tiny):
+    """A peer ran one verify at a time for everyone and refused the others: a host sending
+    verifies back to back (a liar keeping its only checker busy) made every honest spot-check
+    of that peer's layers come back rate_limited, i.e. skipped. One verify per host at a time."""
+    path, digest, tok, _ = tiny
+    async with mesh([load_shard(path), load_shard(path)], weights_hash=digest, bundle=tok.to_bundle(),
+                    advert_ttl_s=30.0) as (a, b):
+        b.shard = SlowVerify(b.shard)
+        flooder = await Raw.connect(b, local_addr=("127.0.0.2", 0))
+        for k in range(40):
+            await flooder.send("verify", id=k + 1, layers=[0, 4], tokens=[1] * 20, check=0)
+        try:
+            await asyncio.sleep(0.1)
+            async with MeshClient(list(a.addrs), spot_check_rate=1.0) as client:
+                route = await client.plan(exclude=frozenset({b.peer_id}))
+                ids = tok.encode_chat(MESSAGES)
+                conv = client.conversation(route, max_tokens_total=len(ids) + 3)
+                try:
+                    await conv.generate(ids, max_tokens=3, eos_ids=())
+                finally:
+                    await conv.close()
+        finally:
+            await flooder.close()
+    assert conv.audit.checks >= 1
