@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -43,6 +45,25 @@ def test_generate_json(tiny_gguf):
     assert d["finish_reason"] in ("stop", "length")
 
 
+def free_port_base(count: int) -> int:
+    """A loopback port p such that p .. p+count-1 were all free just now (bench peers and proxies)."""
+    for _ in range(50):
+        base = random.randrange(20000, 60000 - count)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free loopback ports found")
+
+
 @pytest.mark.parametrize("args,message", [
     (["join", "--layers", "30-40"], "layer range 30-40 is outside the model: it has 4 layers (0-3)"),
     (["join", "--layers", "3-1"], "is empty: last layer 1 < first layer 3"),
@@ -61,6 +82,8 @@ def test_generate_json(tiny_gguf):
 def test_user_mistakes_give_one_line_errors(tiny_gguf, args, message):
     if "--model" not in args and args[0] != "chat":
         args = args + ["--model", str(tiny_gguf)]
+    if args[0] == "join" and "--listen" not in args:
+        args = args + ["--listen", "127.0.0.1:0"]  # the default port may be taken on this machine
     out = meshinfer(*args)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
@@ -166,7 +189,7 @@ def test_bench_measures_single_peer_and_split(tiny_gguf, tmp_path):
 
     assert even_splits(24, 5) == [(0, 3), (4, 8), (9, 13), (14, 18), (19, 23)]
     out = meshinfer("bench", "--model", str(tiny_gguf), "--splits", "1,2", "--max-tokens", "3", "--repeats", "1",
-                    "--base-port", "7950", "--out", str(tmp_path / "b.json"), timeout=300)
+                    "--base-port", str(free_port_base(60)), "--out", str(tmp_path / "b.json"), timeout=300)
     assert out.returncode == 0, out.stderr
     assert "| 1 |" in out.stdout and "| 2 |" in out.stdout and "[0-1] ->" in out.stdout
     rows = json.loads((tmp_path / "b.json").read_text())
@@ -176,7 +199,7 @@ def test_bench_measures_single_peer_and_split(tiny_gguf, tmp_path):
 def test_bench_speculative_and_ttft_suites_run(tiny_gguf, tmp_path):
     out = meshinfer("bench", "--model", str(tiny_gguf), "--suite", "speculative,ttft", "--splits", "1,2",
                     "--rtts", "0,20", "--max-tokens", "6", "--repeats", "1", "--long-prompt-tokens", "100",
-                    "--base-port", "7970", "--out", str(tmp_path / "b.json"), timeout=400)
+                    "--base-port", str(free_port_base(60)), "--out", str(tmp_path / "b.json"), timeout=400)
     assert out.returncode == 0, out.stderr
     assert "| RTT ms | plain tok/s | speculative tok/s |" in out.stdout and "| peers | join to ready s |" in out.stdout
     result = json.loads((tmp_path / "b.json").read_text())
@@ -192,7 +215,7 @@ def test_bench_speculative_and_ttft_suites_run(tiny_gguf, tmp_path):
 
 def test_bench_concurrency_reports_aggregate_tokens_per_s(tiny_gguf, tmp_path):
     out = meshinfer("bench", "--model", str(tiny_gguf), "--splits", "1,2", "--concurrency", "1,3", "--max-tokens", "6",
-                    "--base-port", "7960", "--out", str(tmp_path / "c.json"), timeout=300)
+                    "--base-port", str(free_port_base(60)), "--out", str(tmp_path / "c.json"), timeout=300)
     assert out.returncode == 0, out.stderr
     assert "| peers | conversations | aggregate decode tok/s |" in out.stdout and "| 2 | 3 |" in out.stdout
     rows = json.loads((tmp_path / "c.json").read_text())

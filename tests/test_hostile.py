@@ -1122,7 +1122,7 @@ def check_fuzz_reply(msg: dict, stats: dict) -> None:
 
 async def test_seeded_fuzzer_leaves_the_peer_serving_at_baseline(tiny):
     rng = random.Random(1234)
-    async with serving(tiny) as peers:
+    async with serving(tiny, client_limits=ClientLimits(conversations=10_000, steps_per_s=1e6, bytes_per_s=1e12)) as peers:  # robustness, not rate limits
         peer = peers[0]
         templates = fuzz_templates(peer.weights_hash)
         frames = [fuzz_frame(rng, templates) for _ in range(FUZZ_FRAMES)]
