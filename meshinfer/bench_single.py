@@ -14,7 +14,8 @@ Peak RSS is the worker's ``ru_maxrss``. For meshinfer the table also reports the
 process, cold (empty converted cache) and cached (second start).
 
 llama.cpp runs with the interpreter given by ``--llama-python`` (default: ``$MESHINFER_LLAMA_PYTHON``,
-else ``/work/lcpp-venv/bin/python``) because llama-cpp-python lives in its own environment;
+else ``.venv-llama/bin/python``, which ``deploy/install-llama-cpp.sh`` builds) because
+llama-cpp-python lives in its own environment;
 an engine that is not installed gets a row saying so instead of numbers.
 """
 
@@ -28,8 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-#: Default interpreter that has ``llama_cpp`` (the lead builds it in a separate venv).
-DEFAULT_LLAMA_PYTHON = "/work/lcpp-venv/bin/python"
+#: Default interpreter that has ``llama_cpp``: the venv ``deploy/install-llama-cpp.sh`` builds.
+DEFAULT_LLAMA_PYTHON = ".venv-llama/bin/python"
 #: Code the prompts are cut from; repeated to reach 1,000 tokens.
 PROMPT_TEXT = ("Write a Python function that checks whether a number is prime, then explain it.\n"
                "def is_prime(n: int) -> bool:\n    if n < 2:\n        return False\n"

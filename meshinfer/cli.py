@@ -817,7 +817,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtypes", default="f32,bf16,q8-bf16,q4-g32-bf16", help="with --single: precisions to measure")
     s.add_argument("--threads", type=int, default=2, help="with --single: CPU threads for every engine")
     s.add_argument("--llama-python", default=None,
-                   help="with --single: python with llama_cpp [$MESHINFER_LLAMA_PYTHON, else /work/lcpp-venv/bin/python]")
+                   help="with --single: python with llama_cpp [$MESHINFER_LLAMA_PYTHON, else .venv-llama/bin/python from deploy/install-llama-cpp.sh]")
     s.add_argument("--no-transformers", action="store_true", help="with --single: skip transformers")
     s.add_argument("--no-join", action="store_true", help="with --single: skip the join-to-ready timings")
     s.set_defaults(func=cmd_bench)
