@@ -170,6 +170,17 @@ def _setup_logging(verbose: int, fmt: str = "text") -> None:
     configure(logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING, fmt)
 
 
+def _announce(args, message: str) -> None:
+    """Print a life-cycle line (``ready: ...``, ``shutting down``) on stdout: as written, or as
+    one JSON log object with ``--log-format json`` so that every line of the service parses."""
+    if getattr(args, "log_format", "text") == "json":
+        from .logs import JsonFormatter
+
+        record = logging.LogRecord("meshinfer.cli", logging.INFO, __file__, 0, message, None, None)
+        message = JsonFormatter().format(record)
+    print(message, flush=True)
+
+
 def _run(coro):
     try:
         import uvloop  # noqa: F401
@@ -280,11 +291,11 @@ async def _join(args) -> int:
             loop.add_signal_handler(sig, stop.set)
         except NotImplementedError:  # pragma: no cover - Windows
             pass
-    print(f"ready: peer {peer.peer_id} serving layers {peer.shard.range.cli()} of "
-          f"{peer.cfg.num_hidden_layers} at {', '.join(peer.addrs)} "
-          f"({peer.executor.device}, {peer.precision}, {peer.compute_ms_per_token:.1f} ms/token)", flush=True)
+    _announce(args, f"ready: peer {peer.peer_id} serving layers {peer.shard.range.cli()} of "
+                    f"{peer.cfg.num_hidden_layers} at {', '.join(peer.addrs)} "
+                    f"({peer.executor.device}, {peer.precision}, {peer.compute_ms_per_token:.1f} ms/token)")
     await stop.wait()
-    print("shutting down", flush=True)
+    _announce(args, "shutting down")
     await peer.close()
     return 0
 
@@ -468,7 +479,7 @@ async def _serve(args) -> int:
         except OSError as exc:
             raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
         models = ", ".join(m["id"] for m in await server.models.models()) or "none yet"
-        print(f"ready: OpenAI-compatible API at {server.url} (models: {models})", flush=True)
+        _announce(args, f"ready: OpenAI-compatible API at {server.url} (models: {models})")
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -476,7 +487,7 @@ async def _serve(args) -> int:
             except NotImplementedError:  # pragma: no cover - Windows
                 pass
         await stop.wait()
-        print("shutting down", flush=True)
+        _announce(args, "shutting down")
         await server.close()
     return 0
 
@@ -690,7 +701,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=DTYPE_HELP + " [$MESHINFER_DTYPE]")
     s.add_argument("--listen", default=_env("MESHINFER_LISTEN", "127.0.0.1:7700"), help="HOST:PORT (port 0: any)")
     s.add_argument("--public-addr", default=_env("MESHINFER_PUBLIC_ADDR"), help="wss://HOST:PORT others dial (ws:// without TLS)")
-    s.add_argument("--peers", default=_env("MESHINFER_BOOTSTRAP"), help="bootstrap peers ws://A:P,ws://B:P")
+    s.add_argument("--peers", default=_env("MESHINFER_BOOTSTRAP", _env("MESHINFER_PEERS")),
+                   help="bootstrap peers ws://A:P,ws://B:P [$MESHINFER_BOOTSTRAP, else $MESHINFER_PEERS]")
     s.add_argument("--kv-budget", default=_env("MESHINFER_KV_BUDGET", "auto"),
                    help="KV cache memory, e.g. 2GiB; auto: half the memory free at start")
     s.add_argument("--idle-timeout", type=float, default=300.0, help="free idle conversations after S seconds")
@@ -827,10 +839,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshinfer`` console script."""
     args = build_parser().parse_args(argv)
-    if args.command == "join":
-        # Several peers often share one machine (a local mesh, a test, a bench). OpenMP threads
-        # that spin after each op steal the cores the next hop is computing on; sleeping threads
-        # cost ~1 ms per token. Must be set before torch loads its OpenMP runtime.
+    if args.command in ("join", "generate"):
+        # Several peers often share one machine (a local mesh, a test, a bench), and a machine
+        # often runs other work. OpenMP threads that spin after each op steal the cores another
+        # process computes on (a user measured generate at 0.6 tok/s spinning against 5.5 tok/s
+        # sleeping on a busy 2-core machine); sleeping threads cost ~1 ms per token on an idle one.
+        # Must be set before torch loads its OpenMP runtime.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     _setup_logging(args.verbose + (1 if args.command == "join" else 0), getattr(args, "log_format", "text"))
     if getattr(args, "max_tokens", None) is not None and args.max_tokens < 1:
