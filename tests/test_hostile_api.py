@@ -140,14 +140,14 @@ async def test_a_hop_cannot_frame_a_hop_it_does_not_receive_from(tiny):
             first, liar = route.hops[0].peer_id, route.hops[-1].peer_id
             bad = next(p for p in peers if p.peer_id == liar)
 
-            def forge(conv, x, start, sampling=None):
+            def forge(*args):  # in place of Peer._finish_step, on the device thread
                 raise LyingPeer("previous hop sent NaN hidden states", suspect=first)
 
             async def report(conv, seq, exc):
                 await conv.owner.send("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc),
                                       suspect=getattr(exc, "suspect", None))
 
-            bad._compute, bad._report = forge, report
+            bad._finish_step, bad._report = forge, report
             ids = tok.encode_chat(MESSAGES)
             conv = client.conversation(route, max_tokens_total=len(ids) + 8)
             try:
