@@ -240,10 +240,7 @@ def run_concurrency_bench(*, model: str, splits: list[int], concurrency: list[in
                 rows = asyncio.run(_measure_concurrency(f"ws://127.0.0.1:{base_port}", n, concurrency, max_tokens,
                                                         progress))
             finally:
-                for p in procs:
-                    p.terminate()
-                for p in procs:
-                    p.wait(30)
+                _stop(procs)
         results.extend(rows)
     path = resolve_model(model)
     header = (f"model {path.name} (weights {weights_hash(path)[:12]}), {dtype}, CPU "

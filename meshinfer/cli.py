@@ -181,6 +181,17 @@ def _announce(args, message: str) -> None:
     print(message, flush=True)
 
 
+def _stop_on_signals() -> asyncio.Event:
+    """An event that SIGINT or SIGTERM sets (on the running loop), for a clean shutdown."""
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        except NotImplementedError:  # pragma: no cover - Windows
+            pass
+    return stop
+
+
 def _run(coro):
     try:
         import uvloop  # noqa: F401
@@ -284,13 +295,7 @@ async def _join(args) -> int:
     key = args.key or _default_key_path(port)
     peer = await launch_peer(args.model, layers, device=args.device, dtype=args.dtype, settings=settings,
                              key_path=key, threads=args.threads, tls_self_signed=bool(args.tls))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except NotImplementedError:  # pragma: no cover - Windows
-            pass
+    stop = _stop_on_signals()
     _announce(args, f"ready: peer {peer.peer_id} serving layers {peer.shard.range.cli()} of "
                     f"{peer.cfg.num_hidden_layers} at {', '.join(peer.addrs)} "
                     f"({peer.executor.device}, {peer.precision}, {peer.compute_ms_per_token:.1f} ms/token)")
@@ -480,12 +485,7 @@ async def _serve(args) -> int:
             raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
         models = ", ".join(m["id"] for m in await server.models.models()) or "none yet"
         _announce(args, f"ready: OpenAI-compatible API at {server.url} (models: {models})")
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-            except NotImplementedError:  # pragma: no cover - Windows
-                pass
+        stop = _stop_on_signals()
         await stop.wait()
         _announce(args, "shutting down")
         await server.close()
