@@ -177,8 +177,10 @@ async def _concurrent(client, route, ids: list[int], n: int, max_tokens: int) ->
     """``n`` conversations: each prefills (and takes its first token) in turn, then all decode
     ``max_tokens`` more together; the decode phase gives the aggregate rate. Prefills run one
     after another because N prefills at once queue on the first hop beyond the client's step
-    deadline on a slow CPU (a prefill runs alone; see :mod:`meshinfer.scheduler`)."""
-    convs = [client.conversation(route, max_tokens_total=len(ids) + 1 + max_tokens) for _ in range(n)]
+    deadline on a slow CPU (a prefill runs alone; see :mod:`meshinfer.scheduler`). Decoding is
+    plain (no speculation), so the rate measures batching, not the prompt's repetitiveness."""
+    convs = [client.conversation(route, max_tokens_total=len(ids) + 1 + max_tokens, speculate=False)
+             for _ in range(n)]
     try:
         t0 = time.perf_counter()
         firsts = [await c.generate(ids, max_tokens=1, eos_ids=()) for c in convs]
@@ -219,7 +221,7 @@ def run_concurrency_bench(*, model: str, splits: list[int], concurrency: list[in
 
     For each peer count in ``splits`` and each N in ``concurrency``, N greedy conversations on
     the same route each prefill the prompt and take their first token (one after another), then
-    all decode ``max_tokens`` more tokens at once. ``aggregate_tokens_per_s`` is the decode phase's
+    all decode ``max_tokens`` more tokens at once, plainly (no speculation). ``aggregate_tokens_per_s`` is the decode phase's
     tokens over its wall time; ``end_to_end_tokens_per_s`` counts every token (the first ones
     too) over both phases.
 

@@ -278,6 +278,8 @@ async def _join(args) -> int:
         raise ValueError("--tls-cert and --tls-key go together")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be at least 1 (1 turns batching off), got {args.max_batch}")
+    if not 0 <= args.batch_wait_ms <= 1000:
+        raise ValueError(f"--batch-wait-ms must be 0-1000 (0: never wait), got {args.batch_wait_ms}")
     check_listen(host, tls=bool(args.tls or args.tls_cert), insecure=args.insecure)
     settings = PeerSettings(host=host, port=port, public_addrs=tuple(_peers(args.public_addr)),
                             bootstrap=tuple(_peers(args.peers)),
@@ -285,7 +287,8 @@ async def _join(args) -> int:
                             idle_timeout_s=args.idle_timeout, mesh_key=_mesh_key(args),
                             tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure,
                             tls_ca=args.tls_ca, metrics_port=args.metrics_port or None,
-                            allow_ids=_allow_ids(args), max_batch=args.max_batch)
+                            allow_ids=_allow_ids(args), max_batch=args.max_batch,
+                            max_hold_s=args.batch_wait_ms / 1000)
     if not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0 turns metrics off)")
     _check_port_free(host, port)
@@ -709,6 +712,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=_env("MESHINFER_MAX_BATCH", "32"),
                    help="most conversations whose decode steps share one forward pass (1: no batching) "
                         "[$MESHINFER_MAX_BATCH]")
+    s.add_argument("--batch-wait-ms", type=float, default=_env("MESHINFER_BATCH_WAIT_MS", "50"),
+                   help="most a decode pass waits for the steps of conversations known to be coming, so "
+                        "they share it; also at most half a recent pass (0: never wait) [$MESHINFER_BATCH_WAIT_MS]")
     s.add_argument("--key", default=_env("MESHINFER_KEY"), help="Ed25519 key file (created if missing)")
     s.add_argument("--mesh-key-file", default=mesh_key_default,
                    help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")

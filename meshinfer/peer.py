@@ -34,7 +34,7 @@ from .metrics import PeerMetrics
 from .models.llama import Shard
 from .protocol import PeerAdvert
 from .sampling import pick_token
-from .scheduler import DEFAULT_MAX_BATCH, BatchStats, StepScheduler
+from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_HOLD_S, BatchStats, StepScheduler
 from .transport import CLOSE_SHUTDOWN, Link, dial
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,8 @@ class PeerSettings:
             own id is always allowed. See :func:`meshinfer.discovery.load_allowlist`.
         max_batch: most conversations whose decode steps run in one batched forward pass
             (see :mod:`meshinfer.scheduler`); 1 runs every step alone.
+        max_hold_s: the most a decode pass waits for the steps of conversations known to be
+            coming, seconds (:data:`meshinfer.scheduler.DEFAULT_MAX_HOLD_S`); 0 never waits.
     """
 
     host: str = "127.0.0.1"
@@ -113,6 +115,7 @@ class PeerSettings:
     metrics_host: str | None = None
     allow_ids: frozenset[str] | None = None
     max_batch: int = DEFAULT_MAX_BATCH
+    max_hold_s: float = DEFAULT_MAX_HOLD_S
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,8 @@ class Peer:
         self._verifying: set[str] = set()  # hosts with a verify running
         self.scheduler = StepScheduler(  # all looked up per call, so a subclass or test may replace them
             executor, lambda: self.shard, finish=lambda *a: self._finish_step(*a),
-            logits_mode=lambda w: self._logits_mode(w), spawn=self._spawn, max_batch=self.settings.max_batch)
+            logits_mode=lambda w: self._logits_mode(w), spawn=self._spawn, max_batch=self.settings.max_batch,
+            max_hold_s=self.settings.max_hold_s)
 
     @property
     def batch_stats(self) -> BatchStats:
@@ -916,6 +920,7 @@ class Peer:
         if conv is None:
             return
         self._reserved_tokens -= conv.reserved_tokens
+        self.scheduler.forget(conv)
         if conv.task is not None and conv.task is not asyncio.current_task():
             conv.task.cancel()
             await asyncio.gather(conv.task, return_exceptions=True)

@@ -4,16 +4,26 @@ run as one batched forward pass.
 Each conversation's worker (``Peer._conv_worker``) submits one step at a time and awaits its
 result, so a conversation's steps stay in order. The scheduler runs one pass at a time on the
 device executor; while a pass runs, the steps that arrive queue up, and the next pass takes
-them together. Nothing waits on a timer: a lone conversation runs exactly as before (one
-:meth:`Shard.forward`), and batches form only when steps really overlap.
+them together. A lone conversation runs exactly as before (one :meth:`Shard.forward`), with
+no added wait.
 
 Policy, in :meth:`StepScheduler._take`:
 
 - the oldest pending step always runs in the next pass, so a long prefill waits for at most
   one batch of decode steps and decode steps wait for at most one prefill (no starvation);
-- steps of at most :data:`BATCH_STEP_TOKENS` tokens that run the same layers and want the
-  same logits join the oldest one, up to ``max_batch`` conversations;
+- steps of at most :data:`BATCH_STEP_TOKENS` tokens that run the same layers join the oldest
+  one, up to ``max_batch`` conversations (plain decode and speculative verification steps
+  mix: each gets the logits it needs);
 - a longer step (prefill) runs alone.
+
+Holding a pass (:meth:`StepScheduler._hold`): the conversations of a pass come back together
+(their clients answer each token with the next step within about one round trip), but their
+steps arrive one by one. A pass that started on the first arrival would carry only it, and the
+rest would wait a whole pass for the next one: the conversations drift into small batches.
+So while a conversation whose last step succeeded here ("coming") has not sent its next
+step, a decode pass waits for it, at most :data:`HOLD_FRACTION` of a recent pass's time and
+at most ``max_hold_s`` after its oldest step arrived. A conversation that misses the wait is
+no longer counted as coming until its next step arrives (one that ended costs one wait).
 
 Error isolation: each step is checked (:meth:`Shard.check_step`) before the batch is built,
 so a bad step fails alone; if the batched pass itself raises, every step of the batch is
@@ -40,6 +50,15 @@ log = logging.getLogger(__name__)
 BATCH_STEP_TOKENS = 8
 #: Default most conversations in one batched pass (``PeerSettings.max_batch``).
 DEFAULT_MAX_BATCH = 32
+#: A decode pass waits for coming conversations at most this fraction of the recent decode
+#: pass time: a wait that gains nothing costs at most half a pass, one that fills the batch
+#: saves a whole pass for the late steps.
+HOLD_FRACTION = 0.5
+#: Default cap on that wait, seconds (``PeerSettings.max_hold_s``): on loopback the steps of a
+#: batch arrive within a few ms of each other, across the Internet within the clients' jitter.
+DEFAULT_MAX_HOLD_S = 0.05
+#: Weight of the newest decode pass in the running mean of pass time that sizes the wait.
+PASS_TIME_EWMA = 0.2
 
 
 @dataclass
@@ -79,6 +98,8 @@ class BatchStats:
         batched_steps: steps that ran inside a batched pass.
         largest_batch: most conversations seen in one pass.
         fallbacks: batched passes that raised and were rerun one step at a time.
+        holds: passes that waited for coming conversations (:meth:`StepScheduler._hold`).
+        hold_s: seconds spent in those waits, in total.
     """
 
     passes: int = 0
@@ -86,6 +107,8 @@ class BatchStats:
     batched_steps: int = 0
     largest_batch: int = 0
     fallbacks: int = 0
+    holds: int = 0
+    hold_s: float = 0.0
 
 
 class StepScheduler:
@@ -99,21 +122,29 @@ class StepScheduler:
             thread with a step's forward output; returns what the step yields (a token id on the last hop,
             the hidden states to send otherwise) or raises a :class:`MeshError` for that step.
         logits_mode: ``logits_mode(want)`` -> the ``logits=`` argument a step needs
-            (``"last"`` or ``"all"``); steps only share a pass with the same mode.
+            (``"last"`` or ``"all"``).
         spawn: starts and tracks a task (the peer's ``_spawn``); the scheduler's loop is
             started by :meth:`start` or on first use, and cancelled with the peer's tasks.
         max_batch: most conversations per pass; 1 turns batching off.
+        max_hold_s: the most a decode pass waits for coming conversations, seconds; 0 never waits.
+
+    Raises:
+        ValueError: ``max_batch`` below 1 or ``max_hold_s`` negative.
     """
 
     def __init__(self, executor, get_shard: Callable, *, finish: Callable, logits_mode: Callable[[str], str],
-                 spawn: Callable, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+                 spawn: Callable, max_batch: int = DEFAULT_MAX_BATCH, max_hold_s: float = DEFAULT_MAX_HOLD_S) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if not max_hold_s >= 0:
+            raise ValueError(f"max_hold_s must be 0 or more seconds, got {max_hold_s}")
         self.executor, self.get_shard = executor, get_shard
         self.finish, self.logits_mode, self.spawn = finish, logits_mode, spawn
-        self.max_batch = max_batch
+        self.max_batch, self.max_hold_s = max_batch, max_hold_s
         self.stats = BatchStats()
         self._pending: list[StepJob] = []
+        self._coming: dict[int, Any] = {}  # id(conv) -> conv: last step succeeded, next not yet here
+        self._pass_s = 0.0  # running mean of decode pass time (PASS_TIME_EWMA), seconds
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
 
@@ -140,9 +171,14 @@ class StepScheduler:
         """
         self.start()
         job = StepJob(conv, x, start, want, asyncio.get_running_loop().create_future(), sampling)
+        self._coming.pop(id(conv), None)
         self._pending.append(job)
         self._wake.set()
         return await job.future
+
+    def forget(self, conv) -> None:
+        """``conv`` has ended: never wait for its next step. Safe to call for any conversation."""
+        self._coming.pop(id(conv), None)
 
     async def _loop(self) -> None:
         while True:
@@ -150,10 +186,59 @@ class StepScheduler:
             self._wake.clear()
             await asyncio.sleep(0)  # steps that arrived in this loop turn join the same pass
             while True:
+                await self._hold()
                 group = self._take()
                 if not group:
                     break
                 await self._run(group)
+
+    async def _hold(self) -> None:
+        """Wait while conversations that share the next decode pass's layers are coming.
+
+        Returns at once without a pending step, for a prefill, with batching off or the batch
+        full; else when every coming conversation has sent its step, or :meth:`_hold_limit_s`
+        after the oldest pending step arrived. Conversations still missing then stop counting
+        as coming.
+        """
+        t0 = time.perf_counter()
+        while True:
+            self._wake.clear()
+            missing = self._missing()
+            if not missing:
+                break
+            remaining = self._pending[0].queued_at + self._hold_limit_s() - time.perf_counter()
+            if remaining <= 0:
+                for conv in missing:
+                    self._coming.pop(id(conv), None)
+                break
+            try:
+                await asyncio.wait_for(self._wake.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        waited = time.perf_counter() - t0
+        if waited > 1e-4:
+            self.stats.holds += 1
+            self.stats.hold_s += waited
+
+    def _missing(self) -> list:
+        """Coming conversations that would join the next pass but have not sent their step."""
+        self._pending = [j for j in self._pending if not j.future.done()]  # withdrawn by cancellation
+        if not self._pending or self.max_batch == 1 or not self._coming:
+            return []
+        first = self._pending[0]
+        if first.tokens > BATCH_STEP_TOKENS:
+            return []
+        key = self._key(first)
+        room = self.max_batch - sum(1 for j in self._pending if j.tokens <= BATCH_STEP_TOKENS and self._key(j) == key)
+        if room <= 0:
+            return []
+        here = {id(j.conv) for j in self._pending}
+        missing = [c for i, c in self._coming.items() if i not in here and (c.run.start, c.run.stop) == key]
+        return missing[:room]
+
+    def _hold_limit_s(self) -> float:
+        """The longest a pass waits after its oldest step arrived, seconds."""
+        return min(self.max_hold_s, HOLD_FRACTION * self._pass_s)
 
     def _take(self) -> list[StepJob]:
         """The next pass: the oldest pending step plus the compatible small steps after it."""
@@ -173,11 +258,13 @@ class StepScheduler:
         self._pending = [j for j in self._pending if id(j) not in taken]
         return group
 
-    def _key(self, job: StepJob) -> tuple:
+    @staticmethod
+    def _key(job: StepJob) -> tuple:
         run = job.conv.run
-        return run.start, run.stop, self.logits_mode(job.want)
+        return run.start, run.stop
 
     async def _run(self, group: list[StepJob]) -> None:
+        t0 = time.perf_counter()
         try:
             results = await self.executor.run(self._compute, group)
         except Exception as exc:  # the executor itself failed (shut down): no step may hang on it
@@ -185,6 +272,9 @@ class StepScheduler:
                 if not job.future.done():
                     job.future.set_exception(exc)
             return
+        if group[0].tokens <= BATCH_STEP_TOKENS:  # a decode pass: it sizes the wait for the next
+            took = time.perf_counter() - t0
+            self._pass_s = took if not self._pass_s else (1 - PASS_TIME_EWMA) * self._pass_s + PASS_TIME_EWMA * took
         ran = sum(1 for r in results if not isinstance(r, _Skipped))
         self.stats.passes += 1
         self.stats.largest_batch = max(self.stats.largest_batch, ran)
@@ -200,6 +290,7 @@ class StepScheduler:
             if isinstance(value, BaseException):
                 job.future.set_exception(value)
             else:
+                self._coming[id(job.conv)] = job.conv
                 job.future.set_result(value)
 
     # ---------------------------------------------------------------- on the device thread
@@ -225,7 +316,7 @@ class StepScheduler:
         try:
             outs = self.get_shard().forward_batch([j.x for j in jobs], [j.start for j in jobs],
                                             [j.conv.cache for j in jobs], run=jobs[0].conv.run,
-                                            logits=self.logits_mode(jobs[0].want))
+                                            logits=[self.logits_mode(j.want) for j in jobs])
         except Exception:
             log.warning("a batched pass of %d steps failed; running them one by one", len(jobs), exc_info=True)
             for i, job in zip(where, jobs):

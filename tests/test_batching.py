@@ -105,6 +105,27 @@ def test_forward_batch_with_ragged_step_lengths_tiny(tiny):
     assert compare_batched_with_single(shards, prompts, steps=4, step_tokens=widths) == 16
 
 
+def test_forward_batch_gives_each_sequence_the_logits_it_asks_for_tiny(tiny):
+    """A speculative verification step (all positions) and plain decode steps (last) in one pass."""
+    shard = tiny[3]
+    prompts = [[5, 6, 7], [9] * 12, [1, 2], [40, 41, 42, 43, 44]]
+    steps = [[3, 4, 5, 6], [8], [11, 12], [2]]
+    modes = ["all", "last", "all", "last"]
+    single = [new_cache(shard, shard.range) for _ in prompts]
+    for p, c in zip(prompts, single):
+        shard(torch.tensor([p]), 0, c)
+    batch = copy.deepcopy(single)
+    want = [shard(torch.tensor([x]), c.length, c, logits=m) for x, c, m in zip(steps, single, modes)]
+    got = shard.forward_batch([torch.tensor([x]) for x in steps], [c.length for c in batch], batch, logits=modes)
+    assert [tuple(g.shape) for g in got] == [(1, 4, 260), (1, 1, 260), (1, 2, 260), (1, 1, 260)]
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= REL_TOL
+    with pytest.raises(ValueError, match="as many inputs, starts, caches and logits modes"):
+        shard.forward_batch([torch.tensor([[1]])] * 2, [c.length for c in batch[:2]], batch[:2], logits=["all"])
+    with pytest.raises(ValueError, match=r"logits must be 'last' or 'all', got \['first'\]"):
+        shard.forward_batch([torch.tensor([[1]])], [batch[0].length], batch[:1], logits=["first"])
+
+
 def test_forward_batch_checks_every_input_before_touching_a_cache(tiny):
     shard = tiny[3]
     caches = [new_cache(shard, shard.range) for _ in range(3)]
@@ -169,6 +190,101 @@ def test_the_oldest_step_runs_next_and_a_prefill_runs_alone():
         assert sched._take() == []
     finally:
         loop.close()
+
+
+class SlowDevice:
+    """A device executor whose every pass takes ``pass_s``, and a shard that records pass sizes."""
+
+    def __init__(self, pass_s: float) -> None:
+        self.pass_s, self.passes = pass_s, []
+        self.device = "cpu"
+
+    async def run(self, fn, *args):
+        await asyncio.sleep(self.pass_s)
+        return fn(*args)
+
+    def check_step(self, *args) -> None:
+        pass
+
+    def __call__(self, x, *args, **kwargs):
+        self.passes.append(1)
+        return x
+
+    def forward_batch(self, xs, *args, **kwargs):
+        self.passes.append(len(xs))
+        return list(xs)
+
+
+def scheduler_on(device: SlowDevice, **options) -> StepScheduler:
+    tasks = []
+
+    def spawn(coro, name):
+        tasks.append(asyncio.ensure_future(coro))
+        return tasks[-1]
+
+    return StepScheduler(device, lambda: device, finish=lambda conv, *rest: conv.name,
+                         logits_mode=lambda want: "last", spawn=spawn, **options)
+
+
+async def steps_at(sched: StepScheduler, convs, delays_s) -> list:
+    """One decode step of each conversation, submitted ``delays_s`` after now."""
+    async def one(conv, delay):
+        await asyncio.sleep(delay)
+        return await sched.submit(conv, torch.zeros(1, 1, dtype=torch.int64), 0, "token")
+
+    return await asyncio.gather(*(one(c, d) for c, d in zip(convs, delays_s)))
+
+
+def decode_convs(n: int) -> list:
+    return [SimpleNamespace(name=f"c{i}", run=LayerRange(0, 4), cache=None) for i in range(n)]
+
+
+async def test_a_pass_waits_for_conversations_that_are_coming():
+    """Steps of the conversations of the last pass arriving 20 ms apart share one pass; without
+    the wait, the first runs alone and the rest wait for the pass after it."""
+    for hold_s, sizes in ((1.0, [3, 3]), (0.0, [3, 1, 2])):
+        device = SlowDevice(pass_s=0.4)  # the wait may last up to 0.2 s: room for a slow machine
+        sched = scheduler_on(device, max_hold_s=hold_s)
+        convs = decode_convs(3)
+        assert await steps_at(sched, convs, [0, 0, 0]) == ["c0", "c1", "c2"]
+        assert await steps_at(sched, convs, [0, 0.02, 0.04]) == ["c0", "c1", "c2"]
+        assert device.passes == sizes, hold_s
+        assert (sched.stats.holds == 1) == (hold_s > 0)
+        assert 0.03 < sched.stats.hold_s < 0.2 or hold_s == 0
+        sched._loop_task.cancel()
+
+
+async def test_a_conversation_that_stops_costs_one_wait_and_a_lone_one_none():
+    device = SlowDevice(pass_s=0.2)
+    sched = scheduler_on(device, max_hold_s=1.0)
+    convs = decode_convs(3)
+    await steps_at(sched, convs, [0, 0, 0])
+    await steps_at(sched, convs[:2], [0, 0])  # c2 stopped: the pass waits half a pass for it, not max_hold_s
+    assert sched.stats.holds == 1 and 0.09 < sched.stats.hold_s < 0.5
+    await steps_at(sched, convs[:2], [0, 0])  # no longer counted as coming
+    sched.forget(convs[1])  # an ended conversation is never waited for
+    for _ in range(3):
+        await steps_at(sched, convs[:1], [0])
+    assert sched.stats.holds == 1
+    assert device.passes == [3, 2, 2, 1, 1, 1]
+    sched._loop_task.cancel()
+
+
+async def test_a_prefill_never_waits():
+    device = SlowDevice(pass_s=0.1)
+    sched = scheduler_on(device, max_hold_s=1.0)
+    convs = decode_convs(2)
+    await steps_at(sched, convs, [0, 0])
+    await sched.submit(convs[0], torch.zeros(1, BATCH_STEP_TOKENS + 1, dtype=torch.int64), 0, "token")
+    assert sched.stats.holds == 0 and device.passes == [2, 1]
+    sched._loop_task.cancel()
+
+
+def test_scheduler_options_are_checked():
+    with pytest.raises(ValueError, match="max_hold_s must be 0 or more seconds, got -1"):
+        StepScheduler(None, None, finish=None, logits_mode=None, spawn=None, max_hold_s=-1)
+    with pytest.raises(ValueError, match="max_batch must be at least 1, got 0"):
+        StepScheduler(None, None, finish=None, logits_mode=None, spawn=None, max_batch=0)
 
 
 # --------------------------------------------------------------------------- mesh level

@@ -267,7 +267,7 @@ class Shard(nn.Module):
 
     @torch.inference_mode()
     def forward_batch(self, xs: Sequence[torch.Tensor], starts: Sequence[int], caches: Sequence[LayerCache], *,
-                      run: LayerRange | None = None, logits: str = "last") -> list[torch.Tensor]:
+                      run: LayerRange | None = None, logits: str | Sequence[str] = "last") -> list[torch.Tensor]:
         """One step of each of ``B`` sequences in one pass, each with its own cache and position.
 
         The sequences are packed along T into one ``(1, N, C)`` tensor, ``N = sum(T_i)``, so
@@ -284,8 +284,9 @@ class Shard(nn.Module):
             starts: position of each sequence's first new token; must equal its cache length.
             caches: each sequence's KV cache for these layers (distinct objects).
             run: a sub-range of this shard's layers to apply, the same for every sequence.
-            logits: on the last layer, ``"last"`` gives each sequence ``(1, 1, V)``, ``"all"``
-                ``(1, T_i, V)``.
+            logits: on the last layer, ``"last"`` gives a sequence ``(1, 1, V)``, ``"all"``
+                ``(1, T_i, V)``; one mode for every sequence, or one per sequence (a speculative
+                verification step and a plain decode step share a pass).
 
         Returns:
             ``B`` tensors in input order: hidden states ``(1, T_i, C)`` in the compute dtype, or
@@ -294,12 +295,15 @@ class Shard(nn.Module):
         Raises:
             InvalidInput, PositionError, LayerRangeError: as :meth:`forward`, for the first bad
                 sequence, before any cache changes; CacheFull: a cache has no room.
-            ValueError: ``xs``, ``starts`` and ``caches`` differ in length or are empty, or a
-                cache appears twice.
+            ValueError: ``xs``, ``starts``, ``caches`` (and per-sequence ``logits``) differ in
+                length or are empty, a cache appears twice, or a logits mode is unknown.
         """
-        if not xs or not len(xs) == len(starts) == len(caches):
-            raise ValueError(f"forward_batch needs as many inputs, starts and caches (got {len(xs)}, "
-                             f"{len(starts)}, {len(caches)}), at least one")
+        modes = [logits] * len(xs) if isinstance(logits, str) else list(logits)
+        if not xs or not len(xs) == len(starts) == len(caches) == len(modes):
+            raise ValueError(f"forward_batch needs as many inputs, starts, caches and logits modes (got {len(xs)}, "
+                             f"{len(starts)}, {len(caches)}, {len(modes)}), at least one")
+        if set(modes) - {"last", "all"}:
+            raise ValueError(f"logits must be 'last' or 'all', got {sorted(set(modes) - {'last', 'all'})}")
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("forward_batch: each sequence needs its own cache")
         run = run or self.range
@@ -326,9 +330,11 @@ class Shard(nn.Module):
             seg.cache.commit(seg.length)
         if run.stop < self.cfg.num_hidden_layers:
             return [h[:, s.offset:s.offset + s.length] for s in segments]  # B x (1, T_i, C)
-        if logits == "last":
-            last = torch.tensor([s.offset + s.length - 1 for s in segments], device=device)  # (B,)
-            out = self.lm_head(self.norm(h[:, last])).float()  # (1, B, V)
-            return [out[:, i:i + 1] for i in range(len(segments))]  # B x (1, 1, V)
-        out = self.lm_head(self.norm(h)).float()  # (1, N, V)
-        return [out[:, s.offset:s.offset + s.length] for s in segments]  # B x (1, T_i, V)
+        rows, spans = [], []  # the rows each sequence wants logits for, and where they land
+        for seg, mode in zip(segments, modes):
+            first = seg.offset if mode == "all" else seg.offset + seg.length - 1
+            spans.append((len(rows), len(rows) + seg.offset + seg.length - first))
+            rows.extend(range(first, seg.offset + seg.length))
+        picked = h if len(rows) == h.shape[1] else h[:, torch.tensor(rows, device=device)]  # (1, R, C)
+        out = self.lm_head(self.norm(picked)).float()  # (1, R, V)
+        return [out[:, a:b] for a, b in spans]  # B x (1, 1 or T_i, V)
