@@ -360,6 +360,25 @@ def _spec(args) -> dict:
     return {"speculate": speculate, "draft_tokens": k}
 
 
+REPL_HELP = ("commands: /help shows this; /reset starts the conversation over; /exit, /quit or Ctrl-D "
+             "leaves; Ctrl-C stops a reply. Any other line is sent to the model (start it with // to "
+             "send a line that begins with /).")
+
+
+def _repl_command(line: str | None) -> str | None:
+    """What a REPL input line is: ``"exit"``, ``"reset"``, ``"help"``, ``"skip"`` (blank),
+    ``"unknown"`` (a ``/word`` that is no command), or None (a message for the model)."""
+    if line is None:
+        return "exit"
+    word = line.strip()
+    if not word:
+        return "skip"
+    if re.fullmatch(r"/[A-Za-z?]+", word):
+        return {"/exit": "exit", "/quit": "exit", "/reset": "reset", "/help": "help", "/?": "help"}.get(
+            word.lower(), "unknown")
+    return None
+
+
 async def _repl(client, route, tok, args) -> None:
     """Interactive chat: Ctrl-C stops the current reply, Ctrl-D or /exit leaves."""
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -367,21 +386,27 @@ async def _repl(client, route, tok, args) -> None:
     conv = client.conversation(route, max_tokens_total=args.context, **_spec(args))
     lines = _stdin_lines()
     loop = asyncio.get_running_loop()
-    print("meshinfer chat: type a message; /reset starts over; /exit or Ctrl-D leaves; "
-          "Ctrl-C stops a reply", file=sys.stderr)
+    print("meshinfer chat: type a message; /help lists commands; /exit or Ctrl-D leaves", file=sys.stderr)
     try:
         while True:
             print("> ", end="", flush=True)
             line = await lines.get()
-            if line is None or line.strip() in ("/exit", "/quit"):
+            command = _repl_command(line)
+            if command == "exit":
                 print(file=sys.stderr)
                 break
-            if line.strip() == "/reset":
+            if command == "reset":
                 messages = list(system)
                 print("(conversation reset)", file=sys.stderr)
                 continue
-            if not line.strip():
+            if command in ("help", "unknown"):
+                print((f"unknown command {line.strip()}; " if command == "unknown" else "") + REPL_HELP,
+                      file=sys.stderr)
                 continue
+            if command == "skip":
+                continue
+            if line.startswith("//"):
+                line = line[1:]
             messages.append({"role": "user", "content": line})
             reply = asyncio.ensure_future(_reply(conv, tok, tok.encode_chat(messages), args))
             loop.add_signal_handler(signal.SIGINT, reply.cancel)
@@ -526,11 +551,12 @@ async def _status(args) -> int:
         peers = await client.refresh()
         rtts = await client.measure_rtts()
         groups = complete_routes_summary(peers, client_rtts_ms=rtts)
+        code = 1 if args.require_route and not any(g.route for g in groups) else 0
         if args.json:
             print(json.dumps({"peers": [dict(p.to_wire(), layers_inclusive=p.layers.cli(), rtt_ms=rtts.get(p.peer_id))
                                         for p in peers],
                               "routes": [_group_json(g) for g in groups]}))
-            return 0
+            return code
         rows = [("PEER", "ADDRESS", "LAYERS", "DEVICE", "PREC", "WEIGHTS", "STATE", "RTT ms", "FREE KV")]
         for p in sorted(peers, key=lambda p: (p.layers.start, p.peer_id)):
             rtt = rtts.get(p.peer_id)
@@ -543,7 +569,9 @@ async def _status(args) -> int:
         print()
         for g in groups:
             print(_group_line(g))
-    return 0
+        if client.not_allowed:
+            print(f"({len(client.not_allowed)} more peer(s) in the mesh are not in --allow-keys)")
+    return code
 
 
 def _group_json(g) -> dict:
@@ -805,6 +833,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
     s.add_argument("--allow-keys", default=allow_default,
                    help="file of peer ids or public keys allowed in the mesh, one a line [$MESHINFER_ALLOW_KEYS]")
+    s.add_argument("--require-route", action="store_true",
+                   help="exit with status 1 when no complete route exists (for scripts and health checks)")
     s.set_defaults(func=cmd_status)
 
     s = add("netsim", "Proxy TCP with added RTT and a bandwidth cap, to rehearse a WAN route.")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from . import audit, discovery
-from .errors import (CacheFull, IncompatiblePeer, InvalidInput, LyingPeer, MeshError, PeerUnavailable,
+from .errors import (CacheFull, IncompatiblePeer, InvalidInput, LyingPeer, MeshError, NoRoute, PeerUnavailable,
                      ProtocolError, Unauthenticated)
 from .generate import Generation, check_context
 from .protocol import MAX_VERIFY_TOKENS, PeerAdvert
@@ -98,6 +98,7 @@ class MeshClient:
         self.mesh_key = mesh_key
         self.insecure, self.tls_ca = insecure, tls_ca
         self.allow_ids = allow_ids
+        self.not_allowed: frozenset[str] = frozenset()  # signed adverts left out by allow_ids, last refresh
         self.spot_check_rate = spot_check_rate
         self.table: dict[str, PeerAdvert] = {}
         self.rtts_ms: dict[str, float] = {}
@@ -232,8 +233,8 @@ class MeshClient:
                 continue
             try:
                 _, f = await link.request("get_peers", timeout_s=self.request_timeout_s)
-                ads = [ad for ad in map(PeerAdvert.from_wire, f.get("adverts", list)) if discovery.verify_advert(ad)
-                       and (self.allow_ids is None or ad.peer_id in self.allow_ids)]
+                signed = [ad for ad in map(PeerAdvert.from_wire, f.get("adverts", list)) if discovery.verify_advert(ad)]
+                ads = [ad for ad in signed if self.allow_ids is None or ad.peer_id in self.allow_ids]
             except MeshError as exc:
                 errors.append(f"{url}: {exc}")
                 await link.close()
@@ -244,6 +245,7 @@ class MeshClient:
             else:
                 await link.close()
             self.table = {ad.peer_id: ad for ad in ads}
+            self.not_allowed = frozenset(ad.peer_id for ad in signed) - set(self.table)
             return ads
         raise (Unauthenticated if refused else PeerUnavailable)("no bootstrap peer answered: " + "; ".join(errors))
 
@@ -277,9 +279,15 @@ class MeshClient:
         await self.measure_rtts()
         reachable = [p for p in self.table.values() if p.peer_id in self.rtts_ms]
         unreachable = set(self.table) - set(self.rtts_ms)
-        return plan_route(reachable, client_rtts_ms=self.rtts_ms, compat_key=compat_key,
-                          exclude=frozenset(exclude) | unreachable | self.backed_off(),
-                          min_free_kv_tokens=min_free_kv_tokens)
+        try:
+            return plan_route(reachable, client_rtts_ms=self.rtts_ms, compat_key=compat_key,
+                              exclude=frozenset(exclude) | unreachable | self.backed_off(),
+                              min_free_kv_tokens=min_free_kv_tokens)
+        except NoRoute as exc:
+            if not self.not_allowed:
+                raise
+            raise NoRoute(f"{exc}; {len(self.not_allowed)} more peer(s) in the mesh are not in "
+                          f"--allow-keys") from exc
 
     async def tokenizer(self, route: Route) -> Tokenizer:
         """The route's tokenizer, fetched from its first hop and checked against its weights hash.

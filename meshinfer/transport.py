@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import ssl
 from typing import Any, Awaitable, Callable
 
 import websockets
@@ -177,6 +178,19 @@ def remote_error(f: Any) -> MeshError:
     return exc
 
 
+def _dial_reason(url: str, exc: BaseException) -> str:
+    """Why dialing ``url`` failed, in words, with a hint when the scheme looks wrong: a TLS
+    handshake with a plain ``ws://`` peer, or a plain request to a ``wss://`` peer."""
+    reason = str(exc) or type(exc).__name__
+    if url.startswith("wss://") and isinstance(exc, (ssl.SSLError, ConnectionResetError, EOFError)):
+        return f"TLS handshake failed ({reason}); if the peer serves plain websockets, use ws://"
+    if url.startswith("ws://") and isinstance(exc, websockets.exceptions.InvalidMessage):
+        return f"{reason}; if the peer serves TLS (join --tls), use wss://"
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"no answer within the open timeout ({reason})"
+    return reason
+
+
 async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s: float = 5.0,
                insecure: bool = False, tls_ca: str | None = None) -> Link:
     """Open a websocket to ``url`` and start its reader task (kept in ``link.reader``).
@@ -197,7 +211,7 @@ async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s:
         ws = await websockets.connect(url, max_size=max_bytes, open_timeout=open_timeout_s, ssl=ssl_context,
                                       ping_interval=20, ping_timeout=20, compression=None)
     except (OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException, ValueError) as exc:
-        raise PeerUnavailable(f"cannot reach {url}: {exc}") from exc
+        raise PeerUnavailable(f"cannot reach {url}: {_dial_reason(url, exc)}") from exc
     link = Link(ws, max_bytes=max_bytes, on_message=on_message, name=url)
     link.tls_fingerprint = tls.peer_fingerprint(ws)
     link.reader = asyncio.get_running_loop().create_task(link.run(), name=f"link {url}")

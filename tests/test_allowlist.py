@@ -84,7 +84,7 @@ async def test_the_client_routes_only_through_listed_peers(tiny):
             with pytest.raises(PeerUnavailable, match="is not on this mesh's --allow-keys list"):
                 await client.link(outsider.advert())
         async with MeshClient(list(first.addrs), allow_ids=frozenset({first.peer_id})) as client:
-            with pytest.raises(NoRoute):
+            with pytest.raises(NoRoute, match=r"layers 2-3 .*; 2 more peer\(s\) in the mesh are not in --allow-keys$"):
                 await client.plan()
         async with MeshClient(list(outsider.addrs), allow_ids=listed) as client:
             with pytest.raises(Unauthenticated, match="is not on this mesh's --allow-keys list"):

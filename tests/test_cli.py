@@ -25,9 +25,10 @@ def tiny_gguf(tmp_path_factory):
     return write_gguf(d / "tiny.gguf", cfg, random_weights(cfg, seed=3))
 
 
-def meshinfer(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+def meshinfer(*args: str, timeout: float = 120, env: dict | None = None, stdin: str | None = None
+              ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshinfer", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=env, input=stdin)
 
 
 def expected_tokens(path, text: str, n: int) -> list[int]:
@@ -106,6 +107,16 @@ def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
         table = json.loads(status.stdout)
         assert [p["peer_id"] for p in table["peers"]] == [m.group(1)]  # join prints the full id
         assert table["routes"][0]["route"][0]["layers"] == "0-3"
+        assert meshinfer("status", "--peers", url, "--require-route", env=env).returncode == 0
+        tls = meshinfer("status", "--peers", url.replace("ws://", "wss://"), env=env)
+        assert tls.returncode == 2 and tls.stderr.strip().splitlines()[-1].endswith(
+            "if the peer serves plain websockets, use ws://"), tls.stderr
+        repl = meshinfer("chat", "--peers", url, "--max-tokens", "3", "--no-speculate", env=env,
+                         stdin="/help\n/bogus\n\n//x\n/reset\n/exit\nnever sent\n")
+        assert repl.returncode == 0, repl.stderr
+        assert "commands: /help shows this; /reset starts" in repl.stderr
+        assert "unknown command /bogus; commands:" in repl.stderr and "(conversation reset)" in repl.stderr
+        assert repl.stdout.count("> ") == 6  # help, bogus, blank, the //x message, reset, exit
         chat = meshinfer("chat", "--peers", url, "-p", "hello", "--max-tokens", "6", "--json", env=env)
         assert chat.returncode == 0, chat.stderr
         d = json.loads(chat.stdout)
@@ -126,6 +137,26 @@ def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_status_require_route_fails_without_a_complete_route(tiny_gguf, tmp_path):
+    env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(tiny_gguf), "--layers", "0-1",
+                             "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"ready: peer \w+ serving layers 0-1 of 4 at (ws://127\.0\.0\.1:\d+)", line)
+        assert m, line + proc.stderr.read() if proc.poll() is not None else line
+        plain = meshinfer("status", "--peers", m.group(1), env=env)
+        assert plain.returncode == 0, plain.stderr
+        assert "layers 2-3 have no usable peer" in plain.stdout
+        strict = meshinfer("status", "--peers", m.group(1), "--require-route", "--json", env=env)
+        assert strict.returncode == 1, strict.stderr
+        assert json.loads(strict.stdout)["routes"][0]["missing_layers"] == ["2-3"]
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_private_mesh_needs_the_key_file(tiny_gguf, tmp_path):
@@ -166,6 +197,9 @@ def test_join_with_a_self_signed_certificate_serves_wss(tiny_gguf, tmp_path):
         assert oct(os.stat(tmp_path / "k.pem.tls-key.pem").st_mode & 0o777) == "0o600"
         status = meshinfer("status", "--peers", m.group(2), "--json", env=env)
         assert status.returncode == 0, status.stderr
+        plain = meshinfer("status", "--peers", m.group(2).replace("wss://", "ws://"), env=env)
+        assert plain.returncode == 2 and plain.stderr.strip().splitlines()[-1].endswith(
+            "if the peer serves TLS (join --tls), use wss://"), plain.stderr
         [peer] = json.loads(status.stdout)["peers"]
         assert peer["peer_id"].startswith(m.group(1))
     finally:
