@@ -287,13 +287,14 @@ async def _join(args) -> int:
                             idle_timeout_s=args.idle_timeout, mesh_key=_mesh_key(args),
                             tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure,
                             tls_ca=args.tls_ca, metrics_port=args.metrics_port or None,
+                            metrics_host=args.metrics_host or None,
                             allow_ids=_allow_ids(args), max_batch=args.max_batch,
                             max_hold_s=args.batch_wait_ms / 1000)
     if not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0 turns metrics off)")
     _check_port_free(host, port)
     if args.metrics_port:
-        _check_port_free(host, args.metrics_port)
+        _check_port_free(args.metrics_host or host, args.metrics_port)
     _warn_plain(list(settings.bootstrap), args.insecure)
     key = args.key or _default_key_path(port)
     peer = await launch_peer(args.model, layers, device=args.device, dtype=args.dtype, settings=settings,
@@ -759,6 +760,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=_env("MESHINFER_METRICS_PORT", "0"),
                    help="serve Prometheus metrics at http://LISTEN-HOST:PORT/metrics; 0: off "
                         "[$MESHINFER_METRICS_PORT]")
+    s.add_argument("--metrics-host", default=_env("MESHINFER_METRICS_HOST"),
+                   help="address the metrics server listens on (default: the --listen host; 127.0.0.1 keeps "
+                        "a public peer's metrics private) [$MESHINFER_METRICS_HOST]")
     s.add_argument("--allow-keys", default=allow_default,
                    help="file of peer ids or public keys allowed in the mesh, one a line [$MESHINFER_ALLOW_KEYS]")
     s.set_defaults(func=cmd_join)

@@ -75,6 +75,8 @@ def free_port_base(count: int) -> int:
     (["chat", "-p", "x", "--peers", "ws://127.0.0.1:1", "--mesh-key-file", "/nonexistent/mesh.key"],
      "--mesh-key-file /nonexistent/mesh.key: No such file or directory"),
     (["join", "--max-batch", "0"], "--max-batch must be at least 1 (1 turns batching off), got 0"),
+    (["join", "--batch-wait-ms", "-5"], "--batch-wait-ms must be 0-1000 (0: never wait), got -5.0"),
+    (["join", "--metrics-port", "9", "--metrics-host", "192.0.2.1"], "cannot listen on 192.0.2.1:9:"),
     (["join", "--listen", "0.0.0.0:0"], "refusing to listen on 0.0.0.0 without TLS: pass --tls self-signed "
                                         "(or --tls-cert/--tls-key), or --insecure to serve plain ws://"),
     (["chat", "-p", "x", "--peers", "ws://10.0.0.5:7700"], "ws://10.0.0.5:7700 is plain ws:// to another "

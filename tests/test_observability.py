@@ -28,10 +28,10 @@ def tiny(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("obs"))
 
 
-async def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """``/metrics`` of the server on 127.0.0.1:``port`` as {(sample name, sorted labels): value}."""
+async def scrape(port: int, host: str = "127.0.0.1") -> dict[tuple[str, tuple], float]:
+    """``/metrics`` of the server on ``host``:``port`` as {(sample name, sorted labels): value}."""
     def get() -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as r:
             assert r.status == 200
             return r.read().decode()
 
@@ -122,6 +122,17 @@ async def test_metrics_are_off_unless_a_port_is_given_and_per_peer(tiny):
     finally:
         await a.close()
         await b.close()
+
+
+async def test_metrics_listen_on_metrics_host_when_given(tiny):
+    path, digest, tok, whole = tiny
+    peer = await start_peer(whole, weights_hash=digest, metrics_port=0, metrics_host="127.0.0.2")
+    try:
+        assert ("meshinfer_conversations", ()) in await scrape(peer.metrics.port, "127.0.0.2")
+        with pytest.raises(OSError):  # not on the peer's own host, 127.0.0.1
+            await scrape(peer.metrics.port)
+    finally:
+        await peer.close()
 
 
 async def test_peer_logs_in_json_carry_the_conversation_id(tiny):
