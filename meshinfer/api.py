@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 512
 #: Largest ``max_tokens`` accepted; the model's context (checked by the peers) is usually smaller.
 MAX_TOKENS_LIMIT = 1 << 20
+#: Default most chat requests in flight from one client address (``serve --max-requests-per-client``):
+#: each holds a conversation on every hop, and a peer allows 64 per client host (the server's),
+#: so a few HTTP users cannot take them all.
+DEFAULT_MAX_REQUESTS_PER_CLIENT = 8
 #: Seconds a planned route (and the peer table behind ``/v1/models``) is reused before replanning.
 ROUTE_TTL_S = 30.0
 #: Largest request body, bytes.
@@ -329,13 +333,23 @@ class ApiServer:
         api_key: when set, requests must send ``Authorization: Bearer <api_key>`` (else 401).
         default_max_tokens: tokens generated when a request gives no ``max_tokens``.
         route_ttl_s: see :class:`MeshModels`.
+        max_requests_per_client: chat requests one client address may have in flight; beyond
+            it, 429 ``too_many_requests`` (the others go on); 0 means no limit.
+
+    Raises:
+        ValueError: ``max_requests_per_client`` is negative.
     """
 
     def __init__(self, client: MeshClient, *, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-                 route_ttl_s: float = ROUTE_TTL_S) -> None:
+                 route_ttl_s: float = ROUTE_TTL_S,
+                 max_requests_per_client: int = DEFAULT_MAX_REQUESTS_PER_CLIENT) -> None:
+        if max_requests_per_client < 0:
+            raise ValueError(f"max_requests_per_client must be 0 (no limit) or more, got {max_requests_per_client}")
         self.client, self.host, self.port = client, host, port
         self.api_key, self.default_max_tokens = api_key, default_max_tokens
+        self.max_requests_per_client = max_requests_per_client
+        self._in_flight: dict[str, int] = {}  # client address -> chat requests running
         self.models = MeshModels(client, route_ttl_s=route_ttl_s)
         self.app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
         self.app.add_routes([web.post("/v1/chat/completions", self._chat), web.get("/v1/models", self._list),
@@ -380,6 +394,20 @@ class ApiServer:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self._check_key(request)
+        addr = request.remote or "?"
+        limit = self.max_requests_per_client
+        if limit and self._in_flight.get(addr, 0) >= limit:
+            raise ApiError(429, f"{limit} requests from {addr} are already in flight (the most one client may "
+                                f"have); retry when one finishes", type="rate_limit_error", code="too_many_requests")
+        self._in_flight[addr] = self._in_flight.get(addr, 0) + 1
+        try:
+            return await self._chat_in_flight(request)
+        finally:
+            left = self._in_flight.pop(addr) - 1
+            if left:
+                self._in_flight[addr] = left
+
+    async def _chat_in_flight(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
             body = json.loads(raw)

@@ -492,6 +492,8 @@ async def _serve(args) -> int:
         raise ValueError(f"--port {args.port} is not a TCP port")
     if args.default_max_tokens < 1:
         raise ValueError("--default-max-tokens must be at least 1")
+    if args.max_requests_per_client < 0:
+        raise ValueError(f"--max-requests-per-client must be 0 (no limit) or more, got {args.max_requests_per_client}")
     api_key = None
     if args.api_key_file:
         try:
@@ -507,7 +509,8 @@ async def _serve(args) -> int:
     async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
                           tls_ca=args.tls_ca, allow_ids=_allow_ids(args), **_audit_options(args)) as client:
         server = ApiServer(client, host=args.host, port=args.port, api_key=api_key,
-                           default_max_tokens=args.default_max_tokens)
+                           default_max_tokens=args.default_max_tokens,
+                           max_requests_per_client=args.max_requests_per_client)
         try:
             await server.start()
         except OSError as exc:
@@ -815,6 +818,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "[$MESHINFER_API_KEY_FILE]")
     s.add_argument("--default-max-tokens", type=int, default=512,
                    help="tokens generated when a request sets no max_tokens")
+    s.add_argument("--max-requests-per-client", type=int, default=_env("MESHINFER_API_MAX_REQUESTS", "8"),
+                   help="chat requests one client address may have in flight, beyond which it gets 429 "
+                        "(0: no limit) [$MESHINFER_API_MAX_REQUESTS]")
     s.add_argument("--mesh-key-file", default=mesh_key_default,
                    help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
     s.add_argument("--insecure", action="store_true", help="allow plain ws:// to other machines (unencrypted)")

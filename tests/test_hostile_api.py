@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 
 import aiohttp
@@ -222,3 +223,27 @@ async def test_a_verify_flood_from_one_host_does_not_starve_other_spot_checks(ti
         finally:
             await flooder.close()
     assert conv.audit.checks >= 1
+
+
+async def test_one_client_address_gets_429_beyond_its_requests_in_flight(tiny):
+    """Each chat request holds a conversation on every hop; one HTTP user could take all 64 a peer
+    allows the server's host. Beyond ``max_requests_per_client`` in flight: 429, the rest go on."""
+    _, digest, _, _ = tiny
+    body = json.dumps({"model": digest, "messages": MESSAGES, "max_tokens": 2}).encode()
+    async with api_over(tiny, max_requests_per_client=2) as (peers, server), aiohttp.ClientSession() as http:
+        gate = threading.Event()
+        peers[0].executor.submit(gate.wait, 30)  # the first hop's device is busy: requests stay in flight
+        try:
+            running = [asyncio.ensure_future(post(http, server, body)) for _ in range(2)]
+            await asyncio.sleep(0.5)
+            status, answer = await post(http, server, body)
+        finally:
+            gate.set()
+        assert status == 429 and answer["error"]["code"] == "too_many_requests"
+        assert answer["error"]["message"] == ("2 requests from 127.0.0.1 are already in flight (the most one "
+                                              "client may have); retry when one finishes")
+        assert [s for s, _ in await asyncio.gather(*running)] == [200, 200]
+        assert (await post(http, server, body))[0] == 200
+        assert server._in_flight == {}
+    with pytest.raises(ValueError, match="max_requests_per_client must be 0 .no limit. or more, got -1"):
+        ApiServer(None, max_requests_per_client=-1)
