@@ -341,7 +341,9 @@ async def _chat(args) -> int:
         if not args.json:
             print(f"route: {route.describe()}", file=sys.stderr)
         if not interactive:
-            result = await one_reply(client, route, tok, tok.encode_chat(messages), max_tokens=args.max_tokens,
+            ids = tok.encode_chat(messages)
+            _announce_prefill([], ids, route, args)
+            result = await one_reply(client, route, tok, ids, max_tokens=args.max_tokens,
                                      sampling=args.sampling, on_text=None if args.json else _show,
                                      conversation_options=_spec(args))
             _reply_done(result, args)
@@ -449,9 +451,31 @@ def _show(text: str) -> None:
     sys.stdout.flush()
 
 
+#: New prompt tokens from which chat says it is reading them (a prefill takes seconds on a CPU).
+LONG_PROMPT_TOKENS = 512
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _announce_prefill(cached, prompt_ids, route, args) -> None:
+    """Tell the user a long prompt is being read (``LONG_PROMPT_TOKENS`` new tokens or more)."""
+    new = len(prompt_ids) - _common_prefix(cached, prompt_ids)  # tokens the hops do not hold yet
+    if new >= LONG_PROMPT_TOKENS and not args.json:
+        print(f"(reading {new} prompt tokens through {len(route.hops)} hop(s) before the first token)",
+              file=sys.stderr)
+
+
 async def _reply(conv, tok, prompt_ids, args):
     from .reply import reply
 
+    _announce_prefill(conv.cached, prompt_ids, conv.route, args)
     result = await reply(conv, tok, prompt_ids, max_tokens=args.max_tokens, sampling=args.sampling,
                          on_text=None if args.json else _show)
     if not args.json:

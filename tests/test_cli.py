@@ -258,3 +258,18 @@ def test_bench_concurrency_reports_aggregate_tokens_per_s(tiny_gguf, tmp_path):
     assert [(r["peers"], r["conversations"]) for r in rows] == [(1, 1), (1, 3), (2, 1), (2, 3)]
     assert [r["tokens"] for r in rows] == [7, 21, 7, 21]  # the first token, then 6 decoded each
     assert all(r["end_to_end_tokens_per_s"] > 0 and r["aggregate_tokens_per_s"] > 0 for r in rows)
+
+
+def test_chat_says_when_it_reads_a_long_prompt(capsys):
+    from types import SimpleNamespace
+
+    from meshinfer.cli import LONG_PROMPT_TOKENS, _announce_prefill
+
+    route, text = SimpleNamespace(hops=[1, 2]), SimpleNamespace(json=False)
+    prompt = list(range(LONG_PROMPT_TOKENS + 10))
+    _announce_prefill([], prompt, route, text)
+    assert capsys.readouterr().err == (f"(reading {LONG_PROMPT_TOKENS + 10} prompt tokens through 2 hop(s) "
+                                       f"before the first token)\n")
+    _announce_prefill(prompt[:20], prompt, route, text)  # the hops hold 20: fewer new tokens than the limit
+    _announce_prefill([], prompt, route, SimpleNamespace(json=True))  # --json prints only the JSON
+    assert capsys.readouterr().err == ""
