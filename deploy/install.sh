@@ -19,7 +19,7 @@ python -m pip install -q --upgrade pip
 # on Linux.
 INDEX=()
 [ -n "${MESHINFER_TORCH_INDEX:-}" ] && INDEX=(--index-url "$MESHINFER_TORCH_INDEX")
-python -c "import torch" 2>/dev/null || python -m pip install -q "${INDEX[@]}" "${MESHINFER_TORCH:-torch==2.13.0}"
+python -c "import torch" 2>/dev/null || python -m pip install -q ${INDEX[@]+"${INDEX[@]}"} "${MESHINFER_TORCH:-torch==2.13.0}"
 python -m pip install -q -e ".[test]"
 meshinfer --help >/dev/null
 echo "meshinfer installed in $VENV" >&2

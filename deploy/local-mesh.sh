@@ -57,7 +57,7 @@ if [ -z "${LOG_DIR:-}" ]; then LOG_DIR=$(mktemp -d -t meshinfer-mesh.XXXXXX); OW
 PIDS=()
 cleanup() {
   if [ "$KEEP" = 0 ]; then
-    for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+    for pid in ${PIDS[@]+"${PIDS[@]}"}; do kill "$pid" 2>/dev/null || true; done
     wait 2>/dev/null || true
     [ "$OWN_LOG_DIR" = 1 ] && [ "${STATUS:-1}" = 0 ] && rm -rf "$LOG_DIR"
   fi
@@ -73,7 +73,7 @@ for i in $(seq 0 $((N - 1))); do
   [ "$i" -gt 0 ] && extra+=(--peers "ws://127.0.0.1:$BASE_PORT")
   [ "$METRICS_PORT" -gt 0 ] && extra+=(--metrics-port $(( METRICS_PORT + i )))
   meshinfer join --model "$MODEL_PATH" --layers "$first-$last" --listen "127.0.0.1:$port" \
-    --key "$LOG_DIR/peer-$i.key" "${extra[@]}" >"$LOG_DIR/peer-$i.log" 2>&1 &
+    --key "$LOG_DIR/peer-$i.key" ${extra[@]+"${extra[@]}"} >"$LOG_DIR/peer-$i.log" 2>&1 &
   PIDS+=($!)
 done
 for i in $(seq 0 $((N - 1))); do
@@ -98,5 +98,5 @@ if [ "$KEEP" = 1 ]; then
   echo "stop them with: kill ${PIDS[*]}" >&2
   exit 0
 fi
-meshinfer chat --peers "ws://127.0.0.1:$BASE_PORT" -p "$PROMPT" "${CHAT_ARGS[@]}"
+meshinfer chat --peers "ws://127.0.0.1:$BASE_PORT" -p "$PROMPT" ${CHAT_ARGS[@]+"${CHAT_ARGS[@]}"}
 STATUS=0
