@@ -177,8 +177,12 @@ class StepScheduler:
         return await job.future
 
     def forget(self, conv) -> None:
-        """``conv`` has ended: never wait for its next step. Safe to call for any conversation."""
-        self._coming.pop(id(conv), None)
+        """``conv`` has ended: never wait for its next step. Safe to call for any conversation.
+
+        A pass held for ``conv`` stops waiting for it at once.
+        """
+        if self._coming.pop(id(conv), None) is not None:
+            self._wake.set()
 
     async def _loop(self) -> None:
         while True:
@@ -264,16 +268,14 @@ class StepScheduler:
         return run.start, run.stop
 
     async def _run(self, group: list[StepJob]) -> None:
-        t0 = time.perf_counter()
         try:
-            results = await self.executor.run(self._compute, group)
+            results, took = await self.executor.run(self._timed_compute, group)
         except Exception as exc:  # the executor itself failed (shut down): no step may hang on it
             for job in group:
                 if not job.future.done():
                     job.future.set_exception(exc)
             return
         if group[0].tokens <= BATCH_STEP_TOKENS:  # a decode pass: it sizes the wait for the next
-            took = time.perf_counter() - t0
             self._pass_s = took if not self._pass_s else (1 - PASS_TIME_EWMA) * self._pass_s + PASS_TIME_EWMA * took
         ran = sum(1 for r in results if not isinstance(r, _Skipped))
         self.stats.passes += 1
@@ -294,6 +296,17 @@ class StepScheduler:
                 job.future.set_result(value)
 
     # ---------------------------------------------------------------- on the device thread
+    def _timed_compute(self, group: list[StepJob]) -> tuple[list, float]:
+        """:meth:`_compute` and the seconds it took on the device thread.
+
+        Only the pass itself counts, not the time it queued behind other work on the thread (a
+        verify, a cache free) nor the event loop's delay in resuming: those would let one slow
+        verify lengthen every wait for coming conversations up to ``max_hold_s``.
+        """
+        t0 = time.perf_counter()
+        outcomes = self._compute(group)
+        return outcomes, time.perf_counter() - t0
+
     def _compute(self, group: list[StepJob]) -> list:
         """Run ``group`` as one pass (or one step alone); one outcome per job, never raises."""
         if len(group) == 1:

@@ -11,6 +11,7 @@ import asyncio
 import copy
 import random
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -193,24 +194,27 @@ def test_the_oldest_step_runs_next_and_a_prefill_runs_alone():
 
 
 class SlowDevice:
-    """A device executor whose every pass takes ``pass_s``, and a shard that records pass sizes."""
+    """A device executor whose every pass takes ``pass_s`` on its own thread, after queueing
+    ``queue_s`` behind other work there, and a shard that records pass sizes."""
 
-    def __init__(self, pass_s: float) -> None:
-        self.pass_s, self.passes = pass_s, []
+    def __init__(self, pass_s: float, queue_s: float = 0.0) -> None:
+        self.pass_s, self.queue_s, self.passes = pass_s, queue_s, []
         self.device = "cpu"
 
     async def run(self, fn, *args):
-        await asyncio.sleep(self.pass_s)
-        return fn(*args)
+        await asyncio.sleep(self.queue_s)
+        return await asyncio.to_thread(fn, *args)
 
     def check_step(self, *args) -> None:
         pass
 
     def __call__(self, x, *args, **kwargs):
+        time.sleep(self.pass_s)
         self.passes.append(1)
         return x
 
     def forward_batch(self, xs, *args, **kwargs):
+        time.sleep(self.pass_s)
         self.passes.append(len(xs))
         return list(xs)
 
@@ -267,6 +271,36 @@ async def test_a_conversation_that_stops_costs_one_wait_and_a_lone_one_none():
         await steps_at(sched, convs[:1], [0])
     assert sched.stats.holds == 1
     assert device.passes == [3, 2, 2, 1, 1, 1]
+    sched._loop_task.cancel()
+
+
+async def test_work_queued_ahead_of_a_pass_does_not_lengthen_the_wait():
+    """The wait is sized by the time passes take on the device, not by the time they queued
+    behind other work there (a verify, a cache free): else one slow verify would let every
+    stopped conversation cost the others max_hold_s."""
+    device = SlowDevice(pass_s=0.02, queue_s=0.4)
+    sched = scheduler_on(device, max_hold_s=1.0)
+    convs = decode_convs(2)
+    await steps_at(sched, convs, [0, 0])
+    device.queue_s = 0.0
+    await steps_at(sched, convs[:1], [0])  # c1 stopped: a wait of about half of 0.02 s, not of 0.42 s
+    assert sched.stats.holds == 1 and sched.stats.hold_s < 0.05
+    sched._loop_task.cancel()
+
+
+async def test_a_conversation_that_ends_while_awaited_releases_the_pass_at_once():
+    device = SlowDevice(pass_s=0.4)
+    sched = scheduler_on(device, max_hold_s=1.0)
+    convs = decode_convs(2)
+    await steps_at(sched, convs, [0, 0])
+
+    async def end_soon():
+        await asyncio.sleep(0.02)
+        sched.forget(convs[1])  # closed while the pass waits for it (the wait may last 0.2 s)
+
+    await asyncio.gather(steps_at(sched, convs[:1], [0]), end_soon())
+    assert sched.stats.holds == 1 and sched.stats.hold_s < 0.1
+    assert device.passes == [2, 1]
     sched._loop_task.cancel()
 
 
