@@ -9,9 +9,11 @@ no added wait.
 
 Policy, in :meth:`StepScheduler._take`:
 
-- the oldest pending step always runs in the next pass, so a long prefill waits for at most
-  one batch of decode steps and decode steps wait for at most one prefill (no starvation);
-- steps of at most :data:`BATCH_STEP_TOKENS` tokens that run the same layers join the oldest
+- the oldest pending step runs in the next pass, except that right after a prefill pass the
+  oldest small step goes first: decode steps wait for at most one prefill however many are
+  queued, and prefills keep their order with at most one batch of decode steps between two
+  (no starvation);
+- steps of at most :data:`BATCH_STEP_TOKENS` tokens that run the same layers join that
   one, up to ``max_batch`` conversations (plain decode and speculative verification steps
   mix: each gets the logits it needs);
 - a longer step (prefill) runs alone.
@@ -144,6 +146,7 @@ class StepScheduler:
         self.stats = BatchStats()
         self._pending: list[StepJob] = []
         self._coming: dict[int, Any] = {}  # id(conv) -> conv: last step succeeded, next not yet here
+        self._after_prefill = False  # the last pass taken ran a prefill step: a small step goes next
         self._pass_s = 0.0  # running mean of decode pass time (PASS_TIME_EWMA), seconds
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -201,7 +204,7 @@ class StepScheduler:
 
         Returns at once without a pending step, for a prefill, with batching off or the batch
         full; else when every coming conversation has sent its step, or :meth:`_hold_limit_s`
-        after the oldest pending step arrived. Conversations still missing then stop counting
+        after the pass's first step (:meth:`_head`) arrived. Conversations still missing then stop counting
         as coming.
         """
         t0 = time.perf_counter()
@@ -210,7 +213,7 @@ class StepScheduler:
             missing = self._missing()
             if not missing:
                 break
-            remaining = self._pending[0].queued_at + self._hold_limit_s() - time.perf_counter()
+            remaining = self._head().queued_at + self._hold_limit_s() - time.perf_counter()
             if remaining <= 0:
                 for conv in missing:
                     self._coming.pop(id(conv), None)
@@ -229,7 +232,7 @@ class StepScheduler:
         self._pending = [j for j in self._pending if not j.future.done()]  # withdrawn by cancellation
         if not self._pending or self.max_batch == 1 or not self._coming:
             return []
-        first = self._pending[0]
+        first = self._head()
         if first.tokens > BATCH_STEP_TOKENS:
             return []
         key = self._key(first)
@@ -244,20 +247,31 @@ class StepScheduler:
         """The longest a pass waits after its oldest step arrived, seconds."""
         return min(self.max_hold_s, HOLD_FRACTION * self._pass_s)
 
+    def _head(self) -> StepJob:
+        """The step the next pass is built around (``_pending`` must not be empty): the oldest,
+        except right after a prefill pass, when the oldest small step goes first. So however many
+        prefill chunks one client queues, another conversation's decode step waits for at most one."""
+        if self._after_prefill:
+            for job in self._pending:
+                if job.tokens <= BATCH_STEP_TOKENS:
+                    return job
+        return self._pending[0]
+
     def _take(self) -> list[StepJob]:
-        """The next pass: the oldest pending step plus the compatible small steps after it."""
+        """The next pass: :meth:`_head` plus the compatible small steps pending with it."""
         self._pending = [j for j in self._pending if not j.future.done()]  # withdrawn by cancellation
         if not self._pending:
             return []
-        first = self._pending[0]
+        first = self._head()
         group = [first]
         if first.tokens <= BATCH_STEP_TOKENS and self.max_batch > 1:
             key = self._key(first)
-            for job in self._pending[1:]:
+            for job in self._pending:
                 if len(group) >= self.max_batch:
                     break
-                if job.tokens <= BATCH_STEP_TOKENS and self._key(job) == key:
+                if job is not first and job.tokens <= BATCH_STEP_TOKENS and self._key(job) == key:
                     group.append(job)
+        self._after_prefill = first.tokens > BATCH_STEP_TOKENS
         taken = {id(j) for j in group}
         self._pending = [j for j in self._pending if id(j) not in taken]
         return group

@@ -193,6 +193,31 @@ def test_the_oldest_step_runs_next_and_a_prefill_runs_alone():
         loop.close()
 
 
+def test_a_decode_step_waits_for_at_most_one_prefill_however_many_are_queued():
+    """One client's many prefill chunks, queued first, do not hold another conversation's
+    decode step behind all of them: prefills and decode passes alternate."""
+    sched = StepScheduler(None, None, finish=None, logits_mode=lambda w: "last", spawn=None)
+    loop = asyncio.new_event_loop()
+    try:
+        def job(tokens):
+            conv = SimpleNamespace(run=LayerRange(0, 4))
+            sched._pending.append(SimpleNamespace(conv=conv, tokens=tokens, want="token",
+                                                  future=loop.create_future()))
+            return sched._pending[-1]
+
+        p1, p2, p3, d1 = job(512), job(512), job(BATCH_STEP_TOKENS + 1), job(1)
+        assert sched._take() == [p1]
+        assert sched._take() == [d1]  # not after p2 and p3
+        p4, d2, d3 = job(512), job(1), job(BATCH_STEP_TOKENS)
+        assert sched._take() == [p2]
+        assert sched._take() == [d2, d3]
+        assert sched._take() == [p3]  # prefills keep their order and never starve
+        assert sched._take() == [p4]
+        assert sched._take() == []
+    finally:
+        loop.close()
+
+
 class SlowDevice:
     """A device executor whose every pass takes ``pass_s`` on its own thread, after queueing
     ``queue_s`` behind other work there, and a shard that records pass sizes."""
