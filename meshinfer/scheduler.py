@@ -24,7 +24,7 @@ steps arrive one by one. A pass that started on the first arrival would carry on
 rest would wait a whole pass for the next one: the conversations drift into small batches.
 So while a conversation whose last step succeeded here ("coming") has not sent its next
 step, a decode pass waits for it, at most :data:`HOLD_FRACTION` of a recent pass's time and
-at most ``max_hold_s`` after its oldest step arrived. A conversation that misses the wait is
+at most ``max_hold_s`` after its first step arrived. A conversation that misses the wait is
 no longer counted as coming until its next step arrives (one that ended costs one wait).
 
 Error isolation: each step is checked (:meth:`Shard.check_step`) before the batch is built,
@@ -204,8 +204,8 @@ class StepScheduler:
 
         Returns at once without a pending step, for a prefill, with batching off or the batch
         full; else when every coming conversation has sent its step, or :meth:`_hold_limit_s`
-        after the pass's first step (:meth:`_head`) arrived. Conversations still missing then stop counting
-        as coming.
+        after the pass's first step (:meth:`_head`) arrived. Conversations still missing then
+        stop counting as coming.
         """
         t0 = time.perf_counter()
         while True:
@@ -244,7 +244,7 @@ class StepScheduler:
         return missing[:room]
 
     def _hold_limit_s(self) -> float:
-        """The longest a pass waits after its oldest step arrived, seconds."""
+        """The longest a pass waits after its first step (:meth:`_head`) arrived, seconds."""
         return min(self.max_hold_s, HOLD_FRACTION * self._pass_s)
 
     def _head(self) -> StepJob:

@@ -818,6 +818,34 @@ async def test_abrupt_disconnect_mid_step_frees_the_cache(tiny):
         await assert_healthy(tiny, peers)
 
 
+async def test_conversations_closed_while_batched_or_awaited_leave_nothing_behind(tiny):
+    """Open, step, close: conversations closed while their step is pending or while a pass waits
+    for them (the scheduler holds the coming ones) leave no cache, no scheduler entry, no task."""
+    async with serving(tiny, client_limits=ClientLimits(steps_per_s=1e6, bytes_per_s=1e12)) as peers:
+        peer = peers[0]
+        raw = await Raw.connect(peer)
+        try:
+            for cycle in range(10):
+                convs = [f"k{cycle}-{i}" for i in range(6)]
+                for c in convs:
+                    assert (await raw.request("open", conv=c, layers=[0, 4], max_tokens=16))["t"] == "opened"
+                for c in convs:
+                    await raw.send("step", conv=c, seq=0, start=0, tokens=[1, 2, 3], want="token")
+                assert [(await raw.recv())["t"] for _ in convs] == ["token"] * len(convs)
+                for i, c in enumerate(convs):  # half send one more step and close at once, half stop
+                    if i % 2:
+                        await raw.send("step", conv=c, seq=1, start=3, tokens=[4], want="token")
+                        await raw.send("close", conv=c)
+                for c in convs[::2]:
+                    await raw.send("close", conv=c)
+            await settle(peers)
+            assert not peer.scheduler._coming and not peer.scheduler._pending
+            assert peer.batch_stats.batched_passes > 0
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
 async def test_client_that_never_reads_replies_does_not_stall_others(tiny):
     # the stall is under test here, not the per-host rate limit (both clients share 127.0.0.1)
     async with serving(tiny, client_limits=ClientLimits(steps_per_s=1e6, bytes_per_s=1e12)) as peers:
