@@ -309,7 +309,7 @@ async def test_work_queued_ahead_of_a_pass_does_not_lengthen_the_wait():
     await steps_at(sched, convs, [0, 0])
     device.queue_s = 0.0
     await steps_at(sched, convs[:1], [0])  # c1 stopped: a wait of about half of 0.02 s, not of 0.42 s
-    assert sched.stats.holds == 1 and sched.stats.hold_s < 0.05
+    assert sched.stats.holds == 1 and sched.stats.hold_s < 0.1  # not 0.2: half of 0.42 s
     sched._loop_task.cancel()
 
 
