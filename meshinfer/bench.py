@@ -221,9 +221,9 @@ def run_concurrency_bench(*, model: str, splits: list[int], concurrency: list[in
 
     For each peer count in ``splits`` and each N in ``concurrency``, N greedy conversations on
     the same route each prefill the prompt and take their first token (one after another), then
-    all decode ``max_tokens`` more tokens at once, plainly (no speculation). ``aggregate_tokens_per_s`` is the decode phase's
-    tokens over its wall time; ``end_to_end_tokens_per_s`` counts every token (the first ones
-    too) over both phases.
+    all decode ``max_tokens`` more tokens at once, plainly (no speculation).
+    ``aggregate_tokens_per_s`` is the decode phase's tokens over its wall time;
+    ``end_to_end_tokens_per_s`` counts every token (the first ones too) over both phases.
 
     Returns:
         ``(header, results)``: one dict per (setup, N) with ``peers`` and ``conversations``.
