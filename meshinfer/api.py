@@ -64,19 +64,22 @@ class ApiError(Exception):
         type: OpenAI error type (``invalid_request_error``, ``server_error`` ...).
         param: the request field at fault, or None.
         code: a short machine-readable code, or None.
+        retry_after_s: seconds to send as ``Retry-After`` (RFC 9110, 10.2.3), or None.
     """
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
         """``{"error": {"message", "type", "param", "code"}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return web.json_response(self.body(), status=self.status, headers=headers)
 
 
 def mesh_error(exc: MeshError) -> ApiError:
@@ -397,8 +400,9 @@ class ApiServer:
         addr = request.remote or "?"
         limit = self.max_requests_per_client
         if limit and self._in_flight.get(addr, 0) >= limit:
-            raise ApiError(429, f"{limit} requests from {addr} are already in flight (the most one client may "
-                                f"have); retry when one finishes", type="rate_limit_error", code="too_many_requests")
+            raise ApiError(429, f"{addr} already has {limit} request{'s' if limit != 1 else ''} in flight, the most "
+                                f"one client may have; retry when one finishes", type="rate_limit_error",
+                           code="too_many_requests", retry_after_s=1)
         self._in_flight[addr] = self._in_flight.get(addr, 0) + 1
         try:
             return await self._chat_in_flight(request)

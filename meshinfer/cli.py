@@ -105,7 +105,8 @@ def _peers(text: str | None) -> list[str]:
     urls = [u.strip() for u in (text or "").split(",") if u.strip()]
     for u in urls:
         if not re.fullmatch(r"wss?://[^\s/]+(/\S*)?", u):
-            raise ValueError(f"peer address {u!r} is not ws://HOST:PORT")
+            raise ValueError(f"peer address {u!r} is not ws://HOST:PORT or wss://HOST:PORT (what a peer's "
+                             f"ready: line shows)")
     return urls
 
 
@@ -509,6 +510,7 @@ def cmd_chat(args) -> int:
 # --------------------------------------------------------------------------- serve
 async def _serve(args) -> int:
     from .api import ApiServer
+    from .errors import PeerUnavailable
     from .session import MeshClient
     from .tls import is_loopback
 
@@ -539,7 +541,11 @@ async def _serve(args) -> int:
             await server.start()
         except OSError as exc:
             raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
-        models = ", ".join(m["id"] for m in await server.models.models()) or "none yet"
+        try:
+            models = ", ".join(m["id"] for m in await server.models.models()) or "none yet"
+        except PeerUnavailable as exc:  # peers may start after the API: requests get 503 until then
+            print(f"warning: {exc}; answering 503 until a peer does", file=sys.stderr)
+            models = "none yet"
         _announce(args, f"ready: OpenAI-compatible API at {server.url} (models: {models})")
         stop = _stop_on_signals()
         await stop.wait()
@@ -717,7 +723,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshinfer", description="Run one LLM split by layers across a mesh of peers.")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging: -v info, -vv debug (join already logs info, so there -v gives debug)")
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:

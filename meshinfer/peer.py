@@ -209,6 +209,7 @@ class Peer:
                                 + FRAME_OVERHEAD_BYTES)
         self._dialing: dict[str, asyncio.Future] = {}
         self._gossiping: set[str] = set()  # peer ids with a gossip exchange in flight
+        self._bootstrap_errors: dict[str, str] = {}  # bootstrap URL -> the last reason it failed
         self._closing = False
         self.owns_executor = False
         self._buckets: dict[str, tuple[_Bucket, _Bucket]] = {}
@@ -439,7 +440,9 @@ class Peer:
             self._merge([remote])
             self.links.setdefault(remote.peer_id, link)
             return link
-        raise PeerUnavailable(f"cannot reach peer {(expect_id or '?')[:12]}: " + "; ".join(errors or ["no address"]))
+        if expect_id is None:  # a bootstrap address: each error already names its URL
+            raise PeerUnavailable("; ".join(errors or ["no address"]))
+        raise PeerUnavailable(f"cannot reach peer {expect_id[:12]}: " + "; ".join(errors or ["no address"]))
 
     async def _handshake(self, link: Link, expect_id: str | None) -> PeerAdvert:
         """Dialer side: hello, check the welcome's proofs, answer with ``auth``; the remote's advert.
@@ -979,10 +982,25 @@ class Peer:
         return payload
 
     async def _bootstrap(self, url: str) -> None:
+        """Dial a bootstrap address (retried every gossip round until its peer is known).
+
+        A failure is logged as a warning when its reason is new (a wrong scheme or a host that
+        is down would otherwise leave a peer that looks ready but never joins), and at debug
+        level while the same reason repeats; reaching it after a failure is logged too.
+        """
         try:
             await self._dial_any((url,), expect_id=None)
         except PeerUnavailable as exc:
-            log.debug("bootstrap %s: %s", url, exc)
+            reason = str(exc)
+            if self._bootstrap_errors.get(url) != reason:
+                log.warning("cannot join the mesh through %s yet (retrying every %g s): %s", url,
+                            self.settings.gossip_interval_s, reason)
+            else:
+                log.debug("bootstrap %s: %s", url, reason)
+            self._bootstrap_errors[url] = reason
+        else:
+            if self._bootstrap_errors.pop(url, None) is not None:
+                log.info("reached bootstrap peer %s", url)
 
     async def _gossip_to(self, peer_id: str, addrs: tuple[str, ...], payload: list) -> None:
         try:

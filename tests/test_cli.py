@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -76,6 +77,8 @@ def free_port_base(count: int) -> int:
      "--mesh-key-file /nonexistent/mesh.key: No such file or directory"),
     (["join", "--max-batch", "0"], "--max-batch must be at least 1 (1 turns batching off), got 0"),
     (["join", "--batch-wait-ms", "-5"], "--batch-wait-ms must be 0-1000 (0: never wait), got -5.0"),
+    (["chat", "-p", "x", "--peers", "127.0.0.1:7850"], "peer address '127.0.0.1:7850' is not ws://HOST:PORT or "
+                                                       "wss://HOST:PORT (what a peer's ready: line shows)"),
     (["join", "--metrics-port", "9", "--metrics-host", "192.0.2.1"], "cannot listen on 192.0.2.1:9:"),
     (["join", "--listen", "0.0.0.0:0"], "refusing to listen on 0.0.0.0 without TLS: pass --tls self-signed "
                                         "(or --tls-cert/--tls-key), or --insecure to serve plain ws://"),
@@ -159,6 +162,48 @@ def test_status_require_route_fails_without_a_complete_route(tiny_gguf, tmp_path
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_serve_starts_before_its_peers_and_answers_503_until_they_come(tiny_gguf, tmp_path):
+    import urllib.error
+    import urllib.request
+
+    def models(api: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"{api}/models", timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
+    peer_url = f"ws://127.0.0.1:{free_port_base(1)}"
+    procs = [subprocess.Popen([sys.executable, "-m", "meshinfer", "serve", "--peers", peer_url, "--port", "0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)]
+    try:
+        line = procs[0].stdout.readline()
+        m = re.fullmatch(r"ready: OpenAI-compatible API at (http://127\.0\.0\.1:\d+/v1) \(models: none yet\)\n", line)
+        assert m, line + procs[0].stderr.read() if procs[0].poll() is not None else line
+        status, body = models(m.group(1))
+        assert status == 503 and body["error"]["code"] == "peer_unavailable", body
+        procs.append(subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(tiny_gguf),
+                                       "--listen", peer_url[len("ws://"):]], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env))
+        assert "ready: peer" in procs[1].stdout.readline()
+        status, body = models(m.group(1))  # the table is refreshed when its TTL has passed: ask until then
+        for _ in range(40):
+            if status == 200 and body["data"]:
+                break
+            time.sleep(1)
+            status, body = models(m.group(1))
+        assert status == 200 and body["data"][0]["meshinfer"]["complete_route"] is True, body
+        procs[0].send_signal(signal.SIGTERM)
+        out, err = procs[0].communicate(timeout=30)
+        assert procs[0].returncode == 0 and "answering 503 until a peer does" in err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def test_private_mesh_needs_the_key_file(tiny_gguf, tmp_path):

@@ -236,12 +236,13 @@ async def test_one_client_address_gets_429_beyond_its_requests_in_flight(tiny):
         try:
             running = [asyncio.ensure_future(post(http, server, body)) for _ in range(2)]
             await asyncio.sleep(0.5)
-            status, answer = await post(http, server, body)
+            async with http.post(f"{server.url}/chat/completions", data=body) as r:
+                status, answer, retry = r.status, await r.json(), r.headers.get("Retry-After")
         finally:
             gate.set()
-        assert status == 429 and answer["error"]["code"] == "too_many_requests"
-        assert answer["error"]["message"] == ("2 requests from 127.0.0.1 are already in flight (the most one "
-                                              "client may have); retry when one finishes")
+        assert (status, answer["error"]["code"], retry) == (429, "too_many_requests", "1")
+        assert answer["error"]["message"] == ("127.0.0.1 already has 2 requests in flight, the most one client "
+                                              "may have; retry when one finishes")
         assert [s for s, _ in await asyncio.gather(*running)] == [200, 200]
         assert (await post(http, server, body))[0] == 200
         assert server._in_flight == {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -16,6 +17,27 @@ from meshinfer.peer import launch_peer, PeerSettings
 from meshinfer.session import MeshClient
 from meshinfer.tokenizer import Tokenizer
 from meshinfer.transport import dial
+
+async def test_a_failing_bootstrap_address_is_a_warning_once_per_reason(tiny, caplog):
+    """A wrong scheme in ``join --peers`` left a peer that looked ready but never joined, with
+    the reason at debug level only."""
+    path, digest, _, whole = tiny
+    a = await start_peer(whole, weights_hash=digest)
+    url = a.addrs[0].replace("ws://", "wss://")
+    try:
+        with caplog.at_level(logging.DEBUG, logger="meshinfer.peer"):
+            b = await start_peer(whole, weights_hash=digest, bootstrap=(url,))
+            await asyncio.sleep(12 * b.settings.gossip_interval_s)  # a dozen rounds of retries
+            await b.close()
+    finally:
+        await a.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and url in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"cannot join the mesh through {url} yet (retrying every "
+                                  f"{b.settings.gossip_interval_s:g} s): cannot reach {url}: TLS handshake failed (")
+    assert warnings[0].endswith("; if the peer serves plain websockets, use ws://")
+    assert sum(r.levelno == logging.DEBUG and f"bootstrap {url}:" in r.getMessage() for r in caplog.records) >= 3
+
 
 MESSAGES = [{"role": "user", "content": "hello there, tiny model"}]
 
