@@ -18,10 +18,10 @@ FAST = dict(gossip_interval_s=0.1, advert_ttl_s=1.0, request_timeout_s=5.0)
 
 
 async def start_peer(shard: Shard, *, weights_hash: str, precision: str = "f32", bundle: dict | None = None,
-                     bootstrap: Sequence[str] = (), **settings) -> Peer:
-    """A started peer serving ``shard`` on 127.0.0.1:0 with fast gossip."""
+                     bootstrap: Sequence[str] = (), device: str = "cpu", **settings) -> Peer:
+    """A started peer serving ``shard`` (already on ``device``) on 127.0.0.1:0 with fast gossip."""
     opts = dict(FAST) | settings
-    peer = Peer(shard, DeviceExecutor("cpu"), key=Ed25519PrivateKey.generate(),
+    peer = Peer(shard, DeviceExecutor(device), key=Ed25519PrivateKey.generate(),
                 weights_hash=weights_hash, precision=precision, tokenizer_bundle=bundle,
                 settings=PeerSettings(bootstrap=tuple(bootstrap), **opts))
     peer.owns_executor = True
@@ -38,15 +38,18 @@ async def wait_for_tables(peers: Sequence[Peer], *, timeout_s: float = 10.0) -> 
 
 
 @contextlib.asynccontextmanager
-async def mesh(shards: Sequence[Shard], *, weights_hash: str, bundle: dict | None = None, **settings):
-    """Start one peer per shard, the first as bootstrap for the others; close them all after."""
+async def mesh(shards: Sequence[Shard], *, weights_hash: str, bundle: dict | None = None,
+               devices: Sequence[str] | None = None, **settings):
+    """Start one peer per shard (on ``devices[i]``, default the CPU), the first as bootstrap for
+    the others; close them all after."""
     peers: list[Peer] = []
+    devices = list(devices or ["cpu"] * len(shards))
     try:
-        first = await start_peer(shards[0], weights_hash=weights_hash, bundle=bundle, **settings)
+        first = await start_peer(shards[0], weights_hash=weights_hash, bundle=bundle, device=devices[0], **settings)
         peers.append(first)
-        for s in shards[1:]:
+        for s, d in zip(shards[1:], devices[1:]):
             peers.append(await start_peer(s, weights_hash=weights_hash, bundle=bundle,
-                                          bootstrap=first.addrs, **settings))
+                                          bootstrap=first.addrs, device=d, **settings))
         await wait_for_tables(peers)
         yield peers
     finally:

@@ -25,16 +25,16 @@ def full_tensors(name: str) -> tuple:
     return src.config, dict(src.iter_shard_tensors(everything))
 
 
-def shard_of(name: str, start: int, stop: int, precision: str = "f32") -> Shard:
+def shard_of(name: str, start: int, stop: int, precision: str = "f32", device: str = "cpu") -> Shard:
     """A shard built from the cached tensors: exactly the tensors a real load would read,
-    at ``precision`` (see ``meshinfer.models.quant``)."""
+    at ``precision`` (see ``meshinfer.models.quant``), on ``device``."""
     cfg, tensors = full_tensors(name)
     layers = LayerRange(start, stop)
     wanted = [(n, t) for n, t in tensors.items()
               if (n.startswith("layers.") and int(n.split(".")[1]) in layers)
               or (n == "embed_tokens.weight" and start == 0)
               or (n in ("norm.weight", "lm_head.weight") and stop == cfg.num_hidden_layers)]
-    return Shard.from_tensors(cfg, layers, wanted, precision=parse_precision(precision))
+    return Shard.from_tensors(cfg, layers, wanted, precision=parse_precision(precision), device=device)
 
 
 def load_cases(name: str) -> dict:

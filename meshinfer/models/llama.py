@@ -233,7 +233,8 @@ class Shard(nn.Module):
         """Run layers ``run`` (default: all of this shard's) over ``T`` new tokens.
 
         Args:
-            x: token ids ``(B, T)`` int64 when ``run.start == 0``, else hidden states ``(B, T, C)``.
+            x: token ids ``(B, T)`` int64 when ``run.start == 0``, else hidden states ``(B, T, C)``;
+                on any device (moved to the shard's).
             start: position of the first new token. With a cache it must equal the cache's length.
             cache: the conversation's KV cache for these layers, or None for a stateless pass.
             run: a sub-range of this shard's layers to apply.
@@ -252,6 +253,7 @@ class Shard(nn.Module):
         T = x.shape[1]
         if cache is not None:
             cache.reserve(T)
+        x = x.to(self.device)  # inputs may come from anywhere (the wire, a warm-up) on the CPU
         h = self.embed_tokens(x) if run.start == 0 else x.to(self.dtype)  # (B, T, C)
         positions = torch.arange(start, start + T, device=h.device)  # (T,)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
