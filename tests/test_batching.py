@@ -268,14 +268,22 @@ def decode_convs(n: int) -> list:
     return [SimpleNamespace(name=f"c{i}", run=LayerRange(0, 4), cache=None) for i in range(n)]
 
 
+async def after_one_pass(n: int, *, pass_s: float, queue_s: float = 0.0, max_hold_s: float = 1.0):
+    """(device, scheduler, conversations): ``n`` conversations that ran one pass together, so
+    the scheduler counts every one of them as coming."""
+    device = SlowDevice(pass_s=pass_s, queue_s=queue_s)
+    sched = scheduler_on(device, max_hold_s=max_hold_s)
+    convs = decode_convs(n)
+    assert await steps_at(sched, convs, [0] * n) == [c.name for c in convs]
+    return device, sched, convs
+
+
 async def test_a_pass_waits_for_conversations_that_are_coming():
     """Steps of the conversations of the last pass arriving 20 ms apart share one pass; without
     the wait, the first runs alone and the rest wait for the pass after it."""
     for hold_s, sizes in ((1.0, [3, 3]), (0.0, [3, 1, 2])):
-        device = SlowDevice(pass_s=0.4)  # the wait may last up to 0.2 s: room for a slow machine
-        sched = scheduler_on(device, max_hold_s=hold_s)
-        convs = decode_convs(3)
-        assert await steps_at(sched, convs, [0, 0, 0]) == ["c0", "c1", "c2"]
+        # the wait may last up to 0.2 s (half a pass): room for a slow machine
+        device, sched, convs = await after_one_pass(3, pass_s=0.4, max_hold_s=hold_s)
         assert await steps_at(sched, convs, [0, 0.02, 0.04]) == ["c0", "c1", "c2"]
         assert device.passes == sizes, hold_s
         assert (sched.stats.holds == 1) == (hold_s > 0)
@@ -284,10 +292,7 @@ async def test_a_pass_waits_for_conversations_that_are_coming():
 
 
 async def test_a_conversation_that_stops_costs_one_wait_and_a_lone_one_none():
-    device = SlowDevice(pass_s=0.2)
-    sched = scheduler_on(device, max_hold_s=1.0)
-    convs = decode_convs(3)
-    await steps_at(sched, convs, [0, 0, 0])
+    device, sched, convs = await after_one_pass(3, pass_s=0.2)
     await steps_at(sched, convs[:2], [0, 0])  # c2 stopped: the pass waits half a pass for it, not max_hold_s
     assert sched.stats.holds == 1 and 0.09 < sched.stats.hold_s < 0.5
     await steps_at(sched, convs[:2], [0, 0])  # no longer counted as coming
@@ -303,10 +308,7 @@ async def test_work_queued_ahead_of_a_pass_does_not_lengthen_the_wait():
     """The wait is sized by the time passes take on the device, not by the time they queued
     behind other work there (a verify, a cache free): else one slow verify would let every
     stopped conversation cost the others max_hold_s."""
-    device = SlowDevice(pass_s=0.02, queue_s=0.4)
-    sched = scheduler_on(device, max_hold_s=1.0)
-    convs = decode_convs(2)
-    await steps_at(sched, convs, [0, 0])
+    device, sched, convs = await after_one_pass(2, pass_s=0.02, queue_s=0.4)
     device.queue_s = 0.0
     await steps_at(sched, convs[:1], [0])  # c1 stopped: a wait of about half of 0.02 s, not of 0.42 s
     assert sched.stats.holds == 1 and sched.stats.hold_s < 0.1  # not 0.2: half of 0.42 s
@@ -314,10 +316,7 @@ async def test_work_queued_ahead_of_a_pass_does_not_lengthen_the_wait():
 
 
 async def test_a_conversation_that_ends_while_awaited_releases_the_pass_at_once():
-    device = SlowDevice(pass_s=0.4)
-    sched = scheduler_on(device, max_hold_s=1.0)
-    convs = decode_convs(2)
-    await steps_at(sched, convs, [0, 0])
+    device, sched, convs = await after_one_pass(2, pass_s=0.4)
 
     async def end_soon():
         await asyncio.sleep(0.02)
@@ -330,10 +329,7 @@ async def test_a_conversation_that_ends_while_awaited_releases_the_pass_at_once(
 
 
 async def test_a_prefill_never_waits():
-    device = SlowDevice(pass_s=0.1)
-    sched = scheduler_on(device, max_hold_s=1.0)
-    convs = decode_convs(2)
-    await steps_at(sched, convs, [0, 0])
+    device, sched, convs = await after_one_pass(2, pass_s=0.1)
     await sched.submit(convs[0], torch.zeros(1, BATCH_STEP_TOKENS + 1, dtype=torch.int64), 0, "token")
     assert sched.stats.holds == 0 and device.passes == [2, 1]
     sched._loop_task.cancel()
