@@ -12,8 +12,8 @@ from meshkit import generate_through, mesh, start_peer, tiny_model, wait_for_tab
 from meshinfer.config import PRECISION_NAMES, LayerRange
 from meshinfer.errors import InvalidInput, NoRoute
 from meshinfer.generate import greedy_generate, load_shard, parse_precision
-from meshinfer.models.quant import (Int4Linear, Int8Embedding, Int8Linear, dequantize_int4, quantize_int4,
-                                    quantize_int8, quantized_linear)
+from meshinfer.models.quant import (DENSE_MIN_ROWS, Int4Linear, Int8Embedding, Int8Linear, dequantize_int4,
+                                    int4_layout_known, quantize_int4, quantize_int8, quantized_linear, unpack_int4)
 from meshinfer.session import MeshClient
 from meshinfer.weights import converted
 
@@ -65,6 +65,43 @@ def test_int4_linear_matches_dequantize_then_matmul(group):
     assert (y - ref).abs().max() <= MODULE_TOLERANCE * ref.abs().max()
     step, zero = (sz[..., i].T.repeat_interleave(group, dim=1) for i in (0, 1))  # (N, K) per weight
     assert ((dequantize_int4(q, sz, group) - w).abs() <= step * 0.5 + zero.abs() * 2 ** -8 + 1e-6).all()
+
+
+@pytest.mark.parametrize("n, k", [(64, 32), (128, 896), (896, 256), (320, 64)])
+def test_unpack_int4_reads_the_kernel_layout(n, k):
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(n + k))
+    assert int4_layout_known()
+    assert torch.equal(unpack_int4(torch._convert_weight_to_int4pack_for_cpu(q, 1), n, k).to(torch.int32), q)
+
+
+@pytest.mark.parametrize("make", [lambda: Int8Linear(256, 128, True), lambda: Int4Linear(256, 128, False, 32),
+                                  lambda: Int4Linear(256, 48, False, 64)],  # 48 rows: not a 64-row block
+                         ids=["int8", "int4", "int4-odd-rows"])
+def test_many_rows_take_the_dense_path_and_agree_with_the_kernel(make, monkeypatch):
+    """From DENSE_MIN_ROWS rows on, the weight is dequantized to bf16 for one dense matmul
+    (prefill); below, the kernel runs. Both agree within the module tolerance."""
+    g = torch.Generator().manual_seed(7)
+    m = make()
+    m.set_float_weight(torch.randn(m.out_features, m.in_features, generator=g))
+    if m.bias is not None:
+        m.bias = torch.randn(m.out_features, generator=g)
+    x = torch.randn(1, DENSE_MIN_ROWS, m.in_features, generator=g)  # (B, T, K)
+    dense = m(x)
+    kernels = []
+    for name in ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, real=real, name=name: kernels.append(name) or real(*a))
+    small = torch.cat([m(x[:, :DENSE_MIN_ROWS // 2]), m(x[:, DENSE_MIN_ROWS // 2:])], dim=1)  # below: kernels
+    assert len(kernels) == 2
+    kernels.clear()
+    again = m(x)
+    odd = isinstance(m, Int4Linear) and m.out_features % 64
+    assert kernels == (["_weight_int4pack_mm_for_cpu"] if odd else [])
+    assert torch.equal(again, dense)
+    ref = reference_matmul(m, x)
+    for y in (dense, small):
+        assert y.shape == (1, DENSE_MIN_ROWS, m.out_features)
+        assert (y - ref).abs().max() <= MODULE_TOLERANCE * ref.abs().max()
 
 
 def test_int4_falls_back_to_int8_where_the_kernel_cannot_pack():
@@ -203,16 +240,24 @@ def test_an_unwritable_conversion_cache_only_costs_time(tiny, tmp_path, caplog):
     assert torch.equal(shard(torch.tensor([[1, 2, 3]]), 0), load_shard(path, dtype="q8-bf16")(torch.tensor([[1, 2, 3]]), 0))
 
 
+@pytest.mark.parametrize("long", [False, True], ids=["short", "dense-prefill"])
 @pytest.mark.parametrize("precision", QUANTIZED)
-def test_spot_check_tolerance_covers_one_shot_vs_token_by_token(tiny, precision):
+def test_spot_check_tolerance_covers_one_shot_vs_token_by_token(tiny, precision, long):
+    """A hop's output must not depend on how its positions were split into steps beyond the
+    spot-check tolerance; a long prompt (DENSE_MIN_ROWS tokens or more) prefills through the
+    dense bf16 path, its decode steps through the kernels."""
     from meshinfer.audit import TOLERANCE
     from meshinfer.generate import new_cache
 
     path, _, tok, _ = tiny
     a = load_shard(path, LayerRange(0, 2), dtype=precision)
-    ids = torch.tensor([tok.encode_chat(MESSAGES)])  # (1, T)
+    ids = tok.encode_chat(MESSAGES)
+    ids = torch.tensor([(ids * (DENSE_MIN_ROWS // len(ids) + 1))[:DENSE_MIN_ROWS + 8] if long else ids])  # (1, T)
     one_shot = a(ids, 0)  # (1, T, C)
     cache = new_cache(a)
     steps = torch.cat([a(ids[:, t:t + 1], t, cache) for t in range(ids.shape[1])], dim=1)  # (1, T, C)
     err = ((steps - one_shot).norm() / one_shot.norm()).item()
-    assert err < TOLERANCE[precision] / 10, f"{precision}: one-shot vs token-by-token relative L2 {err:.2e}"
+    # the dense path rounds the dequantized weights to bf16: measured 6e-3 to 9e-3 here (random
+    # weights), 2.4e-3 (q8) and 4.5e-3 (q4) on a 12-layer hop of the default model
+    margin = 5 if long else 10
+    assert err < TOLERANCE[precision] / margin, f"{precision}: one-shot vs token-by-token relative L2 {err:.2e}"

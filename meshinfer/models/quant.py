@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import nn
@@ -44,6 +45,17 @@ INT4_ROW_MULTIPLE = 16
 #: packing chunk by chunk equals packing at once). Bounds the float temporaries of quantizing the
 #: 151,936 x 896 output head to ~30 MB each instead of 545 MB, keeping the load peak low.
 QUANT_ROWS_PER_CHUNK = 8192
+#: Rows (tokens in one pass) from which a quantized projection dequantizes its weight to
+#: bfloat16 and runs one dense bf16 matmul instead of the int8/int4 kernel. The kernels are
+#: built for decode: on many rows they turn compute-bound, while dequantizing costs about one
+#: pass over the weight. ``tests/benchmarks/prefill_kernels.py`` on the 2-core CPU
+#: (docs/performance.md), 4864x896 at 128 / 512 rows: int4 kernel 11.3 / 45.2 ms against
+#: 10.1 / 17.1 dense, int8 13.2 / 54.5 against 3.8 / 8.6; the int4 break-even is near 128
+#: rows (int8's lower, but one threshold keeps both simple). Decode steps and batches of them
+#: stay below it, so they keep the compact kernels.
+DENSE_MIN_ROWS = 128
+#: Rows per block of the int4 kernel's packed layout (:func:`unpack_int4`).
+INT4_PACK_BLOCK = 64
 
 
 @dataclass(frozen=True)
@@ -145,6 +157,33 @@ def dequantize_int4(q: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
     return ((g - 8.0) * sz[..., :1] + sz[..., 1:]).reshape(N, K)
 
 
+def unpack_int4(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The int4 kernel's packed weight back to ``q`` ``(N, K)`` uint8 in ``[0, 15]``.
+
+    ``torch._convert_weight_to_int4pack_for_cpu(q, 1)`` (torch 2.13) stores rows in blocks of
+    :data:`INT4_PACK_BLOCK`: in block ``b``, byte ``(k, n)`` for ``n < 32`` holds row
+    ``64 b + n`` in its low nibble and row ``64 b + 32 + n`` in its high one, column ``k``. The
+    layout is private to torch: :func:`int4_layout_known` checks it once per process, and
+    callers use this only then and only for ``N % 64 == 0``.
+    """
+    N, K = out_features, in_features
+    p = packed.reshape(N // INT4_PACK_BLOCK, K, INT4_PACK_BLOCK // 2)  # (N/64, K, 32)
+    q = torch.cat([p & 0xF, p >> 4], dim=2)  # (N/64, K, 64): rows n, then rows n + 32
+    return q.permute(0, 2, 1).reshape(N, K)
+
+
+@cache
+def int4_layout_known() -> bool:
+    """Whether this torch packs int4 weights as :func:`unpack_int4` reads them (checked on a
+    random ``(128, 64)`` matrix, once per process)."""
+    q = torch.randint(0, 16, (2 * INT4_PACK_BLOCK, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    try:
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        return bool(torch.equal(unpack_int4(packed, *q.shape).to(torch.int32), q))
+    except RuntimeError:
+        return False
+
+
 class Int8Linear(nn.Module):
     """``y = x @ (q * scale).T + bias`` with int8 weights, via ``torch._weight_int8pack_mm``.
 
@@ -169,9 +208,14 @@ class Int8Linear(nn.Module):
         return self.weight.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., K)`` -> ``(..., N)``; from :data:`DENSE_MIN_ROWS` rows on, one bf16 matmul with
+        the weight dequantized to bf16 (``q * scale`` rounded to bf16)."""
         lead = x.shape[:-1]
-        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16),
-                                      self.weight, self.scales)  # (M, N) bf16
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (M, K)
+        if x2.shape[0] >= DENSE_MIN_ROWS:
+            y = F.linear(x2, self.weight.to(torch.bfloat16) * self.scales[:, None])  # (M, N) bf16
+        else:
+            y = torch._weight_int8pack_mm(x2, self.weight, self.scales)  # (M, N) bf16
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
@@ -208,10 +252,24 @@ class Int4Linear(nn.Module):
         return torch._weight_int4pack_mm_for_cpu(eye, self.weight, self.group_size,
                                                  self.scales_zeros).float().T.contiguous()
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight dequantized to ``(N, K)`` bf16, ``(q - 8) * scale + zero`` (see
+        :func:`quantize_int4`), from the packed buffer (:func:`unpack_int4`)."""
+        N, K, G = self.out_features, self.in_features, self.group_size
+        q = unpack_int4(self.weight, N, K).to(torch.bfloat16).reshape(N, K // G, G)  # (N, K/G, G)
+        sz = self.scales_zeros.transpose(0, 1)  # (N, K/G, 2) bf16
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(N, K)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., K)`` -> ``(..., N)``; from :data:`DENSE_MIN_ROWS` rows on (and when
+        :func:`int4_layout_known`), one bf16 matmul with :meth:`dense_weight`."""
         lead = x.shape[:-1]
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(torch.bfloat16),
-                                              self.weight, self.group_size, self.scales_zeros)  # (M, N)
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (M, K)
+        if (x2.shape[0] >= DENSE_MIN_ROWS and self.out_features % INT4_PACK_BLOCK == 0
+                and int4_layout_known()):
+            y = F.linear(x2, self.dense_weight())  # (M, N) bf16
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scales_zeros)  # (M, N)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
