@@ -104,6 +104,25 @@ def test_many_rows_take_the_dense_path_and_agree_with_the_kernel(make, monkeypat
         assert (y - ref).abs().max() <= MODULE_TOLERANCE * ref.abs().max()
 
 
+@pytest.mark.parametrize("make", [lambda: Int8Linear(128, 320, False), lambda: Int4Linear(128, 320, False, 32)],
+                         ids=["int8", "int4"])
+def test_the_dense_path_dequantizes_a_large_weight_in_row_chunks(make, monkeypatch):
+    """The output head (151,936 rows) must not be dequantized at once (272 MB in bf16)."""
+    from meshinfer.models import quant
+
+    m = make()
+    m.set_float_weight(torch.randn(320, 128, generator=torch.Generator().manual_seed(3)))
+    x = torch.randn(DENSE_MIN_ROWS, 128, generator=torch.Generator().manual_seed(4))
+    whole = m(x)
+    monkeypatch.setattr(quant, "QUANT_ROWS_PER_CHUNK", 128)  # 320 rows: chunks of 128, 128, 64
+    spans = []
+    real = m.dense_weight
+    monkeypatch.setattr(m, "dense_weight", lambda a, b: spans.append((a, b)) or real(a, b))
+    chunked = m(x)
+    assert spans == [(0, 128), (128, 256), (256, 320)]
+    assert (chunked - whole).abs().max() <= 1e-2 * whole.abs().max()
+
+
 def test_int4_falls_back_to_int8_where_the_kernel_cannot_pack():
     p = parse_precision("q4-g64-bf16")
     assert isinstance(quantized_linear(torch.nn.Linear(128, 64), p), Int4Linear)

@@ -207,13 +207,17 @@ class Int8Linear(nn.Module):
         """The effective weight ``(N, K)`` f32 (for tests and error bounds)."""
         return self.weight.float() * self.scales.float()[:, None]
 
+    def dense_weight(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of the weight dequantized to bf16, ``(stop - start, K)``."""
+        return self.weight[start:stop].to(torch.bfloat16) * self.scales[start:stop, None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., K)`` -> ``(..., N)``; from :data:`DENSE_MIN_ROWS` rows on, one bf16 matmul with
         the weight dequantized to bf16 (``q * scale`` rounded to bf16)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (M, K)
         if x2.shape[0] >= DENSE_MIN_ROWS:
-            y = F.linear(x2, self.weight.to(torch.bfloat16) * self.scales[:, None])  # (M, N) bf16
+            y = _dense_matmul(x2, self.out_features, self.dense_weight)  # (M, N) bf16
         else:
             y = torch._weight_int8pack_mm(x2, self.weight, self.scales)  # (M, N) bf16
         y = y.to(x.dtype)
@@ -252,12 +256,13 @@ class Int4Linear(nn.Module):
         return torch._weight_int4pack_mm_for_cpu(eye, self.weight, self.group_size,
                                                  self.scales_zeros).float().T.contiguous()
 
-    def dense_weight(self) -> torch.Tensor:
-        """The weight dequantized to ``(N, K)`` bf16, ``(q - 8) * scale + zero`` (see
-        :func:`quantize_int4`), from the packed buffer (:func:`unpack_int4`)."""
-        N, K, G = self.out_features, self.in_features, self.group_size
-        q = unpack_int4(self.weight, N, K).to(torch.bfloat16).reshape(N, K // G, G)  # (N, K/G, G)
-        sz = self.scales_zeros.transpose(0, 1)  # (N, K/G, 2) bf16
+    def dense_weight(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` (multiples of :data:`INT4_PACK_BLOCK`) of the weight dequantized
+        to bf16, ``(q - 8) * scale + zero`` (see :func:`quantize_int4`), from the packed buffer
+        (:func:`unpack_int4`; a packed block of 64 rows is 64 rows of it): ``(stop - start, K)``."""
+        N, K, G = stop - start, self.in_features, self.group_size
+        q = unpack_int4(self.weight[start:stop], N, K).to(torch.bfloat16).reshape(N, K // G, G)  # (N, K/G, G)
+        sz = self.scales_zeros[:, start:stop].transpose(0, 1)  # (N, K/G, 2) bf16
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(N, K)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -267,13 +272,23 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (M, K)
         if (x2.shape[0] >= DENSE_MIN_ROWS and self.out_features % INT4_PACK_BLOCK == 0
                 and int4_layout_known()):
-            y = F.linear(x2, self.dense_weight())  # (M, N) bf16
+            y = _dense_matmul(x2, self.out_features, self.dense_weight)  # (M, N) bf16
         else:
             y = torch._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scales_zeros)  # (M, N)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*lead, self.out_features)
+
+
+def _dense_matmul(x: torch.Tensor, n: int, dense_weight) -> torch.Tensor:
+    """``x`` ``(M, K)`` bf16 times the weight's ``n`` rows, dequantized by ``dense_weight(start,
+    stop)`` :data:`QUANT_ROWS_PER_CHUNK` rows at a time: ``(M, n)`` bf16. The chunks bound the
+    dequantized copy of the output head (151,936 rows, 272 MB in bf16) to about 15 MB."""
+    if n <= QUANT_ROWS_PER_CHUNK:
+        return F.linear(x, dense_weight(0, n))
+    return torch.cat([F.linear(x, dense_weight(i, min(i + QUANT_ROWS_PER_CHUNK, n)))
+                      for i in range(0, n, QUANT_ROWS_PER_CHUNK)], dim=1)
 
 
 class Int8Embedding(nn.Module):
