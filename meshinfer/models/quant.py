@@ -20,7 +20,9 @@ name            weights / matmul kernel                                      hid
 Quantized precisions keep the residual stream, norms, RoPE, attention and the KV cache in
 float32; only the input of each projection is rounded to bfloat16 (the CPU kernels are fast for
 bfloat16 activations and 4-10x slower for float32 ones, see docs/performance.md). The token
-embedding is stored as int8 per row and dequantized row by row on lookup.
+embedding is stored as int8 per row and dequantized row by row on lookup. On a pass of
+:data:`DENSE_MIN_ROWS` rows or more (prefill), a projection instead dequantizes its weight to
+bfloat16 for one dense matmul, where the decode kernels would be compute-bound.
 
 Pure torch: nothing here logs, prints, awaits or touches files.
 """
