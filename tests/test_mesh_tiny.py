@@ -18,6 +18,7 @@ from meshinfer.session import MeshClient
 from meshinfer.tokenizer import Tokenizer
 from meshinfer.transport import dial
 
+
 async def test_a_failing_bootstrap_address_is_a_warning_once_per_reason(tiny, caplog):
     """A wrong scheme in ``join --peers`` left a peer that looked ready but never joined, with
     the reason at debug level only."""
