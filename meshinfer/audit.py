@@ -125,7 +125,6 @@ def recompute(shard, x: torch.Tensor, run: LayerRange, check_from: int):
     cache = KVCache(run, cfg.num_key_value_heads, cfg.head_dim, dtype=shard.dtype, device=shard.device,
                     max_tokens=x.shape[1])
     try:
-        x = x.to(shard.device)
         if check_from:
             shard(x[:, :check_from], 0, cache, run=run, logits="last")
         out = shard(x[:, check_from:], check_from, cache, run=run, logits="all")  # (1, P-c, C|V)

@@ -343,7 +343,7 @@ async def _chat(args) -> int:
             print(f"route: {route.describe()}", file=sys.stderr)
         if not interactive:
             ids = tok.encode_chat(messages)
-            _announce_prefill([], ids, route, args)
+            _announce_prefill(len(ids), route, args)
             result = await one_reply(client, route, tok, ids, max_tokens=args.max_tokens,
                                      sampling=args.sampling, on_text=None if args.json else _show,
                                      conversation_options=_spec(args))
@@ -456,18 +456,9 @@ def _show(text: str) -> None:
 LONG_PROMPT_TOKENS = 512
 
 
-def _common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _announce_prefill(cached, prompt_ids, route, args) -> None:
-    """Tell the user a long prompt is being read (``LONG_PROMPT_TOKENS`` new tokens or more)."""
-    new = len(prompt_ids) - _common_prefix(cached, prompt_ids)  # tokens the hops do not hold yet
+def _announce_prefill(new: int, route, args) -> None:
+    """Tell the user a long prompt is being read (``new`` tokens the hops do not hold yet, from
+    ``LONG_PROMPT_TOKENS`` on)."""
     if new >= LONG_PROMPT_TOKENS and not args.json:
         print(f"(reading {new} prompt tokens through {len(route.hops)} hop(s) before the first token)",
               file=sys.stderr)
@@ -476,7 +467,7 @@ def _announce_prefill(cached, prompt_ids, route, args) -> None:
 async def _reply(conv, tok, prompt_ids, args):
     from .reply import reply
 
-    _announce_prefill(conv.cached, prompt_ids, conv.route, args)
+    _announce_prefill(len(prompt_ids) - conv.reused_prefix(prompt_ids), conv.route, args)
     result = await reply(conv, tok, prompt_ids, max_tokens=args.max_tokens, sampling=args.sampling,
                          on_text=None if args.json else _show)
     if not args.json:

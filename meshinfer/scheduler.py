@@ -235,12 +235,13 @@ class StepScheduler:
         first = self._head()
         if first.tokens > BATCH_STEP_TOKENS:
             return []
-        key = self._key(first)
-        room = self.max_batch - sum(1 for j in self._pending if j.tokens <= BATCH_STEP_TOKENS and self._key(j) == key)
+        key = self._key(first.conv)
+        room = self.max_batch - sum(1 for j in self._pending
+                                    if j.tokens <= BATCH_STEP_TOKENS and self._key(j.conv) == key)
         if room <= 0:
             return []
         here = {id(j.conv) for j in self._pending}
-        missing = [c for i, c in self._coming.items() if i not in here and (c.run.start, c.run.stop) == key]
+        missing = [c for i, c in self._coming.items() if i not in here and self._key(c) == key]
         return missing[:room]
 
     def _hold_limit_s(self) -> float:
@@ -265,11 +266,11 @@ class StepScheduler:
         first = self._head()
         group = [first]
         if first.tokens <= BATCH_STEP_TOKENS and self.max_batch > 1:
-            key = self._key(first)
+            key = self._key(first.conv)
             for job in self._pending:
                 if len(group) >= self.max_batch:
                     break
-                if job is not first and job.tokens <= BATCH_STEP_TOKENS and self._key(job) == key:
+                if job is not first and job.tokens <= BATCH_STEP_TOKENS and self._key(job.conv) == key:
                     group.append(job)
         self._after_prefill = first.tokens > BATCH_STEP_TOKENS
         taken = {id(j) for j in group}
@@ -277,9 +278,9 @@ class StepScheduler:
         return group
 
     @staticmethod
-    def _key(job: StepJob) -> tuple:
-        run = job.conv.run
-        return run.start, run.stop
+    def _key(conv) -> tuple:
+        """Conversations share a pass only when they run the same layers."""
+        return conv.run.start, conv.run.stop
 
     async def _run(self, group: list[StepJob]) -> None:
         try:
@@ -359,7 +360,7 @@ class StepScheduler:
         """One step alone: its result, or the exception it raised."""
         try:
             shard = self.get_shard()
-            out = shard(job.x.to(shard.device), job.start, job.conv.cache, run=job.conv.run,
+            out = shard(job.x, job.start, job.conv.cache, run=job.conv.run,
                         logits=self.logits_mode(job.want))
             return self.finish(job.conv, job.start, job.tokens, job.want, out, job.sampling)
         except Exception as exc:

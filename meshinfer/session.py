@@ -584,6 +584,15 @@ class Conversation:
                                "kept_hops": len(kept), "seconds": round(time.perf_counter() - t0, 3)})
 
     # ------------------------------------------------------------------ generation
+    def reused_prefix(self, prompt_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``prompt_ids`` the hops already hold and :meth:`generate`
+        keeps (confirmed by every hop, and never the whole prompt: its last token is resent to
+        get the next one); the rest is prefilled."""
+        keep, limit = 0, min(self.confirmed, len(prompt_ids) - 1)
+        while keep < limit and self.cached[keep] == prompt_ids[keep]:
+            keep += 1
+        return keep
+
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int | None, eos_ids=(),
                        on_token: Callable[[int], bool | None] | None = None,
                        sampling: SamplingParams | None = None) -> ChatResult:
@@ -608,9 +617,7 @@ class Conversation:
         if not self._open:
             await self.open()
         result = ChatResult(prompt_ids=prompt_ids)
-        keep = 0
-        while keep < min(self.confirmed, len(prompt_ids) - 1) and self.cached[keep] == prompt_ids[keep]:
-            keep += 1
+        keep = self.reused_prefix(prompt_ids)
         if keep < len(self.cached):
             try:
                 await self._truncate(keep)

@@ -312,9 +312,9 @@ def test_chat_says_when_it_reads_a_long_prompt(capsys):
 
     route, text = SimpleNamespace(hops=[1, 2]), SimpleNamespace(json=False)
     prompt = list(range(LONG_PROMPT_TOKENS + 10))
-    _announce_prefill([], prompt, route, text)
+    _announce_prefill(len(prompt), route, text)
     assert capsys.readouterr().err == (f"(reading {LONG_PROMPT_TOKENS + 10} prompt tokens through 2 hop(s) "
                                        f"before the first token)\n")
-    _announce_prefill(prompt[:20], prompt, route, text)  # the hops hold 20: fewer new tokens than the limit
-    _announce_prefill([], prompt, route, SimpleNamespace(json=True))  # --json prints only the JSON
+    _announce_prefill(len(prompt) - 20, route, text)  # the hops hold 20: fewer new tokens than the limit
+    _announce_prefill(len(prompt), route, SimpleNamespace(json=True))  # --json prints only the JSON
     assert capsys.readouterr().err == ""

@@ -12,23 +12,13 @@ matmul). Best of ``--runs`` calls each; prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from meshinfer.models import quant
+from quant_kernels import best_ms  # this folder is on sys.path when the script runs
 
 SHAPES = {"gate/up 4864x896": (4864, 896), "down 896x4864": (896, 4864), "q/o 896x896": (896, 896)}
-
-
-def best_ms(fn, runs: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def timed(module, x: torch.Tensor, dense: bool, runs: int) -> float:
