@@ -375,6 +375,7 @@ class Conversation:
         self._compute_ms: dict[str, list[float]] = {}
         self._step_ms: list[float] = []
         self._opening = 0
+        self._opened: set[str] = set()  # peers that may hold this conversation (opened, not closed since)
         self.sampling: SamplingParams | None = None  # set by generate(); None: greedy
         self.audit = audit.Auditor(rate=spot_check_rate, seed=spot_check_seed)
         self.detections: list[dict] = []
@@ -382,16 +383,23 @@ class Conversation:
 
     # ------------------------------------------------------------------ hops
     async def _open_hop(self, i: int, hops, *, reroute: bool = False) -> None:
+        """Open the conversation on hop ``i`` of ``hops`` (``reroute``: the hop keeps its cache and
+        learns its new neighbours). A hop that may still hold this conversation from an earlier
+        route (it failed by stalling, not by dying, and a later failover chose it again) is told
+        to close it first, on the same connection, so the open that follows starts it afresh."""
         self._opening = i
         hop = hops[i]
         link = await self.client.link(hop.peer)
         self.max_step_tokens = min(self.max_step_tokens, link.info.get("max_step_tokens", 512))
         nxt = hops[i + 1] if i + 1 < len(hops) else None
+        if not reroute and hop.peer_id in self._opened:
+            await link.send("close", conv=self.conv_id)  # frames of one link are handled in order
         await link.request(
             "reroute" if reroute else "open", timeout_s=self.client.request_timeout_s, conv=self.conv_id,
             layers=[hop.layers.start, hop.layers.stop], max_tokens=self.max_tokens_total,
             prev=hops[i - 1].peer_id if i else None,
             next={"peer_id": nxt.peer_id, "addrs": list(nxt.peer.addrs)} if nxt else None)
+        self._opened.add(hop.peer_id)
 
     async def open(self) -> None:
         """Open the conversation on every hop (reserving KV), in order.
@@ -427,6 +435,7 @@ class Conversation:
 
     async def _close_on(self, hops) -> None:
         for hop in hops:
+            self._opened.discard(hop.peer_id)
             link = self.client._links.get(hop.peer_id)
             if link is not None and not link.closed.is_set():
                 try:

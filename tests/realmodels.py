@@ -12,7 +12,9 @@ from meshinfer.models.llama import Shard
 from meshinfer.models.quant import parse_precision
 from meshinfer.weights import open_weights
 
-CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
+#: Reference cases (token ids from an independent float32 implementation; tests/data/cases/README.md),
+#: kept in the repository so that no test reads outside it.
+CASES = Path(__file__).resolve().parent / "data" / "cases"
 DEFAULT = "qwen2.5-coder-0.5b-instruct-q4_k_m"
 SMOL = "smollm2-135m-instruct-q4_1"
 
@@ -38,7 +40,7 @@ def shard_of(name: str, start: int, stop: int, precision: str = "f32", device: s
 
 
 def load_cases(name: str) -> dict:
-    """The reference cases of model ``name`` from ``../shared/cases``."""
+    """The reference cases of model ``name`` from ``tests/data/cases``."""
     return json.loads((CASES / f"{name}.json").read_text())
 
 

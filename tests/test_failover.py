@@ -9,13 +9,19 @@ import pytest
 
 from meshkit import crash, file_hash, start_peer, wait_for_tables
 from meshinfer.config import LayerRange
-from meshinfer.errors import NoRoute
+from meshinfer.errors import NoRoute, PeerUnavailable
 from meshinfer.generate import greedy_generate, load_shard
 from meshinfer.session import MeshClient
 from meshinfer.tokenizer import Tokenizer
 from tiny import random_weights, tiny_config, write_gguf
 
 N_TOKENS = 50
+#: Per-step deadline floor of these tests, seconds. Far above a step of either model even on one
+#: loaded core (a decode step of the real default model takes about 0.1 s on a quiet core), so a
+#: slow machine cannot turn a healthy step into a failover; the stall test holds its hop for
+#: STALL_S, longer than the deadline plus the failover.
+DEADLINE_FLOOR_S = 10.0
+STALL_S = 120.0
 PROMPT = [{"role": "user", "content": "tell me a long story about meshes and hops"}]
 
 
@@ -62,7 +68,7 @@ async def run_with_fault(model, fault, **settings):
             route = await client.plan()
             mid = next(p for p in middles if p.peer_id == route.hops[1].peer_id)
             standby = next(p for p in middles if p is not mid)
-            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, deadline_floor_s=1.0)
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, deadline_floor_s=DEADLINE_FLOOR_S)
             hook = await fault(conv, mid)
             out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=(), on_token=hook)
             await conv.close()
@@ -96,7 +102,7 @@ async def test_middle_hop_stalls(model):
 
         def stuck(x, start, *args, **kwargs):
             if start >= len(model[3]) + 10:
-                release.wait(30)  # the device thread hangs before the pass; the event loop still answers
+                release.wait(STALL_S)  # the device thread hangs before the pass; the event loop still answers
             return real(x, start, *args, **kwargs)
 
         mid.shard.forward = stuck
@@ -109,6 +115,35 @@ async def test_middle_hop_stalls(model):
     assert out.token_ids == model[4]
     assert [f["failed"] for f in out.failovers] == [[mid.peer_id]]
     assert "no token" in out.failovers[0]["reason"]
+
+
+async def test_failover_back_to_a_hop_that_still_holds_the_conversation(model):
+    """A hop that failed by stalling still holds the conversation when a later failover routes
+    through it again (the standby failed too, and its backoff ran out): the client closes it
+    there and opens it afresh. It used to be refused with "conversation ... is already open".
+    Driven through ``_failover`` directly, so no deadline or timing decides what happens."""
+    ids, expected = model[3], model[4]
+    first, middles, last = await start_mesh(model)
+    try:
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan()
+            mid = next(p for p in middles if p.peer_id == route.hops[1].peer_id)
+            standby = next(p for p in middles if p is not mid)
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, speculate=False)
+            head = (await conv.generate(ids, max_tokens=5, eos_ids=())).token_ids
+            await conv._failover(PeerUnavailable("mid stalled"), in_flight=len(conv.cached), failed={mid.peer_id})
+            assert conv.route.hops[1].peer_id == standby.peer_id and conv.conv_id in mid.convs
+            client._failed.pop(mid.peer_id)  # its backoff is over
+            await conv._failover(PeerUnavailable("standby stalled"), in_flight=len(conv.cached),
+                                 failed={standby.peer_id})
+            assert conv.route.peer_ids == (first.peer_id, mid.peer_id, last.peer_id)
+            tail = (await conv.generate(ids + head, max_tokens=N_TOKENS - 5, eos_ids=())).token_ids
+            assert head + tail == expected
+            assert mid.convs[conv.conv_id].cache.length == len(ids) + N_TOKENS - 1
+            await conv.close()
+    finally:
+        for p in (first, *middles, last):
+            await p.close()
 
 
 async def test_middle_hop_killed_during_prefill(model):

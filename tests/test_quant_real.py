@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from meshinfer.generate import greedy_generate
-from realmodels import DEFAULT, first_near_tie, full_tensors, load_cases, shard_of
+from realmodels import DEFAULT, full_tensors, load_cases, shard_of
 
 pytestmark = pytest.mark.realmodel
 
@@ -32,12 +32,26 @@ def test_q8_teacher_forced_top1_agrees_with_reference(q8):
     assert agree / total >= Q8_TEACHER_FORCED_TOP1, f"q8 top-1 agrees on {agree} of {total} positions"
 
 
+#: Largest |q8 logit - reference logit| allowed over the reference's top-8 ids at every
+#: teacher-forced position. Measured: 0.31 at most (Intel Xeon, 2 threads, 63 positions x 8 ids);
+#: the bound leaves 3x room for other CPUs, whose int8 kernels (AVX512-VNNI, AMX, NEON dot
+#: products) quantize activations and accumulate in other orders. Greedy equality, even up to a
+#: near-tie, is not asserted for a quantized precision: one changed choice changes every token after it.
+Q8_LOGIT_TOLERANCE = 1.0
+
+
 @pytest.mark.parametrize("case", list(load_cases(DEFAULT)))
-def test_q8_greedy_matches_reference_up_to_the_first_near_tie(q8, case):
+def test_q8_teacher_forced_logits_within_tolerance_of_reference(q8, case):
     c = load_cases(DEFAULT)[case]
-    n = first_near_tie(c)
-    out = greedy_generate(q8, c["prompt_ids"], max_tokens=len(c["greedy_ids"]), eos_ids=())
-    assert out.token_ids[:n] == c["greedy_ids"][:n]
+    P, n = len(c["prompt_ids"]), len(c["greedy_ids"])
+    logits = q8(torch.tensor([c["prompt_ids"] + c["greedy_ids"]]), 0, logits="all")[0]  # (T, V)
+    for j in range(n):
+        row, ids, ref = logits[P - 1 + j], c["top8_ids"][j], torch.tensor(c["top8_logits"][j])
+        err = (row[ids] - ref).abs().max().item()
+        assert err <= Q8_LOGIT_TOLERANCE, f"position {j}: a top-8 logit is {err:.3f} off the reference"
+        choice = int(row.argmax())  # a different choice only where the reference itself is close
+        assert choice in ids and ref[0] - ref[ids.index(choice)] <= 2 * Q8_LOGIT_TOLERANCE, (
+            f"position {j}: q8 chose {choice}, the reference {c['greedy_ids'][j]}")
 
 
 @pytest.mark.parametrize("precision", ["q8-bf16", "q4-g32-bf16"])

@@ -11,10 +11,10 @@ import pytest
 from conftest import model_path
 from meshinfer.errors import InvalidInput, TemplateError, WeightsError
 from meshinfer.tokenizer import StreamDecoder, Tokenizer
+from realmodels import CASES as CASES_DIR
 
 pytestmark = pytest.mark.realmodel
 
-CASES_DIR = Path(__file__).resolve().parents[2] / "shared" / "cases"
 QWEN = "qwen2.5-coder-0.5b-instruct-q4_k_m"
 SMOL = "smollm2-135m-instruct-q4_1"
 MODELS = (QWEN, SMOL)
