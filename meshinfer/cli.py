@@ -161,8 +161,14 @@ def _messages(args) -> list[dict]:
         if isinstance(data, dict) and "messages" in data:
             data = data["messages"]
         return data
-    msgs = [{"role": "system", "content": args.system}] if getattr(args, "system", None) else []
-    return msgs + [{"role": "user", "content": args.prompt}]
+    return _system_turn(args) + [{"role": "user", "content": args.prompt}]
+
+
+def _system_turn(args) -> list[dict[str, str]]:
+    """``--system TEXT`` as a system turn; an explicit empty ``--system ""`` is a turn too (the
+    template then leaves out its default system prompt), no ``--system`` is none."""
+    system = getattr(args, "system", None)
+    return [] if system is None else [{"role": "system", "content": system}]
 
 
 def _setup_logging(verbose: int, fmt: str = "text") -> None:
@@ -385,7 +391,7 @@ def _repl_command(line: str | None) -> str | None:
 
 async def _repl(client, route, tok, args) -> None:
     """Interactive chat: Ctrl-C stops the current reply, Ctrl-D or /exit leaves."""
-    system = [{"role": "system", "content": args.system}] if args.system else []
+    system = _system_turn(args)
     messages = list(system)
     conv = client.conversation(route, max_tokens_total=args.context, **_spec(args))
     lines = _stdin_lines()

@@ -409,23 +409,38 @@ class Conversation:
         """
         self.client._convs[self.conv_id] = self
         full: set[str] = set()
-        for attempt in range(MAX_FAILOVERS + 1):
-            try:
-                for i in range(len(self.route.hops)):
-                    await self._open_hop(i, self.route.hops)
-                self._open = True
-                return
-            except CacheFull as exc:  # that hop is full: plan around it with what we need
-                await self._close_on(self.route.hops)
-                full.add(self.route.hops[self._opening].peer_id)
-                if attempt == MAX_FAILOVERS:
-                    raise
-                log.info("a hop has no room (%s); planning around it", exc)
-                self.route = await self.client.plan(compat_key=self.route.compat_key, exclude=frozenset(full),
-                                                    min_free_kv_tokens=self.max_tokens_total)
-            except BaseException:
-                await self.close()
-                raise
+        try:
+            for attempt in range(MAX_FAILOVERS + 1):
+                try:
+                    for i in range(len(self.route.hops)):
+                        await self._open_hop(i, self.route.hops)
+                    self._open = True
+                    return
+                except CacheFull as exc:  # that hop is full: plan around it with what we need
+                    await self._close_on(self.route.hops)
+                    hop = self.route.hops[self._opening]
+                    full.add(hop.peer_id)
+                    if attempt == MAX_FAILOVERS:
+                        raise
+                    self.route = await self._plan_around_full(exc, hop.peer_id, full)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _plan_around_full(self, exc: CacheFull, peer_id: str, full: set[str]) -> Route:
+        """A route of this conversation's weights that avoids the hops in ``full`` and has
+        room for :attr:`max_tokens_total` tokens.
+
+        Raises:
+            CacheFull: no such route; the message names the full hop, its numbers (from
+                ``exc``: tokens asked, free, capacity) and what the planner found missing.
+        """
+        log.info("a hop has no room (%s); planning around it", exc)
+        try:
+            return await self.client.plan(compat_key=self.route.compat_key, exclude=frozenset(full),
+                                          min_free_kv_tokens=self.max_tokens_total)
+        except NoRoute as no_route:
+            raise CacheFull(f"peer {peer_id[:12]} is full: {exc}; no other route has room ({no_route})") from no_route
 
     async def close(self) -> None:
         """Free the conversation on every hop. Safe to call twice."""

@@ -56,6 +56,34 @@ async def test_full_budget_is_refused_and_the_next_conversation_goes_elsewhere(t
             await p.close()
 
 
+async def test_a_full_peer_with_no_other_route_is_reported_as_full(tiny):
+    """The one peer of layers 2-3 has room for 150 tokens and holds 140: the next conversation
+    gets cache_full naming that peer and the numbers, not "no route ... is excluded"."""
+    path, digest, tok, _ = tiny
+    first = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=tok.to_bundle())
+    small = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=first.addrs,
+                             kv_budget_bytes=150 * 2 * 2 * 2 * 8 * 4)  # 150 tokens
+    try:
+        await wait_for_tables([first, small])
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan()
+            ids = tok.encode_chat([{"role": "user", "content": "fill me"}])
+            held = client.conversation(route, max_tokens_total=140)
+            await held.generate(ids, max_tokens=2, eos_ids=())
+            second = client.conversation(route, max_tokens_total=140)
+            with pytest.raises(CacheFull) as err:
+                await second.generate(ids, max_tokens=2, eos_ids=())
+            assert err.value.code == "cache_full"
+            assert str(err.value).startswith(
+                f"peer {small.peer_id[:12]} is full: conversation needs 140 tokens of KV cache; this peer has "
+                f"10 free of 150; no other route has room (no route: layers 2-3 have no ready peer")
+            assert second.conv_id not in client._convs and second.conv_id not in first.convs
+            await held.close()
+    finally:
+        for p in (small, first):
+            await p.close()
+
+
 async def test_prompt_beyond_context_is_refused_before_any_allocation(tiny):
     path, digest, tok, _ = tiny
     async with mesh([load_shard(path, LayerRange(0, 2)), load_shard(path, LayerRange(2, 4))],

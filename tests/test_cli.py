@@ -318,3 +318,16 @@ def test_chat_says_when_it_reads_a_long_prompt(capsys):
     _announce_prefill(len(prompt) - 20, route, text)  # the hops hold 20: fewer new tokens than the limit
     _announce_prefill(len(prompt), route, SimpleNamespace(json=True))  # --json prints only the JSON
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("system, turns", [(None, []), ("", [{"role": "system", "content": ""}]),
+                                           ("be brief", [{"role": "system", "content": "be brief"}])])
+def test_an_explicit_empty_system_message_is_kept(system, turns):
+    """``--system ""`` is a system turn (the template's default system prompt is left out, as
+    with an empty one in --messages); no --system adds none."""
+    from argparse import Namespace
+
+    from meshinfer.cli import _messages
+
+    args = Namespace(messages=None, system=system, prompt="hi")
+    assert _messages(args) == turns + [{"role": "user", "content": "hi"}]
