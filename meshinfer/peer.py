@@ -35,6 +35,7 @@ from .models.llama import Shard
 from .protocol import PeerAdvert
 from .sampling import pick_token
 from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_HOLD_S, BatchStats, StepScheduler
+from .tokenizer import bundle_sha256
 from .transport import CLOSE_SHUTDOWN, Link, dial
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,7 @@ class Peer:
         self.key, self.peer_id = key, peer_id_of(key)
         self.weights_hash, self.precision = weights_hash, precision
         self.tokenizer_bundle = tokenizer_bundle
+        self.tokenizer_sha256 = "" if tokenizer_bundle is None else bundle_sha256(tokenizer_bundle)
         self.settings = settings or PeerSettings()
         self.state = protocol.JOINING
         self.table = PeerTable(self.peer_id)
@@ -257,7 +259,8 @@ class Peer:
             num_layers=self.cfg.num_hidden_layers, layers=self.shard.range, device=str(self.executor.device),
             precision=self.precision, state=self.state, free_kv_tokens=self.free_kv_tokens,
             compute_ms_per_token=round(self.compute_ms_per_token, 3), rtts_ms=dict(self.rtts_ms),
-            seq=self._seq, ttl_s=self.settings.advert_ttl_s, tls_fingerprint=self.tls_fingerprint), self.key)
+            seq=self._seq, ttl_s=self.settings.advert_ttl_s, tls_fingerprint=self.tls_fingerprint,
+            tokenizer_sha256=self.tokenizer_sha256), self.key)
 
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self, coro, name: str) -> asyncio.Task:

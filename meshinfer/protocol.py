@@ -79,6 +79,10 @@ class PeerAdvert:
         tls_fingerprint: hex SHA-256 of the TLS certificate the peer serves ``wss://`` with,
             or "" without TLS. Signed, so a dialer can pin the certificate by peer id. Sent
             only when set, so adverts of plain peers keep their old bytes.
+        tokenizer_sha256: hex SHA-256 of the tokenizer bundle the peer serves with
+            ``get_tokenizer`` (:func:`meshinfer.tokenizer.bundle_sha256`), or "" for a peer
+            without one. Signed; a client takes the tokenizer only when it hashes to what most
+            peers of its weights advertise. Sent only when set.
     """
 
     peer_id: str
@@ -99,6 +103,7 @@ class PeerAdvert:
     public_key: str = ""
     sig: str = ""
     tls_fingerprint: str = ""
+    tokenizer_sha256: str = ""
 
     @property
     def compat_key(self) -> tuple[str, str, int, int]:
@@ -116,6 +121,8 @@ class PeerAdvert:
                 "public_key": self.public_key, "sig": self.sig}
         if self.tls_fingerprint:
             d["tls_fingerprint"] = self.tls_fingerprint
+        if self.tokenizer_sha256:
+            d["tokenizer_sha256"] = self.tokenizer_sha256
         return d
 
     def signed_bytes(self) -> bytes:
@@ -154,7 +161,16 @@ class PeerAdvert:
                    compute_ms_per_token=f.float("compute_ms_per_token", lo=0.0),
                    rtts_ms={k: float(v) for k, v in rtts.items()}, seq=f.int("seq", lo=0, hi=1 << 62),
                    ttl_s=f.float("ttl_s", lo=0.0, hi=3600.0), public_key=f.str("public_key", ""),
-                   sig=f.str("sig", ""), tls_fingerprint=f.str("tls_fingerprint", ""))
+                   sig=f.str("sig", ""), tls_fingerprint=f.str("tls_fingerprint", ""),
+                   tokenizer_sha256=_sha256_hex(f, "tokenizer_sha256"))
+
+
+def _sha256_hex(f: "Fields", name: str) -> str:
+    """Optional field ``name``: "" or 64 lowercase hex digits."""
+    value = f.str(name, "")
+    if value and (len(value) != 64 or any(c not in "0123456789abcdef" for c in value)):
+        raise ProtocolError(f"advert: field {name!r} must be 64 lowercase hex digits")
+    return value
 
 
 def _finite(v: object) -> bool:

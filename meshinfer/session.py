@@ -8,6 +8,7 @@ last hop. It never sends or receives hidden states.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import statistics
@@ -23,7 +24,7 @@ from .protocol import MAX_VERIFY_TOKENS, PeerAdvert
 from .routing import Route, plan_route
 from .sampling import SamplingParams
 from .speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SpecStats, accept, next_draft_length, propose
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, bundle_sha256
 from .transport import Link, dial, remote_error
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ MAX_FAILOVERS = 3
 FAILOVER_CODES = frozenset({"peer_unavailable"})
 #: Lying hops excluded during one step before the error reaches the caller.
 MAX_DETECTIONS = 3
+#: Peers asked for the tokenizer before giving up: the route's first hop, then the nearest
+#: others that advertise the agreed tokenizer.
+TOKENIZER_SOURCES = 3
 
 
 @dataclass
@@ -104,7 +108,7 @@ class MeshClient:
         self.rtts_ms: dict[str, float] = {}
         self._links: dict[str, Link] = {}
         self._convs: dict[str, "Conversation"] = {}
-        self._tokenizers: dict[str, Tokenizer] = {}
+        self._tokenizers: dict[tuple[str, str], Tokenizer] = {}  # (weights hash, tokenizer hash) ->
         self._failed: dict[str, tuple[float, int]] = {}  # peer id -> (excluded until, failures)
 
     async def __aenter__(self) -> "MeshClient":
@@ -290,21 +294,77 @@ class MeshClient:
                           f"--allow-keys") from exc
 
     async def tokenizer(self, route: Route) -> Tokenizer:
-        """The route's tokenizer, fetched from its first hop and checked against its weights hash.
+        """The route's tokenizer and chat template, checked before use.
+
+        The bundle must hash (:func:`~meshinfer.tokenizer.bundle_sha256`) to the
+        ``tokenizer_sha256`` that most peers of the route's weights advertise in their signed
+        adverts (:meth:`_agreed_tokenizer`), so one peer cannot swap words or the system prompt
+        for everyone. It is fetched from the first hop, else from other peers advertising it;
+        a peer whose bundle does not hash to its own advert is banned. Peers that advertise
+        none (older versions) are taken at their word, as before. The template renders in a
+        child process with time and memory limits (:mod:`meshinfer.template_sandbox`).
 
         Raises:
-            IncompatiblePeer: the peer's tokenizer belongs to other weights.
+            IncompatiblePeer: the peers of these weights disagree with no majority, or no peer
+                sent a bundle of the agreed hash (or of these weights).
         """
         weights_hash = route.compat_key[0]
-        if weights_hash not in self._tokenizers:
-            link = await self.link(route.hops[0].peer)
-            _, f = await link.request("get_tokenizer", timeout_s=max(30.0, self.request_timeout_s))
-            got = f.str("weights_hash")
-            if got != weights_hash:
-                raise IncompatiblePeer(f"peer {route.hops[0].peer_id[:12]} sent the tokenizer of weights "
-                                       f"{got[:12]}, the route uses {weights_hash[:12]}")
-            self._tokenizers[weights_hash] = Tokenizer.from_bundle(f.get("bundle", dict))
-        return self._tokenizers[weights_hash]
+        agreed = self._agreed_tokenizer(weights_hash)
+        key = (weights_hash, agreed)
+        if key not in self._tokenizers:
+            first = route.hops[0].peer
+            sources = [first] + sorted((p for p in self.table.values() if p.weights_hash == weights_hash
+                                        and p.tokenizer_sha256 == agreed and p.peer_id != first.peer_id),
+                                       key=lambda p: self.rtts_ms.get(p.peer_id, math.inf))
+            self._tokenizers[key] = await self._fetch_tokenizer(sources[:TOKENIZER_SOURCES], weights_hash, agreed)
+        return self._tokenizers[key]
+
+    def _agreed_tokenizer(self, weights_hash: str) -> str:
+        """The ``tokenizer_sha256`` advertised by the most peers of ``weights_hash`` ("" when
+        none advertises one).
+
+        Raises:
+            IncompatiblePeer: two or more hashes tie for the most peers.
+        """
+        votes = collections.Counter(p.tokenizer_sha256 for p in self.table.values()
+                                    if p.weights_hash == weights_hash and p.tokenizer_sha256)
+        if not votes:
+            return ""
+        (best, n), *rest = votes.most_common()
+        if rest and rest[0][1] == n:
+            raise IncompatiblePeer(f"the peers of weights {weights_hash[:12]} disagree on the tokenizer: "
+                                   + ", ".join(f"{c} advertise {h[:12]}" for h, c in votes.most_common())
+                                   + "; no majority to trust")
+        if rest:
+            log.warning("peers of weights %s advertise %d other tokenizer(s); using %s (%d of %d peers)",
+                        weights_hash[:12], len(rest), best[:12], n, sum(votes.values()))
+        return best
+
+    async def _fetch_tokenizer(self, sources: Sequence[PeerAdvert], weights_hash: str, agreed: str) -> Tokenizer:
+        """The first bundle from ``sources`` that belongs to ``weights_hash`` and hashes to
+        ``agreed`` (any bundle of those weights when ``agreed`` is "")."""
+        reasons = []
+        for peer in sources:
+            if agreed and peer.tokenizer_sha256 != agreed:
+                reasons.append(f"peer {peer.peer_id[:12]} advertises tokenizer {peer.tokenizer_sha256[:12] or '(none)'}")
+                continue
+            try:
+                link = await self.link(peer)
+                _, f = await link.request("get_tokenizer", timeout_s=max(30.0, self.request_timeout_s))
+                got, bundle = f.str("weights_hash"), f.get("bundle", dict)
+                digest = bundle_sha256(bundle)
+            except MeshError as exc:
+                reasons.append(f"peer {peer.peer_id[:12]}: {exc}")
+                continue
+            if got != weights_hash or (agreed and digest != agreed):
+                why = (f"sent the tokenizer of weights {got[:12]}" if got != weights_hash else
+                       f"sent a tokenizer hashing to {digest[:12]}, not the {agreed[:12]} it advertises")
+                self.ban(peer.peer_id, why)
+                reasons.append(f"peer {peer.peer_id[:12]} {why}")
+                continue
+            return Tokenizer.from_bundle(bundle)
+        raise IncompatiblePeer(f"no peer sent a trustworthy tokenizer for weights {weights_hash[:12]}: "
+                               + "; ".join(reasons))
 
     def conversation(self, route: Route, *, max_tokens_total: int, **options) -> "Conversation":
         """A new conversation over ``route`` holding at most ``max_tokens_total`` tokens.

@@ -23,19 +23,17 @@ import operator
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import numpy as np
 import tokenizers
 from gguf import TokenType
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from .errors import InvalidInput, TemplateError, WeightsError
+from .template_sandbox import TemplateSandbox, make_environment, shared_sandbox
 from .weights.gguf_file import GGUFFile, read_gguf_metadata
 
 logger = logging.getLogger(__name__)
@@ -154,25 +152,7 @@ def _bpe_from_gguf(meta: Mapping[str, Any], path: Path) -> tokenizers.Tokenizer:
 # Chat templates, rendered as transformers does (PreTrainedTokenizerBase.apply_chat_template).
 
 
-def _raise_exception(message: str) -> None:
-    raise TemplateError(f"chat template refused the messages: {message}")
-
-
-def _tojson(value: Any, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-_JINJA_ENV = jinja2.sandbox.ImmutableSandboxedEnvironment(
-    trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-_JINJA_ENV.filters["tojson"] = _tojson
-_JINJA_ENV.globals["raise_exception"] = _raise_exception
-_JINJA_ENV.globals["strftime_now"] = _strftime_now
+_JINJA_ENV = make_environment()
 
 #: Unicode private-use ranges [start, stop) searched for per-call content sentinels.
 _PRIVATE_USE_RANGES = ((0xE000, 0xF900), (0xF0000, 0xFFFFE), (0x100000, 0x10FFFE))
@@ -274,8 +254,13 @@ class Tokenizer:
 
     def __init__(self, tok: tokenizers.Tokenizer, *, chat_template: str | None = None,
                  bos_token: str | None = None, eos_token: str | None = None,
-                 eos_ids: Iterable[int] = (), add_bos_token: bool = False) -> None:
+                 eos_ids: Iterable[int] = (), add_bos_token: bool = False,
+                 sandbox: TemplateSandbox | None = None) -> None:
         """Wrap a ``tokenizers.Tokenizer``, taking ownership of it.
+
+        ``sandbox``: render the chat template in that child process, with its time, memory and
+        output limits (:mod:`meshinfer.template_sandbox`), as :meth:`from_bundle` does for a
+        template that came from the network; None renders in this process (a local file).
 
         ``tok.encode_special_tokens`` is set to True: :meth:`encode` never splits at control
         tokens, and :meth:`encode_chat` splits at the template's own control tokens itself.
@@ -289,7 +274,10 @@ class Tokenizer:
         self._tok.encode_special_tokens = True
         self._json: str | None = None  # tok.to_str(), made on first use (0.3 s for 152k tokens)
         self.chat_template = chat_template
-        self._template = None if chat_template is None else _compile_template(chat_template)
+        self._sandbox = sandbox
+        if chat_template is not None and sandbox is not None:
+            sandbox.check(chat_template)  # Jinja runs constant expressions while compiling
+        self._template = None if chat_template is None or sandbox is not None else _compile_template(chat_template)
         # Characters the sentinels of encode_chat must avoid besides those of the contents.
         self._template_chars = set(chat_template or "") | set(bos_token or "") | set(eos_token or "")
         self.bos_token, self.eos_token, self.add_bos_token = bos_token, eos_token, add_bos_token
@@ -482,12 +470,14 @@ class Tokenizer:
         return self._encode_pieces(self._split_control(*traced))
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        if self._template is None:
+        if self.chat_template is None:
             raise TemplateError("this model has no chat template; use encode() for plain text")
+        context = dict(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                       bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        if self._sandbox is not None:
+            return self._sandbox.render(self.chat_template, context)
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return self._template.render(**context)
         except TemplateError:
             raise
         except Exception as exc:  # the template is data: any failure in it is a template error
@@ -544,7 +534,9 @@ class Tokenizer:
     def from_bundle(cls, bundle: Mapping[str, Any]) -> Tokenizer:
         """Rebuild a tokenizer from :meth:`to_bundle` output (e.g. received from a peer).
 
-        Unknown keys are ignored so that newer peers stay compatible.
+        Unknown keys are ignored so that newer peers stay compatible. The chat template is
+        rendered in the process-wide :class:`~meshinfer.template_sandbox.TemplateSandbox`: it
+        is data from the network.
 
         Raises:
             InvalidInput: not a mapping, another ``version``, a missing or mistyped field, a
@@ -568,7 +560,8 @@ class Tokenizer:
         out = cls(tok, chat_template=_field(bundle, "chat_template", str, optional=True),
                   bos_token=_field(bundle, "bos_token", str, optional=True),
                   eos_token=_field(bundle, "eos_token", str, optional=True), eos_ids=eos_ids,
-                  add_bos_token=_field(bundle, "add_bos_token", bool, optional=True) or False)
+                  add_bos_token=_field(bundle, "add_bos_token", bool, optional=True) or False,
+                  sandbox=shared_sandbox())
         if bos_id != out.bos_id:
             raise InvalidInput(f"tokenizer bundle bos_id {bos_id} does not match bos_token "
                                f"{out.bos_token!r} (id {out.bos_id})")
@@ -581,6 +574,29 @@ class Tokenizer:
                                ensure_ascii=False)
             self._fingerprint = hashlib.sha256(canon.encode("utf-8")).hexdigest()
         return self._fingerprint
+
+
+#: The fields of a tokenizer bundle (:meth:`Tokenizer.to_bundle`), in the order they are hashed.
+BUNDLE_KEYS = ("version", "tokenizer_json", "chat_template", "eos_ids", "bos_id", "bos_token",
+               "eos_token", "add_bos_token")
+
+
+def bundle_sha256(bundle: Mapping[str, Any]) -> str:
+    """Hex SHA-256 of a tokenizer bundle as sent (:data:`BUNDLE_KEYS` only, unknown keys left
+    out): the canonical JSON of those fields, keys sorted, UTF-8. A peer advertises it
+    (``tokenizer_sha256``) and a client checks the bundle it receives against it.
+
+    Raises:
+        InvalidInput: ``bundle`` is not a mapping, or holds values JSON cannot encode.
+    """
+    if not isinstance(bundle, Mapping):
+        raise InvalidInput(f"tokenizer bundle must be a dict, got {type(bundle).__name__}")
+    try:
+        canon = json.dumps({k: bundle.get(k) for k in BUNDLE_KEYS}, sort_keys=True, separators=(",", ":"),
+                           ensure_ascii=False, allow_nan=False)
+        return hashlib.sha256(canon.encode("utf-8", "surrogatepass")).hexdigest()
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"tokenizer bundle holds a value JSON cannot encode: {exc}") from None
 
 
 def _field(bundle: Mapping[str, Any], key: str, kind: type, optional: bool = False) -> Any:
