@@ -280,7 +280,9 @@ async def _join(args) -> int:
     from .tls import check_listen
 
     host, port = _listen(args.listen)
-    layers = LayerRange.parse(args.layers) if args.layers else None
+    layers = LayerRange.parse(args.layers) if args.layers and args.layers != "auto" else None
+    if args.max_layers is not None and args.max_layers < 1:
+        raise ValueError(f"--max-layers must be at least 1, got {args.max_layers}")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     if args.max_batch < 1:
@@ -303,6 +305,10 @@ async def _join(args) -> int:
     if args.metrics_port:
         _check_port_free(args.metrics_host or host, args.metrics_port)
     _warn_plain(list(settings.bootstrap), args.insecure)
+    if args.layers == "auto" or (args.layers is None and settings.bootstrap):
+        layers = await _auto_layers(args, settings)
+    elif args.max_layers is not None:
+        raise ValueError("--max-layers goes with --layers auto")
     key = args.key or _default_key_path(port)
     peer = await launch_peer(args.model, layers, device=args.device, dtype=args.dtype, settings=settings,
                              key_path=key, threads=args.threads, tls_self_signed=bool(args.tls))
@@ -314,6 +320,38 @@ async def _join(args) -> int:
     _announce(args, "shutting down")
     await peer.close()
     return 0
+
+
+async def _auto_layers(args, settings):
+    """The layers ``join --layers auto`` takes: the contiguous range the mesh (reached through
+    ``--peers``) serves least, of at most ``--max-layers`` layers, else of as many as fit in
+    the device's free memory beside the KV budget (:mod:`meshinfer.coverage`). A mesh that
+    cannot be reached counts as empty. Announces the choice and the reason."""
+    from .coverage import WEIGHTS_MEMORY_SHARE, choose_layers, coverage, layers_that_fit
+    from .executor import parse_device
+    from .peer import free_memory_bytes
+    from .session import MeshClient
+    from .weights import open_weights
+    from .weights.identity import weights_hash
+    from .weights.registry import resolve_model
+
+    path = resolve_model(args.model)
+    cfg, digest = open_weights(path).config, weights_hash(path)
+    peers = []
+    if settings.bootstrap:
+        try:
+            async with MeshClient(list(settings.bootstrap), mesh_key=settings.mesh_key, insecure=args.insecure,
+                                  tls_ca=args.tls_ca, allow_ids=settings.allow_ids) as client:
+                peers = await client.refresh()
+        except MeshError as exc:
+            print(f"warning: cannot read the mesh's coverage through --peers ({exc}); choosing as its first peer",
+                  file=sys.stderr)
+    same = [p for p in peers if (p.weights_hash, p.precision, p.num_layers) == (digest, args.dtype, cfg.num_hidden_layers)]
+    max_layers = args.max_layers or layers_that_fit(
+        cfg, args.dtype, int(free_memory_bytes(parse_device(args.device)) * WEIGHTS_MEMORY_SHARE))
+    placement = choose_layers(coverage(same, cfg.num_hidden_layers), max_layers)
+    _announce(args, placement.reason)
+    return placement.layers
 
 
 def cmd_join(args) -> int:
@@ -586,7 +624,7 @@ async def _status(args) -> int:
         if args.json:
             print(json.dumps({"peers": [dict(p.to_wire(), layers_inclusive=p.layers.cli(), rtt_ms=rtts.get(p.peer_id))
                                         for p in peers],
-                              "routes": [_group_json(g) for g in groups]}))
+                              "routes": [_group_json(g, peers) for g in groups]}))
             return code
         rows = [("PEER", "ADDRESS", "LAYERS", "DEVICE", "PREC", "WEIGHTS", "STATE", "RTT ms", "FREE KV")]
         for p in sorted(peers, key=lambda p: (p.layers.start, p.peer_id)):
@@ -600,13 +638,26 @@ async def _status(args) -> int:
         print()
         for g in groups:
             print(_group_line(g))
+            print(f"  coverage {_coverage_line(peers, g)}")
         if client.not_allowed:
             print(f"({len(client.not_allowed)} more peer(s) in the mesh are not in --allow-keys)")
     return code
 
 
-def _group_json(g) -> dict:
+def _coverage_line(peers, g) -> str:
+    """``"layers 0-23 |111111111111............| (. = no peer)"``: peers of group ``g`` serving each layer."""
+    from .coverage import coverage, coverage_strip
+
+    L = g.compat_key[3]
+    strip = coverage_strip(coverage([p for p in peers if p.compat_key == g.compat_key], L))
+    return f"layers 0-{L - 1} |{strip}| (peers per layer; . = none)"
+
+
+def _group_json(g, peers) -> dict:
+    from .coverage import coverage
+
     return {"identity": g.identity, "peers": g.num_peers, "usable": g.num_usable,
+            "coverage": coverage([p for p in peers if p.compat_key == g.compat_key], g.compat_key[3]),
             "route": [{"peer_id": h.peer_id, "layers": h.layers.cli()} for h in g.route.hops] if g.route else None,
             "estimated_ms_per_token": g.route.estimated_ms_per_token if g.route else None,
             "missing_layers": [r.cli() for r in g.missing]}
@@ -757,7 +808,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = add("join", "Start a peer serving a layer range of a model.")
     s.add_argument("--model", default=model_default, help="path or known name [$MESHINFER_MODEL]")
-    s.add_argument("--layers", default=_env("MESHINFER_LAYERS"), help="inclusive range, e.g. 0-11 (default: all)")
+    s.add_argument("--layers", default=_env("MESHINFER_LAYERS"),
+                   help="inclusive range, e.g. 0-11; auto: the range the mesh (--peers) serves least "
+                        "(default: auto with --peers, else all) [$MESHINFER_LAYERS]")
+    s.add_argument("--max-layers", type=int, default=None,
+                   help="with --layers auto: take at most this many layers (default: as many as fit in "
+                        "free memory beside the KV budget)")
     s.add_argument("--device", default=_env("MESHINFER_DEVICE", "cpu"), help="cpu, cuda, cuda:N or mps")
     s.add_argument("--dtype", default=_env("MESHINFER_DTYPE", "f32"), choices=PRECISION_NAMES,
                    help=DTYPE_HELP + " [$MESHINFER_DTYPE]")

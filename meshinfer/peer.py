@@ -1058,21 +1058,27 @@ def new_conversation_id() -> str:
 DEFAULT_KV_SHARE = 0.5
 
 
-def default_kv_budget(device: torch.device) -> int:
-    """Default KV budget, bytes: half the device memory free now (CUDA: ``mem_get_info``;
-    CPU and MPS: the system's available RAM), at least 64 MiB."""
-    free = 0
+def free_memory_bytes(device: torch.device) -> int:
+    """Device memory free now, bytes (CUDA: ``mem_get_info``; CPU and MPS: the system's
+    available RAM, ``MemAvailable`` of /proc/meminfo, else ``sysconf``); 0 when unknown."""
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        import os
         try:
-            with open("/proc/meminfo") as f:
-                info = dict(line.split(":", 1) for line in f)
-            free = int(info["MemAvailable"].split()[0]) * 1024
-        except (OSError, KeyError, ValueError):
-            import os
-            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return max(64 << 20, int(free * DEFAULT_KV_SHARE))
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (AttributeError, ValueError, OSError):
+            return 0
+
+
+def default_kv_budget(device: torch.device) -> int:
+    """Default KV budget, bytes: half the device memory free now (:func:`free_memory_bytes`),
+    at least 64 MiB."""
+    return max(64 << 20, int(free_memory_bytes(device) * DEFAULT_KV_SHARE))
 
 
 async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "cpu", dtype: str = "f32",

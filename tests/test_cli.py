@@ -331,3 +331,43 @@ def test_an_explicit_empty_system_message_is_kept(system, turns):
 
     args = Namespace(messages=None, system=system, prompt="hi")
     assert _messages(args) == turns + [{"role": "user", "content": "hi"}]
+
+
+def test_join_layers_auto_takes_the_gap_and_status_shows_coverage(tiny_gguf, tmp_path):
+    """A peer of layers 0-1 is up; ``join --layers auto --max-layers 2`` takes 2-3 and says why;
+    then status shows every layer covered once."""
+    env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
+    procs = []
+    try:
+        def join(*extra: str) -> tuple[subprocess.Popen, list[str]]:
+            log = tmp_path / f"join{len(procs)}.log"  # a file, not a pipe nobody reads: logs never block it
+            proc = subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(tiny_gguf),
+                                     "--listen", "127.0.0.1:0", "--key", str(tmp_path / f"k{len(procs)}.pem"),
+                                     *extra], stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env)
+            procs.append(proc)
+            lines = [proc.stdout.readline()]
+            while lines[-1] and not lines[-1].startswith("ready:"):
+                lines.append(proc.stdout.readline())
+            assert lines[-1].startswith("ready:"), "".join(lines) + log.read_text()
+            return proc, lines
+
+        _, first = join("--layers", "0-1")
+        url = re.search(r"at (ws://127\.0\.0\.1:\d+)", first[-1]).group(1)
+        _, second = join("--layers", "auto", "--max-layers", "2", "--peers", url)
+        assert second[0].strip() == ("taking layers 2-3 of 4: 2 of its layers have no peer (mesh coverage 11..), "
+                                     "at most 2 layers fit")
+        assert "serving layers 2-3 of 4" in second[-1]
+        deadline = time.monotonic() + 60  # the second peer's advert reaches the first within a gossip round
+        status = meshinfer("status", "--peers", url, env=env)
+        while "|1111|" not in status.stdout and time.monotonic() < deadline:
+            time.sleep(0.5)
+            status = meshinfer("status", "--peers", url, env=env)
+        assert "  coverage layers 0-3 |1111| (peers per layer; . = none)" in status.stdout, status.stdout
+        data = json.loads(meshinfer("status", "--peers", url, "--json", env=env).stdout)
+        assert data["routes"][0]["coverage"] == [1, 1, 1, 1]
+        bad = meshinfer("join", "--model", str(tiny_gguf), "--layers", "0-1", "--max-layers", "2", env=env)
+        assert bad.returncode == 2 and "--max-layers goes with --layers auto" in bad.stderr
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
