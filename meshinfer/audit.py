@@ -229,20 +229,52 @@ async def spot_check(conv, i: int) -> bool:
         if not last:
             _, next_in = await _log_of(conv, i + 1, a, b)
             _same_rows(own_out[:, a:], next_in, hop, hops[i + 1], a)
-        link = await client.link(checker)
-        _, f = await link.request("verify", timeout_s=max(30.0, client.request_timeout_s),
-                                  layers=[hop.layers.start, hop.layers.stop], check=a, **inputs)
-        got = protocol.verified_from_wire(f, count=b - a, width=None if last else own_out.shape[-1])
+        got = await _verify(client, checker, hop, a, b, inputs, None if last else own_out.shape[-1])
+        try:
+            _compare(audit, route, hop, checker, a, b, got, None if last else own_out[:, a:])
+        except LyingPeer as exc:
+            await _second_opinion(conv, hop, checker, [p for p in others if p is not checker], a, b, inputs,
+                                  None if last else own_out[:, a:], exc)
     except LyingPeer:
         raise
     except MeshError as exc:
         log.info("spot-check of hop %s (layers %s) skipped: %s", hop.peer_id[:12], hop.layers.cli(), exc)
         return False
-    _compare(audit, route, hop, checker, a, b, got, None if last else own_out[:, a:])
     audit.checks += 1
     audit.verified[(hop.peer_id, hop.layers)] = b
     log.debug("spot-check of %s at %d..%d passed", hop.peer_id[:12], a, b - 1)
     return True
+
+
+async def _verify(client, checker, hop, a: int, b: int, inputs: dict, width: int | None):
+    """``checker``'s recomputation of ``hop``'s layers over positions ``[0, b)``, from ``a`` on:
+    hidden states ``(1, b - a, C)``, or argmax tokens when ``width`` is None (the last hop)."""
+    link = await client.link(checker)
+    _, f = await link.request("verify", timeout_s=max(30.0, client.request_timeout_s),
+                              layers=[hop.layers.start, hop.layers.stop], check=a, **inputs)
+    return protocol.verified_from_wire(f, count=b - a, width=width)
+
+
+async def _second_opinion(conv, hop, checker, others: list, a: int, b: int, inputs: dict, claimed,
+                          accusation: LyingPeer) -> None:
+    """A checker disagreed with ``hop``: ask a third peer, when one serves those layers, before
+    anyone is blamed, so that one lying checker cannot get an honest hop banned.
+
+    Raises:
+        LyingPeer: the third peer agrees with the checker (``suspect``: ``hop``), or with the
+            hop (``suspect``: the checker, which lied about its recomputation); with no third
+            peer, ``accusation`` (the checker's word is taken: see docs/security.md).
+    """
+    if not others:
+        raise accusation
+    referee = conv.audit.rng.choice(others)
+    got = await _verify(conv.client, referee, hop, a, b, inputs, None if claimed is None else claimed.shape[-1])
+    try:
+        _compare(conv.audit, conv.route, hop, referee, a, b, got, claimed)
+    except LyingPeer:
+        raise accusation from None  # two peers agree against the hop
+    raise LyingPeer(f"spot-check: peer {checker.peer_id[:12]} answered a verify of layers {hop.layers.cli()} "
+                    f"that peer {referee.peer_id[:12]} and the hop itself contradict", suspect=checker.peer_id)
 
 
 def _compare(audit, route, hop, checker, a: int, b: int, got, claimed) -> None:
@@ -289,7 +321,9 @@ async def find_length_liar(conv, expected: int) -> str:
 
     Probes every hop: the first one holding another count got a wrong number of positions
     from its previous hop, which is the suspect (hop 0 itself when it is the first); when
-    every hop holds ``expected``, the last hop misreported.
+    every hop holds ``expected``, the last hop misreported. Hop-to-hop frames are not signed,
+    so a hop that over-reports what it received looks the same as a previous hop that sent
+    too much; the previous hop is blamed (docs/security.md, what nothing prevents yet).
     """
     hops = conv.route.hops
     for i, hop in enumerate(hops):

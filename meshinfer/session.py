@@ -810,7 +810,14 @@ class Conversation:
             raise LyingPeer(f"the last hop holds {length} positions after the step; the conversation has {held}",
                             suspect=suspect)
         for i in self.audit.hops_to_check(self.route.hops, after_prefill=prefill):
-            await audit.spot_check(self, i)
+            try:
+                await audit.spot_check(self, i)
+            except LyingPeer as exc:
+                if exc.suspect in self.route.peer_ids:
+                    raise
+                self.client.ban(exc.suspect, str(exc))  # a checker that lied: the route stands
+                self.detections.append({"peer": exc.suspect, "layers": None, "reason": str(exc),
+                                        "kept_tokens": len(self.cached), "dropped_tokens": 0})
 
     async def _exclude_liar(self, exc: LyingPeer, sent: list[int], result: ChatResult) -> list[int]:
         """Ban the liar, roll back to its last verified position, fail over; return the tokens to

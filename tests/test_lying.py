@@ -250,3 +250,40 @@ async def test_verify_and_get_log_requests_are_bounded_and_exact(tiny):
                 await link.request("get_log", timeout_s=10, conv="nope", start=0, stop=1)
     finally:
         await peer.close()
+
+
+async def start_lying_mesh(tiny, ranges):
+    """Peers of ``ranges`` (the first as bootstrap), tables complete."""
+    path, digest, tok, _, _ = tiny
+    first = await start_peer(load_shard(path, LayerRange(*ranges[0])), weights_hash=digest, bundle=tok.to_bundle())
+    peers = [first] + [await start_peer(load_shard(path, LayerRange(a, b)), weights_hash=digest,
+                                        bootstrap=first.addrs) for a, b in ranges[1:]]
+    await wait_for_tables(peers)
+    return peers
+
+
+async def test_a_checker_that_lies_in_verify_is_outvoted_and_the_hop_stays(tiny):
+    """Hop A (layers 1-2) is honest; checker B recomputes with noise; a third peer C settles it:
+    B is banned, A stays on the route, the tokens are the honest ones."""
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (1, 3), (1, 3), (3, 4)])
+    first, a, b, c, last = peers
+    b.shard = LyingShard(b.shard, noise(1e-2))  # b is on no route: only its verify answers lie
+    try:
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan(exclude=frozenset({b.peer_id, c.peer_id}))
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, spot_check_rate=1.0,
+                                       spot_check_seed=0)
+            real_choice = conv.audit.rng.choice  # b checks whenever it can; c is left as the referee
+            conv.audit.rng.choice = lambda seq: next((p for p in seq if p.peer_id == b.peer_id), None) or \
+                real_choice(seq)
+            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            await conv.close()
+            assert out.token_ids == expected
+            assert b.peer_id in client.backed_off() and a.peer_id not in client.backed_off()
+            assert conv.route.peer_ids == (first.peer_id, a.peer_id, last.peer_id) and out.failovers == []
+            assert [d["peer"] for d in out.detections] == [b.peer_id]
+            assert "that peer" in out.detections[0]["reason"] and "contradict" in out.detections[0]["reason"]
+    finally:
+        for p in peers:
+            await p.close()
