@@ -350,11 +350,8 @@ class Peer:
         self._closing = True
         self.state = protocol.DRAINING
         for conv in list(self.convs.values()):
-            try:
-                await conv.owner.send("error", conv=conv.conv_id, code=PeerUnavailable.code,
-                                      message=f"peer {self.peer_id[:12]} is shutting down")
-            except MeshError:
-                pass
+            conv.owner.post("error", conv=conv.conv_id, code=PeerUnavailable.code,
+                            message=f"peer {self.peer_id[:12]} is shutting down")
             await self._drop_conv(conv.conv_id)
         if self._server is not None:
             self._server.close()
@@ -723,11 +720,8 @@ class Peer:
             return x
         except LyingPeer as exc:
             log.warning("conversation %s, step %d: %s", conv.conv_id[:12], seq, exc)
-            try:
-                await conv.owner.send("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc),
-                                      suspect=exc.suspect)
-            except MeshError:
-                pass
+            # the previous hop's read loop must not wait on this client: post, never send
+            conv.owner.post("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc), suspect=exc.suspect)
             return None
 
     async def _on_get_log(self, link: Link, f) -> None:
@@ -829,11 +823,15 @@ class Peer:
             await self._drop_conv(conv.conv_id)
 
     async def _on_error(self, link: Link, f) -> None:
-        """An error from the next hop about a conversation: relay it to the conversation's client."""
+        """An error from the next hop about a conversation: relay it to the conversation's client.
+
+        Posted, never awaited: this runs in the next hop's read loop, which a client that does
+        not read must not stall (:meth:`meshinfer.transport.Link.post` cuts that client off instead).
+        """
         conv = self.convs.get(f.str("conv", "") or "")
         if conv is not None and link.remote_id is not None and link.remote_id == conv.next_id:
-            await conv.owner.send("error", conv=conv.conv_id, seq=f.get("seq", int, None),
-                                  code=f.str("code", "mesh_error"), message=f.str("message", ""))
+            conv.owner.post("error", conv=conv.conv_id, seq=f.get("seq", int, None),
+                            code=f.str("code", "mesh_error"), message=f.str("message", ""))
         else:
             log.debug("error frame from %s: %s", link.name, f.str("message", ""))
 

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshkit import generate_through, mesh, split, tiny_model
 from meshinfer import peer as peer_module
-from meshinfer import protocol
+from meshinfer import protocol, transport
 from meshinfer.config import LayerRange
 from meshinfer.discovery import HELLO_LABEL, MAX_TTL_S, NONCE_BYTES, peer_id_of, sign_advert
 from meshinfer.errors import LayerRangeError, ProtocolError
@@ -184,6 +184,13 @@ def small_socket(port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port))
     return sock
+
+
+def shrink_send_buffer(peer, port: int) -> None:
+    """Give ``peer``'s socket to the client at local ``port`` a 4 KiB send buffer (no autotuning):
+    a few KB left unread fill it, as megabytes would on a long path."""
+    link = next(lk for lk in peer._all_links if lk.ws.remote_address[1] == port)
+    link.ws.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
 
 
 def rogue_advert(digest: str, *, key=ROGUE_KEY, **changes) -> dict:
@@ -1196,4 +1203,41 @@ async def test_per_client_limits_refuse_clearly_and_others_go_on(tiny):
             for raw in raws:
                 await raw.close()
         await asyncio.sleep(2.5)  # the bucket refills: the limited host is served again
+        await assert_healthy(tiny, peers)
+
+
+async def test_unread_client_of_relayed_errors_does_not_freeze_the_link_between_hops(tiny, monkeypatch):
+    # The client opens conversations on the first hop only, so the second hop answers every step
+    # with an error that the first hop relays to this client, which never reads.
+    monkeypatch.setattr(transport, "SEND_TIMEOUT_S", 5.0)
+    limits = ClientLimits(conversations=64, steps_per_s=1e6, bytes_per_s=1e12)
+    async with serving(tiny, (0, 2, 4), client_limits=limits) as peers:
+        first, second = peers
+        link = first.links[second.peer_id]
+        ws = await websockets.connect(first.addrs[0], sock=small_socket(first.port), compression=None,
+                                      ping_interval=None, max_queue=1)
+        convs = [f"{c:02d}" + "x" * 62 for c in range(16)]  # 64 characters: echoed in each error
+        try:
+            await ws.send(pack("hello", role="client"))
+            shrink_send_buffer(first, ws.local_address[1])
+            for conv in convs:
+                await ws.send(pack("open", conv=conv, layers=[0, 2], max_tokens=CONTEXT,
+                                   next={"peer_id": second.peer_id, "addrs": list(second.addrs)}))
+            with contextlib.suppress(asyncio.TimeoutError, websockets.ConnectionClosed):  # stalled or cut off
+                for i in range(CONTEXT):
+                    for conv in convs:
+                        await asyncio.wait_for(ws.send(pack("step", conv=conv, seq=i, start=i, tokens=[i % VOCAB],
+                                                            want="token")), 2)
+            t0 = time.perf_counter()
+            await asyncio.wait_for(link.request("ping", timeout_s=5), 6)
+            assert time.perf_counter() - t0 < 2
+            t0 = time.perf_counter()
+            await converse(tiny, peers)
+            assert time.perf_counter() - t0 < 10
+            port = ws.local_address[1]
+            async with asyncio.timeout(4 * transport.SEND_TIMEOUT_S):  # the slow reader is cut off
+                while any(lk.ws.remote_address[1] == port for lk in first._all_links):
+                    await asyncio.sleep(0.05)
+        finally:
+            ws.transport.abort()
         await assert_healthy(tiny, peers)
