@@ -307,6 +307,9 @@ class Peer:
         tls.check_listen(s.host, tls=s.tls_cert is not None, insecure=s.insecure)
         scheme = "wss" if s.tls_cert is not None else "ws"
         wrong = [a for a in s.public_addrs if not a.startswith(f"{scheme}://")]
+        if len(s.public_addrs) > protocol.MAX_ADDRS:
+            raise InvalidInput(f"{len(s.public_addrs)} public addresses given; an advert holds at most "
+                               f"{protocol.MAX_ADDRS}")
         if wrong:
             raise InvalidInput(f"public address {wrong[0]} does not start with {scheme}://, the scheme this "
                                f"peer serves")
@@ -639,7 +642,7 @@ class Peer:
         nxt = f.get("next", dict, None)
         nf = protocol.Fields(nxt, f"{f.what}.next") if nxt else None
         next_id = nf.str("peer_id") if nf else None
-        next_addrs = tuple(nf.str_list("addrs")) if nf else ()
+        next_addrs = protocol.check_addrs(nf.str_list("addrs"), f"{f.what}.next") if nf else ()
         if (run.stop < self.cfg.num_hidden_layers) != (next_id is not None):
             raise ProtocolError(f"{f.what}: 'next' must name the next hop unless this hop runs the last layer")
         prev_id = f.str("prev", None)

@@ -313,6 +313,13 @@ BAD_ADVERTS = [
     (dict(state="evil"), "advert: state 'evil' is not one of joining, ready, draining"),
     (dict(addrs=["ws://x"] * 65), "advert: field 'addrs' must be a list of at most 64 strings"),
     (dict(addrs="ws://x"), "advert: field 'addrs' has type str"),
+    (dict(addrs=[f"ws://127.0.0.1:{p}" for p in range(1, 6)]),
+     "advert: field 'addrs' holds 5 addresses; at most 4 are allowed"),
+    (dict(addrs=["http://127.0.0.1:8080/admin/delete?all=1"]),
+     "advert: address 'http://127.0.0.1:8080/admin/delete?all=1' is not a ws:// or wss:// URL of at most "
+     "256 characters"),
+    (dict(addrs=["ws://" + "h" * 300]), f"advert: address {'ws://' + 'h' * 75!r} is not a ws:// or wss:// URL "
+                                        f"of at most 256 characters"),
     (dict(peer_id=None), "advert: field 'peer_id' is missing"),
     (dict(peer_id=7), "advert: field 'peer_id' has type int"),
 ]
@@ -456,6 +463,10 @@ OPEN_CASES = [
     (dict(layers=[0, 2], next={"peer_id": 5}), "protocol_error", "open.next: field 'peer_id' has type int"),
     (dict(layers=[0, 2], next={"peer_id": "x", "addrs": "ws://x"}), "protocol_error",
      "open.next: field 'addrs' has type str"),
+    (dict(layers=[0, 2], next={"peer_id": "x", "addrs": ["ws://127.0.0.1:1"] * 5}), "protocol_error",
+     "open.next: field 'addrs' holds 5 addresses; at most 4 are allowed"),
+    (dict(layers=[0, 2], next={"peer_id": "x", "addrs": ["gopher://127.0.0.1:70/"]}), "protocol_error",
+     "open.next: address 'gopher://127.0.0.1:70/' is not a ws:// or wss:// URL of at most 256 characters"),
     (dict(next="peer"), "protocol_error", "open: field 'next' has type str"),
     (dict(prev=7), "protocol_error", "open: field 'prev' has type int"),
     (dict(prev="someone"), "protocol_error", "open: 'prev' must name the previous hop unless this hop runs layer 0"),
@@ -1241,3 +1252,4 @@ async def test_unread_client_of_relayed_errors_does_not_freeze_the_link_between_
         finally:
             ws.transport.abort()
         await assert_healthy(tiny, peers)
+
