@@ -35,7 +35,7 @@ from .models.llama import Shard
 from .protocol import PeerAdvert
 from .sampling import pick_token
 from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_HOLD_S, BatchStats, StepScheduler
-from .transport import CLOSE_SHUTDOWN, Link, dial
+from .transport import CLOSE_SHUTDOWN, Link, dial, first_success
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,14 @@ FRAME_OVERHEAD_BYTES = 64 * 1024
 #: Most peers one peer's table holds; adverts of further unknown peers are dropped, so a rogue
 #: peer cannot grow the table (and every gossip round) without bound.
 MAX_KNOWN_PEERS = 256
+#: Addresses learnt from others (gossip, ``open.next``) that a peer dials per second, sustained
+#: (token bucket, bursts of 2 s): an attacker's adverts cannot make the mesh a request flood.
+MAX_DIALS_PER_S = 8.0
+#: After a failed dial of a peer id, its next dial waits this long, seconds, doubling with each
+#: failure up to :data:`MAX_DIAL_BACKOFF_S`; bootstrap addresses are retried every gossip round.
+DIAL_BACKOFF_S, MAX_DIAL_BACKOFF_S = 1.0, 30.0
+#: Most peer ids whose dial failures a peer remembers (the oldest is forgotten first).
+MAX_DIAL_FAILURES = 1024
 #: Largest advert kept, bytes (an honest one is about 400 bytes plus 42 per RTT it reports).
 MAX_ADVERT_BYTES = 16 * 1024
 #: Largest gossip payload, bytes: below every peer's frame limit whatever its hidden size.
@@ -208,6 +216,8 @@ class Peer:
         self.max_frame_bytes = (self.settings.max_step_tokens * self.cfg.hidden_size * 4
                                 + FRAME_OVERHEAD_BYTES)
         self._dialing: dict[str, asyncio.Future] = {}
+        self._dial_failures: dict[str, tuple[float, int]] = {}  # peer id -> (no dial before, failures in a row)
+        self._dial_bucket = _Bucket(MAX_DIALS_PER_S, 2 * MAX_DIALS_PER_S)
         self._gossiping: set[str] = set()  # peer ids with a gossip exchange in flight
         self._bootstrap_errors: dict[str, str] = {}  # bootstrap URL -> the last reason it failed
         self._closing = False
@@ -404,45 +414,82 @@ class Peer:
             return link
         if peer_id in self._dialing:
             return await asyncio.shield(self._dialing[peer_id])
+        until, failures = self._dial_failures.get(peer_id, (0.0, 0))
+        if until > time.monotonic():
+            raise PeerUnavailable(f"peer {peer_id[:12]} failed {failures} dial(s) in a row; next try in "
+                                  f"{until - time.monotonic():.1f} s")
         fut = asyncio.get_running_loop().create_future()
         self._dialing[peer_id] = fut
         try:
             link = await self._dial_any(addrs, expect_id=peer_id)
+            self._dial_failures.pop(peer_id, None)
             fut.set_result(link)
             return link
         except BaseException as exc:
+            if isinstance(exc, PeerUnavailable):
+                self._dial_failed(peer_id)
             fut.set_exception(exc if isinstance(exc, Exception) else PeerUnavailable("dial cancelled"))
             fut.exception()  # mark retrieved
             raise
         finally:
             del self._dialing[peer_id]
 
+    def _dial_failed(self, peer_id: str) -> None:
+        """Back off dialing ``peer_id``: :data:`DIAL_BACKOFF_S` doubled per failure in a row."""
+        _, failures = self._dial_failures.pop(peer_id, (0.0, 0))
+        if len(self._dial_failures) >= MAX_DIAL_FAILURES:
+            del self._dial_failures[next(iter(self._dial_failures))]
+        backoff_s = min(MAX_DIAL_BACKOFF_S, DIAL_BACKOFF_S * 2 ** failures)
+        self._dial_failures[peer_id] = (time.monotonic() + backoff_s, failures + 1)
+
     async def _dial_any(self, addrs: tuple[str, ...], expect_id: str | None) -> Link:
-        errors = []
-        for url in addrs:
-            try:
-                link = await dial(url, max_bytes=self.max_frame_bytes, on_message=self._on_message,
-                                  insecure=self.settings.insecure, tls_ca=self.settings.tls_ca)
-            except (PeerUnavailable, InvalidInput) as exc:
-                errors.append(str(exc))
-                continue
-            link.meter = self.metrics
-            self._all_links.add(link)
-            link.reader.add_done_callback(lambda _t, lk=link: self._forget_link(lk))
-            try:
-                remote = await self._handshake(link, expect_id)
-            except MeshError as exc:
-                await link.close()
-                errors.append(f"{url}: {exc}")
-                continue
-            link.remote_id, link.role = remote.peer_id, "peer"
-            link.info["authed"] = True
-            self._merge([remote])
-            self.links.setdefault(remote.peer_id, link)
-            return link
-        if expect_id is None:  # a bootstrap address: each error already names its URL
-            raise PeerUnavailable("; ".join(errors or ["no address"]))
-        raise PeerUnavailable(f"cannot reach peer {expect_id[:12]}: " + "; ".join(errors or ["no address"]))
+        """Dial ``addrs`` at once and shake hands; the first link that proves ``expect_id`` (any
+        peer for a bootstrap address, ``expect_id`` None). The others are closed.
+
+        Raises:
+            PeerUnavailable: no address answered, each error named.
+        """
+        try:
+            link = await first_success([self._dial_one(url, expect_id) for url in addrs],
+                                       discard=lambda lk: lk.close())
+        except PeerUnavailable as exc:
+            if expect_id is None:  # a bootstrap address: each error already names its URL
+                raise
+            raise PeerUnavailable(f"cannot reach peer {expect_id[:12]}: {exc}") from None
+        self._merge([link.info.pop("advert")])
+        self.links.setdefault(link.remote_id, link)
+        return link
+
+    async def _dial_one(self, url: str, expect_id: str | None) -> Link:
+        """Dial ``url`` and shake hands; the link holds the remote's advert in ``info["advert"]``.
+
+        An address learnt from others (``expect_id`` given) takes a token of the peer's dial
+        bucket (:data:`MAX_DIALS_PER_S`); bootstrap addresses do not.
+
+        Raises:
+            PeerUnavailable: not dialed (no token), unreachable, or the handshake failed.
+        """
+        if expect_id is not None and not self._dial_bucket.take(1):
+            raise PeerUnavailable(f"{url}: not dialed; this peer dials at most {MAX_DIALS_PER_S:g} learnt "
+                                  f"addresses a second")
+        try:
+            link = await dial(url, max_bytes=self.max_frame_bytes, on_message=self._on_message,
+                              insecure=self.settings.insecure, tls_ca=self.settings.tls_ca)
+        except InvalidInput as exc:
+            raise PeerUnavailable(str(exc)) from exc
+        link.meter = self.metrics
+        self._all_links.add(link)
+        link.reader.add_done_callback(lambda _t, lk=link: self._forget_link(lk))
+        try:
+            remote = await self._handshake(link, expect_id)
+        except BaseException as exc:
+            await link.close()
+            if isinstance(exc, MeshError):
+                raise PeerUnavailable(f"{url}: {exc}") from exc
+            raise
+        link.remote_id, link.role = remote.peer_id, "peer"
+        link.info.update(authed=True, advert=remote)
+        return link
 
     async def _handshake(self, link: Link, expect_id: str | None) -> PeerAdvert:
         """Dialer side: hello, check the welcome's proofs, answer with ``auth``; the remote's advert.
@@ -938,6 +985,7 @@ class Peer:
             await asyncio.sleep(min(5.0, self.settings.idle_timeout_s / 2))
             now = time.monotonic()
             self._buckets = {h: b for h, b in self._buckets.items() if b[1].level < b[1].burst}  # drop idle hosts
+            self._dial_failures = {p: f for p, f in self._dial_failures.items() if f[0] + MAX_DIAL_BACKOFF_S > now}
             for conv in list(self.convs.values()):
                 if now - conv.last_active > self.settings.idle_timeout_s and conv.queue.empty():
                     log.info("conversation %s idle for %.0f s; freeing it", conv.conv_id, now - conv.last_active,

@@ -17,7 +17,7 @@ import itertools
 import logging
 import ssl
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
 import websockets
 from websockets.exceptions import ConnectionClosed
@@ -43,6 +43,7 @@ SEND_TIMEOUT_S = 10.0
 CLOSE_FLUSH_TIMEOUT_S = 2.0
 
 Handler = Callable[["Link", str, "protocol.Fields"], Awaitable[None]]
+T = TypeVar("T")
 
 
 class Link:
@@ -335,3 +336,38 @@ async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s:
     link.tls_fingerprint = tls.peer_fingerprint(ws)
     link.reader = asyncio.get_running_loop().create_task(link.run(), name=f"link {url}")
     return link
+
+
+async def first_success(attempts: Iterable[Awaitable[T]], *, discard: Callable[[T], Awaitable[Any]]) -> T:
+    """Run ``attempts`` (dials of one peer's addresses) at once; the first that succeeds.
+
+    The others are cancelled; one that succeeded anyway is passed to ``discard`` (to close
+    it). Cancelling this cancels every attempt.
+
+    Raises:
+        PeerUnavailable: every attempt failed; the message joins their errors (``MeshError``s,
+            in the order they failed), or says "no address" when there was none.
+    """
+    tasks = [asyncio.ensure_future(a) for a in attempts]
+    pending, winner, errors = set(tasks), None, []
+    try:
+        while pending and winner is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=tasks.index):
+                exc = task.exception()
+                if exc is None:
+                    winner = winner or task
+                elif isinstance(exc, MeshError):
+                    errors.append(str(exc))
+                else:
+                    raise exc
+        if winner is None:
+            raise PeerUnavailable("; ".join(errors or ["no address"]))
+        return winner.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            if task is not winner and not task.cancelled() and task.exception() is None:
+                await discard(task.result())

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import math
 import random
+import re
 import socket
 import time
 import tracemalloc
@@ -1253,3 +1254,137 @@ async def test_unread_client_of_relayed_errors_does_not_freeze_the_link_between_
             ws.transport.abort()
         await assert_healthy(tiny, peers)
 
+
+
+# --------------------------------------------------------------------------- adverts as weapons
+@contextlib.asynccontextmanager
+async def counting_service():
+    """A loopback TCP service that answers every connection with an HTTP 404, as a service an
+    attacker points the mesh at would; yields (its ws:// base URL, the list of connections made)."""
+    hits: list[float] = []
+
+    async def answer(reader, writer) -> None:
+        hits.append(time.monotonic())
+        writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}", hits
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_gossiped_addresses_are_dialed_at_a_bounded_rate(tiny):
+    async with serving(tiny) as peers, counting_service() as (url, hits):
+        peer = peers[0]
+        raw = await Raw.connect(peer, role="peer", advert=rogue_advert(peer.weights_hash))
+        try:
+            t0 = time.monotonic()
+            await raw.send("gossip", adverts=[rogue_advert(peer.weights_hash, key=new_key(), ttl_s=60.0,
+                                                           addrs=[f"{url}/admin/delete?id={i}"]) for i in range(100)])
+            await raw.request("ping")
+            await asyncio.sleep(2.0)  # 20 gossip rounds of 0.1 s, each of which used to dial all 100
+            elapsed = time.monotonic() - t0
+            assert 0 < len(hits) <= peer_module.MAX_DIALS_PER_S * (2 + elapsed)  # a burst of 2 s, then the rate
+        finally:
+            await raw.close()
+        for ad in peer.table.adverts():
+            peer.table.remove(ad.peer_id)
+        await assert_healthy(tiny, peers)
+
+
+async def test_next_hop_addresses_of_an_open_are_dialed_once_per_backoff(tiny, monkeypatch):
+    monkeypatch.setattr(peer_module, "DIAL_BACKOFF_S", 60.0)  # longer than the test: no second dial
+    async with serving(tiny, (0, 2, 4)) as peers, counting_service() as (url, hits):
+        first = peers[0]
+        fake = peer_id_of(new_key())
+        raw = await Raw.connect(first)
+        try:
+            addrs = [f"{url}/admin/delete?id={i}" for i in range(4)]
+            assert (await raw.request("open", conv="ssrf", layers=[0, 2], max_tokens=16,
+                                      next={"peer_id": fake, "addrs": addrs}))["t"] == "opened"
+            for i in range(3):
+                await raw.send("step", conv="ssrf", seq=i, start=i, tokens=[i], want="token")
+            errors = [await raw.recv(timeout_s=10) for _ in range(3)]
+            assert [(e["t"], e["code"], e["seq"]) for e in errors] == [("error", "peer_unavailable", i) for i in range(3)]
+            assert errors[0]["message"].startswith(f"cannot reach peer {fake[:12]}: cannot reach {url}/admin/delete?id=")
+            for e in errors[1:]:
+                assert re.fullmatch(rf"peer {fake[:12]} failed 1 dial\(s\) in a row; next try in \d+\.\d s",
+                                    e["message"]), e["message"]
+            assert len(hits) == 4
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+@contextlib.contextmanager
+def silent_addresses(n: int):
+    """``n`` ws:// URLs of one loopback listener that accepts TCP and never answers."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    try:
+        yield [f"ws://127.0.0.1:{silent.getsockname()[1]}/{i}" for i in range(n)]
+    finally:
+        silent.close()
+
+
+async def plant(peer, adverts: list[dict]) -> Raw:
+    """A rogue peer connection (its own advert lives 60 s) that has gossiped ``adverts`` to ``peer``."""
+    raw = await Raw.connect(peer, role="peer", advert=rogue_advert(peer.weights_hash, ttl_s=60.0))
+    await raw.send("gossip", adverts=adverts)
+    await raw.request("ping")
+    return raw
+
+
+async def test_a_peer_of_silent_addresses_costs_planning_one_dial_timeout(tiny):
+    from meshinfer.session import MeshClient
+
+    dial_timeout_s = 2.0
+    with silent_addresses(4) as addrs:
+        async with serving(tiny) as peers:
+            peer = peers[0]
+            raw = await plant(peer, [rogue_advert(peer.weights_hash, key=new_key(), addrs=addrs, ttl_s=60.0,
+                                                  layers=[0, 4])])
+            try:
+                async with MeshClient(peer.addrs, dial_timeout_s=dial_timeout_s) as client:
+                    t0 = time.perf_counter()
+                    route = await client.plan()
+                    assert time.perf_counter() - t0 < 3 * dial_timeout_s  # one after the other: 4 timeouts
+                    assert route.peer_ids == (peer.peer_id,)
+            finally:
+                await raw.close()
+            for ad in peer.table.adverts():
+                peer.table.remove(ad.peer_id)
+            await assert_healthy(tiny, peers)
+
+
+async def test_listing_models_never_waits_for_a_route_being_planned(tiny):
+    from meshinfer.api import MeshModels
+    from meshinfer.session import MeshClient
+
+    with silent_addresses(1) as addrs:
+        async with serving(tiny) as peers:
+            peer = peers[0]
+            raw = await plant(peer, [rogue_advert(peer.weights_hash, key=new_key(), addrs=addrs, ttl_s=60.0,
+                                                  layers=[0, 4])])
+            try:
+                async with MeshClient(peer.addrs, dial_timeout_s=30.0, request_timeout_s=30.0) as client:
+                    models = MeshModels(client, route_ttl_s=0.0)
+                    planning = asyncio.get_running_loop().create_task(models.route(peer.weights_hash))
+                    try:
+                        listed = await asyncio.wait_for(models.models(), 10.0)  # the plan waits 30 s on a dial
+                        assert [m["meshinfer"]["weights_hash"] for m in listed] == [peer.weights_hash]
+                        assert not planning.done()
+                    finally:
+                        planning.cancel()
+                        await asyncio.gather(planning, return_exceptions=True)
+            finally:
+                await raw.close()
+            for ad in peer.table.adverts():
+                peer.table.remove(ad.peer_id)
+            await assert_healthy(tiny, peers)
