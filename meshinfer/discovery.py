@@ -264,6 +264,16 @@ def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None, mesh_k
     return advert, welcome_nonce
 
 
+def first_seq() -> int:
+    """The ``seq`` a peer's first advert carries: the wall clock in microseconds.
+
+    A peer counts up from it by one per advert, so every advert of a restarted peer is newer
+    than every advert of its previous run (as long as its clock did not go back and it sent
+    fewer than a million adverts a second): a replayed old advert never replaces a new one.
+    """
+    return time.time_ns() // 1000
+
+
 class PeerTable:
     """Adverts of the other peers, each with a local expiry time.
 

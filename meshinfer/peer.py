@@ -207,7 +207,7 @@ class Peer:
         self.links: dict[str, Link] = {}  # remote peer id -> link, whichever side dialed
         self._all_links: set[Link] = set()
         self._tasks: set[asyncio.Task] = set()
-        self._seq = 0
+        self._seq = discovery.first_seq()  # newer than any advert of this key's previous runs
         self._reserved_tokens = 0
         self._server = None
         self.addrs: tuple[str, ...] = ()

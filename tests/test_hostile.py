@@ -1388,3 +1388,30 @@ async def test_listing_models_never_waits_for_a_route_being_planned(tiny):
             for ad in peer.table.adverts():
                 peer.table.remove(ad.peer_id)
             await assert_healthy(tiny, peers)
+
+
+async def test_a_replayed_advert_of_a_restarted_peer_never_replaces_its_new_one(tiny):
+    from meshkit import start_peer
+
+    path, digest, tok, _ = tiny
+    key = new_key()
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        before = await start_peer(load_shard(path, LayerRange(0, 4)), weights_hash=digest, key=key,
+                                  bootstrap=peer.addrs)
+        before._seq += 10_000  # it ran for a while: 10,000 adverts (5.5 hours of gossip every 2 s)
+        old = before.advert().to_wire()  # what an attacker recorded before the restart
+        await before.close()
+        after = await start_peer(load_shard(path, LayerRange(0, 4)), weights_hash=digest, key=key,
+                                 bootstrap=peer.addrs)
+        try:
+            async with asyncio.timeout(5.0):  # the restarted peer, on a new port, is listed
+                while (ad := peer.table.get(after.peer_id)) is None or ad.addrs != after.addrs:
+                    await asyncio.sleep(0.02)
+            raw = await plant(peer, [old | {"ttl_s": 60.0}])
+            await raw.close()
+            assert peer.table.get(after.peer_id).addrs == after.addrs != tuple(old["addrs"])
+        finally:
+            await after.close()
+        peer.table.remove(after.peer_id)
+        await assert_healthy(tiny, peers)
