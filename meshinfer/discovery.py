@@ -279,40 +279,71 @@ class PeerTable:
 
     Args:
         self_id: this peer's id (its own advert is never stored), or None on a client.
+        capacity: most records held, or None for no limit. When full, a new peer is taken
+            only when it proved its key to this peer directly: it replaces the record closest
+            to expiry among the unproven ones that are not ``protected`` (see :meth:`merge`).
         clock: monotonic seconds (injectable for tests).
     """
 
-    def __init__(self, self_id: str | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, self_id: str | None = None, *, capacity: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.self_id = self_id
+        self.capacity = capacity
         self._clock = clock
         self._records: dict[str, tuple[PeerAdvert, float]] = {}
+        self._proven: set[str] = set()  # ids whose key was proven in a handshake with this peer
 
-    def merge(self, adverts: Iterable[PeerAdvert]) -> int:
+    def merge(self, adverts: Iterable[PeerAdvert], *, proven: bool = False,
+              protected: Iterable[str] = ()) -> int:
         """Store adverts that are newer (larger ``seq``) than what is held; return how many.
 
         A record lives at most :data:`MAX_TTL_S` seconds whatever ``ttl_s`` it arrives with.
+        ``proven``: the adverts' peers proved their keys in a handshake with this peer; when
+        the table is full such a peer evicts the unproven record closest to expiry whose id is
+        not in ``protected`` (peers with a link or a conversation here), and an unproven new
+        peer is dropped. So keys that cost an attacker nothing cannot push out the peers it talks to.
         """
-        now, taken = self._clock(), 0
+        self.expire()
+        now, taken, keep = self._clock(), 0, frozenset(protected)
         for ad in adverts:
             if ad.peer_id == self.self_id or ad.ttl_s <= 0:
                 continue
             held = self._records.get(ad.peer_id)
+            if held is None and self.capacity is not None and len(self._records) >= self.capacity:
+                if not proven or not self._evict(keep):
+                    continue
+            if proven:
+                self._proven.add(ad.peer_id)
             if held is None or ad.seq > held[0].seq:
                 self._records[ad.peer_id] = (ad, now + min(ad.ttl_s, MAX_TTL_S))
                 taken += 1
         return taken
+
+    def _evict(self, protected: frozenset[str]) -> bool:
+        """Drop the unproven, unprotected record closest to expiry; False when there is none."""
+        victims = [(until, pid) for pid, (_, until) in self._records.items()
+                   if pid not in self._proven and pid not in protected]
+        if not victims:
+            return False
+        self.remove(min(victims)[1])
+        return True
+
+    def proven(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` proved its key to this peer directly while its record lives."""
+        return peer_id in self._proven
 
     def expire(self) -> list[str]:
         """Drop records past their expiry; return the dropped peer ids."""
         now = self._clock()
         dead = [pid for pid, (_, until) in self._records.items() if until <= now]
         for pid in dead:
-            del self._records[pid]
+            self.remove(pid)
         return dead
 
     def remove(self, peer_id: str) -> None:
         """Forget ``peer_id`` (it said goodbye)."""
         self._records.pop(peer_id, None)
+        self._proven.discard(peer_id)
 
     def get(self, peer_id: str) -> PeerAdvert | None:
         """The live advert of ``peer_id``, or None."""

@@ -48,7 +48,8 @@ MAX_CONVERSATIONS_PER_LINK = 64
 #: Frame overhead allowed beyond the largest hidden-state payload, bytes.
 FRAME_OVERHEAD_BYTES = 64 * 1024
 #: Most peers one peer's table holds; adverts of further unknown peers are dropped, so a rogue
-#: peer cannot grow the table (and every gossip round) without bound.
+#: peer cannot grow the table (and every gossip round) without bound. A peer that proves its key
+#: in a handshake still gets in, in place of an unproven record (see ``PeerTable.merge``).
 MAX_KNOWN_PEERS = 256
 #: Addresses learnt from others (gossip, ``open.next``) that a peer dials per second, sustained
 #: (token bucket, bursts of 2 s): an attacker's adverts cannot make the mesh a request flood.
@@ -200,7 +201,7 @@ class Peer:
         self.tokenizer_bundle = tokenizer_bundle
         self.settings = settings or PeerSettings()
         self.state = protocol.JOINING
-        self.table = PeerTable(self.peer_id)
+        self.table = PeerTable(self.peer_id, capacity=MAX_KNOWN_PEERS)
         self.compute_ms_per_token = 0.0
         self.rtts_ms: dict[str, float] = {}
         self.convs: dict[str, _Conv] = {}
@@ -456,7 +457,7 @@ class Peer:
             if expect_id is None:  # a bootstrap address: each error already names its URL
                 raise
             raise PeerUnavailable(f"cannot reach peer {expect_id[:12]}: {exc}") from None
-        self._merge([link.info.pop("advert")])
+        self._merge([link.info.pop("advert")], proven=True)
         self.links.setdefault(link.remote_id, link)
         return link
 
@@ -582,7 +583,7 @@ class Peer:
                                          welcome_nonce, hello_nonce):
                 raise Unauthenticated(f"auth: the proof does not match the key of peer {claimed.peer_id[:12]}")
             link.remote_id = claimed.peer_id
-            self._merge([claimed])
+            self._merge([claimed], proven=True)
             self.links.setdefault(claimed.peer_id, link)
         link.info["authed"] = True
         await link.send("authed", re=f.get("id", int, None))
@@ -617,13 +618,19 @@ class Peer:
                 log.debug("dropping a malformed advert from %s: %s", link.remote_id, exc)
         self._merge(ads)
 
-    def _merge(self, ads: list[PeerAdvert]) -> None:
-        """Merge adverts into the table, dropping oversized or unsigned ones and new peers once it is full."""
+    def _merge(self, ads: list[PeerAdvert], *, proven: bool = False) -> None:
+        """Merge adverts into the table, dropping oversized or unsigned ones.
+
+        ``proven``: their peers just proved their keys in a handshake with this peer. Once the
+        table holds :data:`MAX_KNOWN_PEERS`, only such a peer gets in, in place of the unproven
+        record closest to expiry that has no link and no conversation here.
+        """
         known = {a.peer_id for a in self.table.adverts()}
+        full = len(known) >= MAX_KNOWN_PEERS
         keep = []
         for ad in ads:
-            if ad.peer_id not in known and len(known) >= MAX_KNOWN_PEERS:
-                continue
+            if full and not proven and ad.peer_id not in known:
+                continue  # it could not get in: skip the signature check
             size = protocol.wire_size(ad.to_wire())
             if size > MAX_ADVERT_BYTES:
                 log.debug("dropping the advert of %s: %d bytes, over %d", ad.peer_id[:12], size, MAX_ADVERT_BYTES)
@@ -634,9 +641,9 @@ class Peer:
             if not self._allowed(ad.peer_id):
                 log.debug("dropping the advert of %s: not on --allow-keys", ad.peer_id[:12])
                 continue
-            known.add(ad.peer_id)
             keep.append(ad)
-        self.table.merge(keep)
+        busy = {c.next_id for c in self.convs.values()} | {c.prev_id for c in self.convs.values()}
+        self.table.merge(keep, proven=proven, protected=(set(self.links) | busy) - {None})
 
     def _allowed(self, peer_id: str) -> bool:
         """Whether ``peer_id`` may take part in this peer's mesh (``--allow-keys``)."""

@@ -1415,3 +1415,33 @@ async def test_a_replayed_advert_of_a_restarted_peer_never_replaces_its_new_one(
             await after.close()
         peer.table.remove(after.peer_id)
         await assert_healthy(tiny, peers)
+
+
+async def test_a_full_table_takes_a_peer_that_proves_its_key(tiny):
+    from meshkit import start_peer
+
+    path, digest, tok, _ = tiny
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        fakes = [rogue_advert(digest, key=new_key(), ttl_s=60.0) for i in range(300)]
+        raw = await plant(peer, fakes[:150])
+        try:
+            await raw.send("gossip", adverts=fakes[150:])
+            await raw.request("ping")
+            assert len(peer.table) == peer_module.MAX_KNOWN_PEERS
+            honest = await start_peer(load_shard(path, LayerRange(0, 4)), weights_hash=digest, bootstrap=peer.addrs)
+            try:
+                async with asyncio.timeout(5.0):  # it dialed and proved its key: it gets in
+                    while peer.table.get(honest.peer_id) is None:
+                        await asyncio.sleep(0.02)
+                assert len(peer.table) == peer_module.MAX_KNOWN_PEERS
+                await raw.send("gossip", adverts=[rogue_advert(digest, key=new_key(), ttl_s=60.0) for i in range(50)])
+                await raw.request("ping")  # fresh fakes cannot push it out
+                assert peer.table.get(honest.peer_id) is not None
+            finally:
+                await honest.close()
+        finally:
+            await raw.close()
+        for ad in peer.table.adverts():
+            peer.table.remove(ad.peer_id)
+        await assert_healthy(tiny, peers)
