@@ -563,7 +563,7 @@ class Peer:
         if self.settings.mesh_key is not None:
             extra["mac"] = discovery.mesh_mac(self.settings.mesh_key, discovery.MESH_WELCOME_LABEL, hello_nonce,
                                               welcome_nonce)
-        await link.send("welcome", re=f.get("id", int, None), advert=self.advert().to_wire(), nonce=welcome_nonce,
+        await link.send("welcome", re=f.get("id", int, None), advert=self._welcome_advert().to_wire(), nonce=welcome_nonce,
                         proof=discovery.welcome_proof(self.key, hello_nonce, welcome_nonce, self.tls_fingerprint),
                         private=self.settings.mesh_key is not None, max_step_tokens=self.settings.max_step_tokens,
                         max_frame_bytes=self.max_frame_bytes, **extra)
@@ -587,6 +587,14 @@ class Peer:
             self.links.setdefault(claimed.peer_id, link)
         link.info["authed"] = True
         await link.send("authed", re=f.get("id", int, None))
+
+    def _welcome_advert(self) -> PeerAdvert:
+        """This peer's advert for a ``welcome``. In a private mesh, where nobody has proven the
+        key yet, it shows nothing about other users: no free KV tokens (their reservations) and
+        no RTTs; it is one ``seq`` older than :meth:`advert`, so the full advert replaces it."""
+        if self.settings.mesh_key is None:
+            return self.advert()
+        return sign_advert(replace(self.advert(), free_kv_tokens=0, rtts_ms={}, seq=self._seq - 1), self.key)
 
     async def _on_welcome(self, link: Link, f) -> None:
         raise ProtocolError("unexpected welcome")

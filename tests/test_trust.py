@@ -124,3 +124,21 @@ def test_mesh_key_file_option_and_environment(monkeypatch):
     monkeypatch.setenv("MESHINFER_MESH_KEY_FILE", "/keys/mesh.key")
     assert [build_parser().parse_args([cmd]).mesh_key_file for cmd in ("join", "chat", "status")] == \
         ["/keys/mesh.key"] * 3
+
+
+async def test_a_welcome_shows_a_stranger_nothing_about_other_users(tiny):
+    async with private_mesh(tiny, bounds=(0, 4)) as [peer]:
+        async with MeshClient(list(peer.addrs), mesh_key=KEY) as member:
+            conv = member.conversation(await member.plan(), max_tokens_total=64)
+            await conv.open()  # a member's reservation: 64 tokens
+            try:
+                assert peer.free_kv_tokens == peer.capacity_tokens - 64
+                welcome = (await frames(peer.addrs[0], {"t": "hello", "role": "client",
+                                                        "nonce": discovery.new_nonce()}))[0]
+                assert (welcome["advert"]["free_kv_tokens"], welcome["advert"]["rtts_ms"]) == (0, {})
+                assert discovery.verify_advert(protocol.PeerAdvert.from_wire(welcome["advert"]))
+                [listed] = [a for a in await member.refresh() if a.peer_id == peer.peer_id]
+                assert listed.free_kv_tokens == peer.capacity_tokens - 64  # members see it after auth
+            finally:
+                await conv.close()
+
