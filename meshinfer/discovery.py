@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import time
 from dataclasses import replace
@@ -43,6 +44,7 @@ WELCOME_LABEL = b"meshinfer-welcome\0"
 HELLO_LABEL = b"meshinfer-hello\0"
 MESH_WELCOME_LABEL = b"welcome\0"
 MESH_HELLO_LABEL = b"hello\0"
+MESH_BOUND_LABEL = b"hello-addr\0"
 
 
 def load_or_create_key(path: str | os.PathLike):
@@ -208,6 +210,31 @@ def check_mac(mesh_key: bytes, mac: bytes, label: bytes, first: bytes, second: b
     return hmac.compare_digest(mac, mesh_mac(mesh_key, label, first, second))
 
 
+def endpoint(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of a ws:// or wss:// URL; every loopback host is ``"loopback"``, and
+    a missing port is the scheme's default (80, 443). A URL that does not parse gives ("", "", 0)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        scheme, host, port = parts.scheme.lower(), (parts.hostname or "").lower(), parts.port
+    except ValueError:
+        return ("", "", 0)
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    return (scheme, "loopback" if loopback else host, port or (443 if scheme == "wss" else 80))
+
+
+def auth_macs(mesh_key: bytes, welcome_nonce: bytes, hello_nonce: bytes, addr: str) -> dict:
+    """The private-mesh fields of an ``auth``: ``mac`` (both nonces; for peers older than the
+    bound proof), ``addr`` (the URL this side dialed) and ``bound_mac``, which covers ``addr``
+    too, so that a relay's proof names the relay's address, not the peer's."""
+    return {"mac": mesh_mac(mesh_key, MESH_HELLO_LABEL, welcome_nonce, hello_nonce), "addr": addr,
+            "bound_mac": mesh_mac(mesh_key, MESH_BOUND_LABEL, welcome_nonce, hello_nonce + addr.encode())}
+
+
 def new_nonce() -> bytes:
     """A fresh random handshake nonce of :data:`NONCE_BYTES` bytes."""
     return os.urandom(NONCE_BYTES)
@@ -228,12 +255,15 @@ def welcome_proof(key, hello_nonce: bytes, welcome_nonce: bytes, tls_fingerprint
 
 
 def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None, mesh_key: bytes | None = None,
-                  tls_fingerprint: str = "") -> tuple[PeerAdvert, bytes]:
+                  tls_fingerprint: str = "", dialed_url: str | None = None) -> tuple[PeerAdvert, bytes]:
     """Check a ``welcome`` answering a hello that carried ``hello_nonce``.
 
     ``tls_fingerprint`` is the SHA-256 (hex) of the certificate the dialer saw in its TLS
     handshake ("" over plain ws): it must equal the advert's ``tls_fingerprint`` and be
-    covered by the proof (:func:`welcome_proof`).
+    covered by the proof (:func:`welcome_proof`). In a private mesh over plain ws,
+    ``dialed_url`` (the URL dialed) must be one of the advert's addresses (same scheme, host
+    and port; any loopback host matches another): otherwise the connection may run through a
+    relay, which must not get this side's proof of the mesh key.
 
     Returns:
         (the answering peer's advert, its welcome nonce).
@@ -241,8 +271,8 @@ def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None, mesh_k
     Raises:
         ProtocolError: a missing or mistyped field.
         Unauthenticated: the advert's signature, the proof of its key or the mesh-key MAC does
-            not verify, the peer is not ``expect_id``, or the TLS certificate is not the one
-            the peer signed.
+            not verify, the peer is not ``expect_id``, the TLS certificate is not the one the
+            peer signed, or (private mesh, plain ws) it does not list ``dialed_url``.
     """
     advert = PeerAdvert.from_wire(f.get("advert", dict))
     welcome_nonce = read_nonce(f, "welcome")
@@ -261,6 +291,11 @@ def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None, mesh_k
     if mesh_key is not None:
         if not check_mac(mesh_key, f.get("mac", bytes, b""), MESH_WELCOME_LABEL, hello_nonce, welcome_nonce):
             raise Unauthenticated(f"peer {advert.peer_id[:12]} does not hold this mesh key")
+        if not tls_fingerprint and dialed_url is not None and \
+                endpoint(dialed_url) not in {endpoint(a) for a in advert.addrs}:
+            raise Unauthenticated(f"peer {advert.peer_id[:12]} does not list {dialed_url[:100]} among its addresses "
+                                  f"({', '.join(advert.addrs) or 'none'}): a relay may be in between; dial an "
+                                  f"address it advertises (its --public-addr)")
     return advert, welcome_nonce
 
 

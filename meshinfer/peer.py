@@ -505,12 +505,12 @@ class Peer:
         _, f = await link.request("hello", timeout_s=timeout_s, role="peer", nonce=hello_nonce,
                                   advert=self.advert().to_wire())
         remote, welcome_nonce = discovery.check_welcome(f, hello_nonce, expect_id=expect_id, mesh_key=mesh_key,
-                                                        tls_fingerprint=link.tls_fingerprint)
+                                                        tls_fingerprint=link.tls_fingerprint, dialed_url=link.name)
         if not self._allowed(remote.peer_id):
             raise Unauthenticated(discovery.not_allowed(remote.peer_id))
         auth = {"proof": discovery.prove(self.key, discovery.HELLO_LABEL, welcome_nonce, hello_nonce)}
         if mesh_key is not None:
-            auth["mac"] = discovery.mesh_mac(mesh_key, discovery.MESH_HELLO_LABEL, welcome_nonce, hello_nonce)
+            auth.update(discovery.auth_macs(mesh_key, welcome_nonce, hello_nonce, link.name))
         await link.request("auth", timeout_s=timeout_s, **auth)
         return remote
 
@@ -573,10 +573,8 @@ class Peer:
         if link.info.get("authed"):
             raise ProtocolError("auth: this connection is already authenticated")
         hello_nonce, welcome_nonce = link.info["hello_nonce"], link.info["welcome_nonce"]
-        mesh_key = self.settings.mesh_key
-        if mesh_key is not None and not discovery.check_mac(mesh_key, f.get("mac", bytes, b""),
-                                                            discovery.MESH_HELLO_LABEL, welcome_nonce, hello_nonce):
-            raise Unauthenticated(PRIVATE_MESH)
+        if self.settings.mesh_key is not None:
+            self._check_mesh_proof(link, f, hello_nonce, welcome_nonce)
         claimed = link.info["claimed"]
         if claimed is not None:
             if not discovery.check_proof(claimed.public_key, f.get("proof", bytes), discovery.HELLO_LABEL,
@@ -587,6 +585,37 @@ class Peer:
             self.links.setdefault(claimed.peer_id, link)
         link.info["authed"] = True
         await link.send("authed", re=f.get("id", int, None))
+
+    def _check_mesh_proof(self, link: Link, f, hello_nonce: bytes, welcome_nonce: bytes) -> None:
+        """Check the mesh-key proof of an ``auth``, bound to this connection.
+
+        With ``addr``, ``bound_mac`` must cover it and it must be an address of this peer (one
+        it advertises, or the one this connection reached): a member's proof relayed by an
+        outsider names the outsider's address. Without it (a peer older than the bound proof)
+        the plain ``mac`` is accepted only over TLS, whose pinning already keeps relays out.
+
+        Raises:
+            Unauthenticated: a wrong MAC (:data:`PRIVATE_MESH`), a proof made for another address,
+                or an unbound proof over plain ws.
+        """
+        key, addr = self.settings.mesh_key, f.str("addr", None)
+        if addr is None:
+            if not discovery.check_mac(key, f.get("mac", bytes, b""), discovery.MESH_HELLO_LABEL, welcome_nonce,
+                                       hello_nonce):
+                raise Unauthenticated(PRIVATE_MESH)
+            if not self.tls_fingerprint:
+                raise Unauthenticated("auth: over ws:// a private mesh needs a proof bound to the address dialed "
+                                      "(field 'addr'); update meshinfer, or serve wss://")
+            return
+        if not discovery.check_mac(key, f.get("bound_mac", bytes, b""), discovery.MESH_BOUND_LABEL, welcome_nonce,
+                                   hello_nonce + addr.encode()):
+            raise Unauthenticated(PRIVATE_MESH)
+        host, port = link.ws.local_address[:2]
+        scheme = "wss" if self.tls_fingerprint else "ws"
+        here = {discovery.endpoint(a) for a in self.addrs} | {discovery.endpoint(f"{scheme}://{_url_host(host)}:{port}")}
+        if discovery.endpoint(addr) not in here:
+            raise Unauthenticated(f"auth: the mesh-key proof was made for {addr[:100]}, not for this peer "
+                                  f"({', '.join(self.addrs)}): a relay is in between")
 
     def _welcome_advert(self) -> PeerAdvert:
         """This peer's advert for a ``welcome``. In a private mesh, where nobody has proven the
@@ -1102,6 +1131,11 @@ def last_hop_reply(ids: list[int], want: str) -> dict:
     if want == "tokens":
         fields["tokens"] = ids
     return fields
+
+
+def _url_host(host: str) -> str:
+    """``host`` as it stands in a URL (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host else host
 
 
 def _client_host(link: Link) -> str:

@@ -148,15 +148,15 @@ class MeshClient:
             _, f = await link.request("hello", timeout_s=self.dial_timeout_s, role="client", nonce=nonce)
             try:
                 advert, welcome_nonce = discovery.check_welcome(f, nonce, mesh_key=self.mesh_key,
-                                                                tls_fingerprint=link.tls_fingerprint)
+                                                                tls_fingerprint=link.tls_fingerprint, dialed_url=url)
             except Unauthenticated as exc:
                 raise Unauthenticated(f"{url}: {exc}") from exc
             if self.allow_ids is not None and advert.peer_id not in self.allow_ids:
                 raise Unauthenticated(f"{url}: {discovery.not_allowed(advert.peer_id)}")
             link.info["max_step_tokens"] = f.int("max_step_tokens", lo=1, hi=1 << 20)
             if self.mesh_key is not None:
-                mac = discovery.mesh_mac(self.mesh_key, discovery.MESH_HELLO_LABEL, welcome_nonce, nonce)
-                await link.request("auth", timeout_s=self.request_timeout_s, mac=mac)
+                await link.request("auth", timeout_s=self.request_timeout_s,
+                                   **discovery.auth_macs(self.mesh_key, welcome_nonce, nonce, url))
             elif f.get("private", bool, False):
                 raise Unauthenticated(f"{url}: this mesh is private: pass its key with --mesh-key-file "
                                       f"(or MESHINFER_MESH_KEY_FILE)")
