@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds a connection has to send its ``hello`` before it is closed.
 HELLO_TIMEOUT_S = 10.0
+#: Tokenizer bundles one connection may fetch at once, then one per :data:`TOKENIZER_EVERY_S`
+#: seconds (a bundle is up to 10 MB: a loop of requests would be a bandwidth amplifier).
+TOKENIZER_BURST, TOKENIZER_EVERY_S = 2, 30.0
 #: Steps queued per conversation before new ones are refused (flow control).
 MAX_QUEUED_STEPS = 64
 #: Most conversations one client connection may hold open at once.
@@ -688,8 +691,14 @@ class Peer:
         return allow is None or peer_id == self.peer_id or peer_id in allow
 
     async def _on_get_tokenizer(self, link: Link, f) -> None:
+        """The tokenizer bundle, at most :data:`TOKENIZER_BURST` per connection, then one per
+        :data:`TOKENIZER_EVERY_S` seconds (``rate_limited``)."""
         if self.tokenizer_bundle is None:
             raise InvalidInput("this peer has no tokenizer")
+        bucket = link.info.setdefault("tokenizers", _Bucket(1 / TOKENIZER_EVERY_S, TOKENIZER_BURST))
+        if not bucket.take(1):
+            raise RateLimited(f"get_tokenizer: at most {TOKENIZER_BURST} per connection, then one every "
+                              f"{TOKENIZER_EVERY_S:g} s; keep the bundle you have")
         await link.send("tokenizer", re=f.get("id", int, None), weights_hash=self.weights_hash,
                         bundle=self.tokenizer_bundle)
 

@@ -1066,7 +1066,8 @@ FUZZ_FRAMES = 12_000  # frames generated: a batch cut short by a close loses its
 FUZZ_CONNECTIONS = 4
 FUZZ_BATCH = 8
 ERROR_CODES = {"protocol_error", "version_mismatch", "invalid_input", "bad_positions", "context_overflow",
-               "bad_layer_range", "cache_full", "peer_unavailable", "unauthenticated"}
+               "bad_layer_range", "cache_full", "peer_unavailable", "unauthenticated",
+               "rate_limited"}  # get_tokenizer: at most 2 per connection
 WEIRD = [None, True, False, 0, -1, 1, 7, 255, 1 << 31, (1 << 63) - 1, -(1 << 63), (1 << 64) - 1, 0.5, math.nan,
          math.inf, -math.inf, "", "f1", "token", "none", "f32", "x" * 5000, b"", b"\0" * 129, [], [0, 4], [4, 0],
          [0, 2, 4], [1] * 600, [[[[[]]]]], {}, {"a": 1}, {"peer_id": "p", "addrs": []}]
@@ -1445,3 +1446,21 @@ async def test_a_full_table_takes_a_peer_that_proves_its_key(tiny):
         for ad in peer.table.adverts():
             peer.table.remove(ad.peer_id)
         await assert_healthy(tiny, peers)
+
+
+# --------------------------------------------------------------------------- resources nobody counted
+async def test_get_tokenizer_is_rate_limited_per_connection(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raw, other = await Raw.connect(peer), await Raw.connect(peer)
+        try:
+            for _ in range(peer_module.TOKENIZER_BURST):
+                assert (await raw.request("get_tokenizer"))["t"] == "tokenizer"
+            assert await raw.error("get_tokenizer") == (
+                "rate_limited", "get_tokenizer: at most 2 per connection, then one every 30 s; keep the bundle you have")
+            assert (await other.request("get_tokenizer"))["t"] == "tokenizer"  # another connection is served
+        finally:
+            await raw.close()
+            await other.close()
+        await assert_healthy(tiny, peers)
+
