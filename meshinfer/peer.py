@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds a connection has to send its ``hello`` before it is closed.
 HELLO_TIMEOUT_S = 10.0
+#: Seconds a connection that holds no conversation (a client, or a peer that has not proven its
+#: key) may stay silent before it is closed: idle connections cannot pile up to the open-file limit.
+IDLE_LINK_TIMEOUT_S = 120.0
 #: Tokenizer bundles one connection may fetch at once, then one per :data:`TOKENIZER_EVERY_S`
 #: seconds (a bundle is up to 10 MB: a loop of requests would be a bandwidth amplifier).
 TOKENIZER_BURST, TOKENIZER_EVERY_S = 2, 30.0
@@ -1035,8 +1038,9 @@ class Peer:
     # ------------------------------------------------------------------ background
     async def _janitor_loop(self) -> None:
         while True:
-            await asyncio.sleep(min(5.0, self.settings.idle_timeout_s / 2))
+            await asyncio.sleep(min(5.0, self.settings.idle_timeout_s / 2, IDLE_LINK_TIMEOUT_S / 2))
             now = time.monotonic()
+            self._close_idle_links(now)
             self._buckets = {h: b for h, b in self._buckets.items() if b[1].level < b[1].burst}  # drop idle hosts
             self._dial_failures = {p: f for p, f in self._dial_failures.items() if f[0] + MAX_DIAL_BACKOFF_S > now}
             for conv in list(self.convs.values()):
@@ -1044,6 +1048,18 @@ class Peer:
                     log.info("conversation %s idle for %.0f s; freeing it", conv.conv_id, now - conv.last_active,
                              extra=context(conv=conv.conv_id, peer=self.peer_id))
                     await self._drop_conv(conv.conv_id)
+
+    def _close_idle_links(self, now: float) -> None:
+        """Close connections silent for :data:`IDLE_LINK_TIMEOUT_S` that hold no conversation and
+        are not a peer that proved its key (peers gossip every few seconds)."""
+        owners = {c.owner for c in self.convs.values()}
+        for link in list(self._all_links):
+            proven_peer = link.role == "peer" and link.remote_id is not None
+            if link.role is None or proven_peer or link in owners or now - link.last_frame_at < IDLE_LINK_TIMEOUT_S:
+                continue  # before hello: HELLO_TIMEOUT_S closes it
+            log.info("closing %s: no frame for %.0f s and no conversation", link.name, now - link.last_frame_at)
+            link.last_frame_at = now  # one close each
+            self._spawn(link.close(1000, "idle"), "close idle")
 
     async def _gossip_loop(self) -> None:
         while True:

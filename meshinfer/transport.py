@@ -74,6 +74,7 @@ class Link:
         self._pending: dict[int, asyncio.Future] = {}
         self._bad_frames = 0
         self.last_frame_bytes = 0
+        self.last_frame_at = time.monotonic()  # when the last frame (not a websocket ping) arrived
         self.closed = asyncio.Event()
         self.meter = None  # a PeerMetrics counting frame bytes and errors, when the owner sets one
         self._outbox: collections.deque[bytes] = collections.deque()
@@ -224,6 +225,7 @@ class Link:
         context: dict[str, Any] = {}
         try:
             self.last_frame_bytes = len(frame)
+            self.last_frame_at = time.monotonic()
             if self.meter is not None:
                 self.meter.frame_in(len(frame))
             msg_type, f = protocol.decode(frame, max_bytes=self.max_bytes)

@@ -1464,3 +1464,19 @@ async def test_get_tokenizer_is_rate_limited_per_connection(tiny):
             await other.close()
         await assert_healthy(tiny, peers)
 
+
+async def test_an_idle_connection_that_holds_nothing_is_closed(tiny, monkeypatch):
+    monkeypatch.setattr(peer_module, "IDLE_LINK_TIMEOUT_S", 1.0)
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        idle, holder = await Raw.connect(peer), await Raw.connect(peer)
+        try:
+            assert (await holder.request("open", conv="kept", layers=[0, 4], max_tokens=8))["t"] == "opened"
+            assert await idle.closed_code(timeout_s=10.0) == 1000
+            assert idle.ws.close_reason == "idle"
+            await asyncio.sleep(2 * peer_module.IDLE_LINK_TIMEOUT_S)  # longer only makes this stricter
+            assert not holder.reader.done() and "kept" in peer.convs  # it holds a conversation: kept open
+        finally:
+            await idle.close()
+            await holder.close()
+        await assert_healthy(tiny, peers)
