@@ -375,8 +375,8 @@ class Peer:
             await self._drop_conv(conv.conv_id)
         if self._server is not None:
             self._server.close()
-        for link in list(self._all_links):
-            await link.close(CLOSE_SHUTDOWN, "peer shutting down")
+        # at once: each close lets its outbox drain for up to CLOSE_FLUSH_TIMEOUT_S
+        await asyncio.gather(*(link.close(CLOSE_SHUTDOWN, "peer shutting down") for link in list(self._all_links)))
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
