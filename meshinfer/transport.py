@@ -154,26 +154,35 @@ class Link:
         self._room.set()
 
     async def _write_loop(self) -> None:
-        """Write queued frames in order; cut the connection when one takes over :data:`SEND_TIMEOUT_S`."""
-        while True:
-            while not self._outbox:
-                self._drained.set()
-                self._wake.clear()
-                await self._wake.wait()
-            data = self._outbox[0]
-            try:
-                await asyncio.wait_for(self.ws.send(data), SEND_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                self._cut_off(f"a {len(data)}-byte frame was not taken within {SEND_TIMEOUT_S:g} s")
-                return
-            except ConnectionClosed:
-                return
-            finally:
-                self._outbox.popleft()
+        """Write queued frames in order; cut the connection when one takes over :data:`SEND_TIMEOUT_S`.
+
+        On return (closed, cut, or cancelled with :meth:`run`) nothing more is written: waiting
+        senders and :meth:`close` are released."""
+        try:
+            while True:
+                while not self._outbox:
+                    self._drained.set()
+                    self._wake.clear()
+                    await self._wake.wait()
+                data = self._outbox.popleft()
                 self._outbox_bytes -= len(data)
                 self._room.set()
-            if self.meter is not None:
-                self.meter.frame_out(len(data))
+                try:
+                    await asyncio.wait_for(self.ws.send(data), SEND_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    self._cut_off(f"a {len(data)}-byte frame was not taken within {SEND_TIMEOUT_S:g} s")
+                    return
+                except ConnectionClosed:
+                    return
+                except Exception as exc:  # a bug: the frames behind this one would never go out
+                    log.exception("writing a frame to %s failed", self._label)
+                    self._cut_off(f"writing a frame failed: {type(exc).__name__}")
+                    return
+                if self.meter is not None:
+                    self.meter.frame_out(len(data))
+        finally:
+            self._drained.set()
+            self._room.set()
 
     async def request(self, msg_type: str, *, timeout_s: float, **fields: Any) -> tuple[str, Any]:
         """Send a request and wait for its reply (``type``, fields).
