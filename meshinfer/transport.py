@@ -36,9 +36,13 @@ CLOSE_POLICY, CLOSE_VERSION, CLOSE_SHUTDOWN = 1008, 4002, 1001
 #: connection is cut (:meth:`Link.post`). A frame larger than this is still taken when the
 #: outbox is empty (a tokenizer bundle, a long prefill chunk).
 OUTBOX_BYTES = 4 << 20
-#: Longest a frame may wait for room in an outbox, or for the socket to take it, seconds: a
-#: remote that reads slower than this is cut off (its transport aborted) as a slow reader.
+#: Longest a frame may wait for room in an outbox, or for the socket to take it, seconds, plus
+#: the time its bytes (and those queued before it) take at :data:`MIN_READ_BYTES_PER_S`: a
+#: remote that reads slower is cut off (its transport aborted) as a slow reader.
 SEND_TIMEOUT_S = 10.0
+#: Slowest reading a remote is allowed, bytes per second (512 kbit/s: a 1.8 MB prefill chunk of
+#: the default model may take 38 s to go out).
+MIN_READ_BYTES_PER_S = 64 * 1024
 #: Longest :meth:`Link.close` waits for queued frames (an error reply, a goodbye) to go out, seconds.
 CLOSE_FLUSH_TIMEOUT_S = 2.0
 
@@ -99,6 +103,11 @@ class Link:
     def _fits(self, n: int) -> bool:
         return not self._outbox or self._outbox_bytes + n <= OUTBOX_BYTES
 
+    @staticmethod
+    def _patience_s(nbytes: int) -> float:
+        """Seconds ``nbytes`` may take to go out before the remote counts as a slow reader."""
+        return SEND_TIMEOUT_S + nbytes / MIN_READ_BYTES_PER_S
+
     def _queue(self, data: bytes) -> None:
         self._outbox.append(data)
         self._outbox_bytes += len(data)
@@ -114,17 +123,19 @@ class Link:
 
         Raises:
             PeerUnavailable: the connection is closed, or it made no room within
-                :data:`SEND_TIMEOUT_S` seconds (then it is cut as a slow reader).
+                :data:`SEND_TIMEOUT_S` seconds plus the queued bytes at :data:`MIN_READ_BYTES_PER_S`
+                (then it is cut as a slow reader).
         """
         data = protocol.encode(msg_type, **fields)
         self._usable()
-        deadline = time.monotonic() + SEND_TIMEOUT_S
+        patience_s = self._patience_s(self._outbox_bytes + len(data))
+        deadline = time.monotonic() + patience_s
         while not self._fits(len(data)):
             self._room.clear()
             try:
                 await asyncio.wait_for(self._room.wait(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                self._cut_off(f"{self._outbox_bytes} bytes unread for {SEND_TIMEOUT_S:g} s")
+                self._cut_off(f"{self._outbox_bytes} bytes unread for {patience_s:.0f} s")
             self._usable()
         self._queue(data)
 
@@ -154,7 +165,7 @@ class Link:
         self._room.set()
 
     async def _write_loop(self) -> None:
-        """Write queued frames in order; cut the connection when one takes over :data:`SEND_TIMEOUT_S`.
+        """Write queued frames in order; cut the connection when one is not taken in time (:meth:`_patience_s`).
 
         On return (closed, cut, or cancelled with :meth:`run`) nothing more is written: waiting
         senders and :meth:`close` are released."""
@@ -168,9 +179,9 @@ class Link:
                 self._outbox_bytes -= len(data)
                 self._room.set()
                 try:
-                    await asyncio.wait_for(self.ws.send(data), SEND_TIMEOUT_S)
+                    await asyncio.wait_for(self.ws.send(data), self._patience_s(len(data)))
                 except asyncio.TimeoutError:
-                    self._cut_off(f"a {len(data)}-byte frame was not taken within {SEND_TIMEOUT_S:g} s")
+                    self._cut_off(f"a {len(data)}-byte frame was not taken within {self._patience_s(len(data)):.0f} s")
                     return
                 except ConnectionClosed:
                     return
