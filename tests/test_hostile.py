@@ -1345,7 +1345,7 @@ async def plant(peer, adverts: list[dict]) -> Raw:
 async def test_a_peer_of_silent_addresses_costs_planning_one_dial_timeout(tiny):
     from meshinfer.session import MeshClient
 
-    dial_timeout_s = 2.0
+    dial_timeout_s = 3.0
     with silent_addresses(4) as addrs:
         async with serving(tiny) as peers:
             peer = peers[0]
@@ -1355,7 +1355,7 @@ async def test_a_peer_of_silent_addresses_costs_planning_one_dial_timeout(tiny):
                 async with MeshClient(peer.addrs, dial_timeout_s=dial_timeout_s) as client:
                     t0 = time.perf_counter()
                     route = await client.plan()
-                    assert time.perf_counter() - t0 < 3 * dial_timeout_s  # one after the other: 4 timeouts
+                    assert time.perf_counter() - t0 < 3 * dial_timeout_s  # one after the other: 4 timeouts or more
                     assert route.peer_ids == (peer.peer_id,)
             finally:
                 await raw.close()
