@@ -243,7 +243,36 @@ class MeshModels:
         self.client, self.route_ttl_s = client, route_ttl_s
         self._table_at = -float("inf")
         self._routes: dict[str, tuple[float, Route, Tokenizer]] = {}
-        self._lock = asyncio.Lock()
+        self._inflight: dict[str, asyncio.Future] = {}  # "table" or a weights hash -> its refresh or plan
+
+    async def _once(self, key: str, work) -> Any:
+        """``await work()``, or, while a call with the same ``key`` runs, its outcome. No lock is
+        held across the dials: listing models never waits behind a route being planned.
+        Cancelling the caller that runs ``work`` fails the callers sharing it (``PeerUnavailable``)."""
+        fut = self._inflight.get(key)
+        if fut is not None:
+            return await asyncio.shield(fut)
+        fut = self._inflight[key] = asyncio.get_running_loop().create_future()
+        try:
+            result = await work()
+            fut.set_result(result)
+            return result
+        except BaseException as exc:
+            fut.set_exception(exc if isinstance(exc, Exception) else PeerUnavailable("planning was cancelled"))
+            fut.exception()  # retrieved: a caller may have gone
+            raise
+        finally:
+            del self._inflight[key]
+
+    async def _refresh(self) -> None:
+        await self.client.refresh()
+        self._table_at = time.monotonic()
+
+    async def _plan(self, weights_hash: str) -> tuple[float, Route, Tokenizer]:
+        route, tok = await plan_for(self.client, weights_hash=weights_hash)
+        self._routes[weights_hash] = (time.monotonic(), route, tok)
+        self._table_at = time.monotonic()
+        return self._routes[weights_hash]
 
     async def models(self) -> list[dict]:
         """OpenAI model objects, one per weights identity in the peer table.
@@ -251,11 +280,9 @@ class MeshModels:
         Raises:
             PeerUnavailable, Unauthenticated: no bootstrap peer answered.
         """
-        async with self._lock:
-            if time.monotonic() - self._table_at > self.route_ttl_s:
-                await self.client.refresh()
-                self._table_at = time.monotonic()
-            peers = list(self.client.table.values())
+        if time.monotonic() - self._table_at > self.route_ttl_s:
+            await self._once("table", self._refresh)
+        peers = list(self.client.table.values())
         complete = {g.route.compat_key[0] for g in complete_routes_summary(peers) if g.route is not None}
         out: dict[str, dict] = {}
         for ad in sorted(peers, key=lambda a: a.peer_id):
@@ -285,13 +312,10 @@ class MeshModels:
         Raises:
             NoRoute, PeerUnavailable, IncompatiblePeer: see :func:`meshinfer.reply.plan_for`.
         """
-        async with self._lock:
-            cached = self._routes.get(weights_hash)
-            if cached is None or time.monotonic() - cached[0] > self.route_ttl_s:
-                route, tok = await plan_for(self.client, weights_hash=weights_hash)
-                cached = self._routes[weights_hash] = (time.monotonic(), route, tok)
-                self._table_at = time.monotonic()
-            return cached[1], cached[2]
+        cached = self._routes.get(weights_hash)
+        if cached is None or time.monotonic() - cached[0] > self.route_ttl_s:
+            cached = await self._once(weights_hash, lambda: self._plan(weights_hash))
+        return cached[1], cached[2]
 
     def forget(self, weights_hash: str) -> None:
         """Plan again next time (the route failed)."""

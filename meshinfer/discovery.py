@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import time
 from dataclasses import replace
@@ -43,6 +44,7 @@ WELCOME_LABEL = b"meshinfer-welcome\0"
 HELLO_LABEL = b"meshinfer-hello\0"
 MESH_WELCOME_LABEL = b"welcome\0"
 MESH_HELLO_LABEL = b"hello\0"
+MESH_BOUND_LABEL = b"hello-addr\0"
 
 
 def load_or_create_key(path: str | os.PathLike):
@@ -208,6 +210,31 @@ def check_mac(mesh_key: bytes, mac: bytes, label: bytes, first: bytes, second: b
     return hmac.compare_digest(mac, mesh_mac(mesh_key, label, first, second))
 
 
+def endpoint(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of a ws:// or wss:// URL; every loopback host is ``"loopback"``, and
+    a missing port is the scheme's default (80, 443). A URL that does not parse gives ("", "", 0)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        scheme, host, port = parts.scheme.lower(), (parts.hostname or "").lower(), parts.port
+    except ValueError:
+        return ("", "", 0)
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    return (scheme, "loopback" if loopback else host, port or (443 if scheme == "wss" else 80))
+
+
+def auth_macs(mesh_key: bytes, welcome_nonce: bytes, hello_nonce: bytes, addr: str) -> dict:
+    """The private-mesh fields of an ``auth``: ``mac`` (both nonces; for peers older than the
+    bound proof), ``addr`` (the URL this side dialed) and ``bound_mac``, which covers ``addr``
+    too, so that a relay's proof names the relay's address, not the peer's."""
+    return {"mac": mesh_mac(mesh_key, MESH_HELLO_LABEL, welcome_nonce, hello_nonce), "addr": addr,
+            "bound_mac": mesh_mac(mesh_key, MESH_BOUND_LABEL, welcome_nonce, hello_nonce + addr.encode())}
+
+
 def new_nonce() -> bytes:
     """A fresh random handshake nonce of :data:`NONCE_BYTES` bytes."""
     return os.urandom(NONCE_BYTES)
@@ -228,12 +255,15 @@ def welcome_proof(key, hello_nonce: bytes, welcome_nonce: bytes, tls_fingerprint
 
 
 def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None, mesh_key: bytes | None = None,
-                  tls_fingerprint: str = "") -> tuple[PeerAdvert, bytes]:
+                  tls_fingerprint: str = "", dialed_url: str | None = None) -> tuple[PeerAdvert, bytes]:
     """Check a ``welcome`` answering a hello that carried ``hello_nonce``.
 
     ``tls_fingerprint`` is the SHA-256 (hex) of the certificate the dialer saw in its TLS
     handshake ("" over plain ws): it must equal the advert's ``tls_fingerprint`` and be
-    covered by the proof (:func:`welcome_proof`).
+    covered by the proof (:func:`welcome_proof`). In a private mesh over plain ws,
+    ``dialed_url`` (the URL dialed) must be one of the advert's addresses (same scheme, host
+    and port; any loopback host matches another): otherwise the connection may run through a
+    relay, which must not get this side's proof of the mesh key.
 
     Returns:
         (the answering peer's advert, its welcome nonce).
@@ -241,8 +271,8 @@ def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None, mesh_k
     Raises:
         ProtocolError: a missing or mistyped field.
         Unauthenticated: the advert's signature, the proof of its key or the mesh-key MAC does
-            not verify, the peer is not ``expect_id``, or the TLS certificate is not the one
-            the peer signed.
+            not verify, the peer is not ``expect_id``, the TLS certificate is not the one the
+            peer signed, or (private mesh, plain ws) it does not list ``dialed_url``.
     """
     advert = PeerAdvert.from_wire(f.get("advert", dict))
     welcome_nonce = read_nonce(f, "welcome")
@@ -261,7 +291,22 @@ def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None, mesh_k
     if mesh_key is not None:
         if not check_mac(mesh_key, f.get("mac", bytes, b""), MESH_WELCOME_LABEL, hello_nonce, welcome_nonce):
             raise Unauthenticated(f"peer {advert.peer_id[:12]} does not hold this mesh key")
+        if not tls_fingerprint and dialed_url is not None and \
+                endpoint(dialed_url) not in {endpoint(a) for a in advert.addrs}:
+            raise Unauthenticated(f"peer {advert.peer_id[:12]} does not list {dialed_url[:100]} among its addresses "
+                                  f"({', '.join(advert.addrs) or 'none'}): a relay may be in between; dial an "
+                                  f"address it advertises (its --public-addr)")
     return advert, welcome_nonce
+
+
+def first_seq() -> int:
+    """The ``seq`` a peer's first advert carries: the wall clock in microseconds.
+
+    A peer counts up from it by one per advert, so every advert of a restarted peer is newer
+    than every advert of its previous run (as long as its clock did not go back and it sent
+    fewer than a million adverts a second): a replayed old advert never replaces a new one.
+    """
+    return time.time_ns() // 1000
 
 
 class PeerTable:
@@ -269,40 +314,71 @@ class PeerTable:
 
     Args:
         self_id: this peer's id (its own advert is never stored), or None on a client.
+        capacity: most records held, or None for no limit. When full, a new peer is taken
+            only when it proved its key to this peer directly: it replaces the record closest
+            to expiry among the unproven ones that are not ``protected`` (see :meth:`merge`).
         clock: monotonic seconds (injectable for tests).
     """
 
-    def __init__(self, self_id: str | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, self_id: str | None = None, *, capacity: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.self_id = self_id
+        self.capacity = capacity
         self._clock = clock
         self._records: dict[str, tuple[PeerAdvert, float]] = {}
+        self._proven: set[str] = set()  # ids whose key was proven in a handshake with this peer
 
-    def merge(self, adverts: Iterable[PeerAdvert]) -> int:
+    def merge(self, adverts: Iterable[PeerAdvert], *, proven: bool = False,
+              protected: Iterable[str] = ()) -> int:
         """Store adverts that are newer (larger ``seq``) than what is held; return how many.
 
         A record lives at most :data:`MAX_TTL_S` seconds whatever ``ttl_s`` it arrives with.
+        ``proven``: the adverts' peers proved their keys in a handshake with this peer; when
+        the table is full such a peer evicts the unproven record closest to expiry whose id is
+        not in ``protected`` (peers with a link or a conversation here), and an unproven new
+        peer is dropped. So keys that cost an attacker nothing cannot push out the peers it talks to.
         """
-        now, taken = self._clock(), 0
+        self.expire()
+        now, taken, keep = self._clock(), 0, frozenset(protected)
         for ad in adverts:
             if ad.peer_id == self.self_id or ad.ttl_s <= 0:
                 continue
             held = self._records.get(ad.peer_id)
+            if held is None and self.capacity is not None and len(self._records) >= self.capacity:
+                if not proven or not self._evict(keep):
+                    continue
+            if proven:
+                self._proven.add(ad.peer_id)
             if held is None or ad.seq > held[0].seq:
                 self._records[ad.peer_id] = (ad, now + min(ad.ttl_s, MAX_TTL_S))
                 taken += 1
         return taken
+
+    def _evict(self, protected: frozenset[str]) -> bool:
+        """Drop the unproven, unprotected record closest to expiry; False when there is none."""
+        victims = [(until, pid) for pid, (_, until) in self._records.items()
+                   if pid not in self._proven and pid not in protected]
+        if not victims:
+            return False
+        self.remove(min(victims)[1])
+        return True
+
+    def proven(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` proved its key to this peer directly while its record lives."""
+        return peer_id in self._proven
 
     def expire(self) -> list[str]:
         """Drop records past their expiry; return the dropped peer ids."""
         now = self._clock()
         dead = [pid for pid, (_, until) in self._records.items() if until <= now]
         for pid in dead:
-            del self._records[pid]
+            self.remove(pid)
         return dead
 
     def remove(self, peer_id: str) -> None:
         """Forget ``peer_id`` (it said goodbye)."""
         self._records.pop(peer_id, None)
+        self._proven.discard(peer_id)
 
     def get(self, peer_id: str) -> PeerAdvert | None:
         """The live advert of ``peer_id``, or None."""

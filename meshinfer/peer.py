@@ -36,12 +36,18 @@ from .protocol import PeerAdvert
 from .sampling import pick_token
 from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_HOLD_S, BatchStats, StepScheduler
 from .tokenizer import bundle_sha256
-from .transport import CLOSE_SHUTDOWN, Link, dial
+from .transport import CLOSE_SHUTDOWN, Link, dial, first_success
 
 log = logging.getLogger(__name__)
 
 #: Seconds a connection has to send its ``hello`` before it is closed.
 HELLO_TIMEOUT_S = 10.0
+#: Seconds a connection that holds no conversation (a client, or a peer that has not proven its
+#: key) may stay silent before it is closed: idle connections cannot pile up to the open-file limit.
+IDLE_LINK_TIMEOUT_S = 120.0
+#: Tokenizer bundles one connection may fetch at once, then one per :data:`TOKENIZER_EVERY_S`
+#: seconds (a bundle is up to 10 MB: a loop of requests would be a bandwidth amplifier).
+TOKENIZER_BURST, TOKENIZER_EVERY_S = 2, 30.0
 #: Steps queued per conversation before new ones are refused (flow control).
 MAX_QUEUED_STEPS = 64
 #: Most conversations one client connection may hold open at once.
@@ -49,8 +55,17 @@ MAX_CONVERSATIONS_PER_LINK = 64
 #: Frame overhead allowed beyond the largest hidden-state payload, bytes.
 FRAME_OVERHEAD_BYTES = 64 * 1024
 #: Most peers one peer's table holds; adverts of further unknown peers are dropped, so a rogue
-#: peer cannot grow the table (and every gossip round) without bound.
+#: peer cannot grow the table (and every gossip round) without bound. A peer that proves its key
+#: in a handshake still gets in, in place of an unproven record (see ``PeerTable.merge``).
 MAX_KNOWN_PEERS = 256
+#: Addresses learnt from others (gossip, ``open.next``) that a peer dials per second, sustained
+#: (token bucket, bursts of 2 s): an attacker's adverts cannot make the mesh a request flood.
+MAX_DIALS_PER_S = 8.0
+#: After a failed dial of a peer id, its next dial waits this long, seconds, doubling with each
+#: failure up to :data:`MAX_DIAL_BACKOFF_S`; bootstrap addresses are retried every gossip round.
+DIAL_BACKOFF_S, MAX_DIAL_BACKOFF_S = 1.0, 30.0
+#: Most peer ids whose dial failures a peer remembers (the oldest is forgotten first).
+MAX_DIAL_FAILURES = 1024
 #: Largest advert kept, bytes (an honest one is about 400 bytes plus 42 per RTT it reports).
 MAX_ADVERT_BYTES = 16 * 1024
 #: Largest gossip payload, bytes: below every peer's frame limit whatever its hidden size.
@@ -194,14 +209,14 @@ class Peer:
         self.tokenizer_sha256 = "" if tokenizer_bundle is None else bundle_sha256(tokenizer_bundle)
         self.settings = settings or PeerSettings()
         self.state = protocol.JOINING
-        self.table = PeerTable(self.peer_id)
+        self.table = PeerTable(self.peer_id, capacity=MAX_KNOWN_PEERS)
         self.compute_ms_per_token = 0.0
         self.rtts_ms: dict[str, float] = {}
         self.convs: dict[str, _Conv] = {}
         self.links: dict[str, Link] = {}  # remote peer id -> link, whichever side dialed
         self._all_links: set[Link] = set()
         self._tasks: set[asyncio.Task] = set()
-        self._seq = 0
+        self._seq = discovery.first_seq()  # newer than any advert of this key's previous runs
         self._reserved_tokens = 0
         self._server = None
         self.addrs: tuple[str, ...] = ()
@@ -210,6 +225,8 @@ class Peer:
         self.max_frame_bytes = (self.settings.max_step_tokens * self.cfg.hidden_size * 4
                                 + FRAME_OVERHEAD_BYTES)
         self._dialing: dict[str, asyncio.Future] = {}
+        self._dial_failures: dict[str, tuple[float, int]] = {}  # peer id -> (no dial before, failures in a row)
+        self._dial_bucket = _Bucket(MAX_DIALS_PER_S, 2 * MAX_DIALS_PER_S)
         self._gossiping: set[str] = set()  # peer ids with a gossip exchange in flight
         self._bootstrap_errors: dict[str, str] = {}  # bootstrap URL -> the last reason it failed
         self._closing = False
@@ -310,6 +327,9 @@ class Peer:
         tls.check_listen(s.host, tls=s.tls_cert is not None, insecure=s.insecure)
         scheme = "wss" if s.tls_cert is not None else "ws"
         wrong = [a for a in s.public_addrs if not a.startswith(f"{scheme}://")]
+        if len(s.public_addrs) > protocol.MAX_ADDRS:
+            raise InvalidInput(f"{len(s.public_addrs)} public addresses given; an advert holds at most "
+                               f"{protocol.MAX_ADDRS}")
         if wrong:
             raise InvalidInput(f"public address {wrong[0]} does not start with {scheme}://, the scheme this "
                                f"peer serves")
@@ -353,16 +373,13 @@ class Peer:
         self._closing = True
         self.state = protocol.DRAINING
         for conv in list(self.convs.values()):
-            try:
-                await conv.owner.send("error", conv=conv.conv_id, code=PeerUnavailable.code,
-                                      message=f"peer {self.peer_id[:12]} is shutting down")
-            except MeshError:
-                pass
+            conv.owner.post("error", conv=conv.conv_id, code=PeerUnavailable.code,
+                            message=f"peer {self.peer_id[:12]} is shutting down")
             await self._drop_conv(conv.conv_id)
         if self._server is not None:
             self._server.close()
-        for link in list(self._all_links):
-            await link.close(CLOSE_SHUTDOWN, "peer shutting down")
+        # at once: each close lets its outbox drain for up to CLOSE_FLUSH_TIMEOUT_S
+        await asyncio.gather(*(link.close(CLOSE_SHUTDOWN, "peer shutting down") for link in list(self._all_links)))
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -407,45 +424,82 @@ class Peer:
             return link
         if peer_id in self._dialing:
             return await asyncio.shield(self._dialing[peer_id])
+        until, failures = self._dial_failures.get(peer_id, (0.0, 0))
+        if until > time.monotonic():
+            raise PeerUnavailable(f"peer {peer_id[:12]} failed {failures} dial(s) in a row; next try in "
+                                  f"{until - time.monotonic():.1f} s")
         fut = asyncio.get_running_loop().create_future()
         self._dialing[peer_id] = fut
         try:
             link = await self._dial_any(addrs, expect_id=peer_id)
+            self._dial_failures.pop(peer_id, None)
             fut.set_result(link)
             return link
         except BaseException as exc:
+            if isinstance(exc, PeerUnavailable):
+                self._dial_failed(peer_id)
             fut.set_exception(exc if isinstance(exc, Exception) else PeerUnavailable("dial cancelled"))
             fut.exception()  # mark retrieved
             raise
         finally:
             del self._dialing[peer_id]
 
+    def _dial_failed(self, peer_id: str) -> None:
+        """Back off dialing ``peer_id``: :data:`DIAL_BACKOFF_S` doubled per failure in a row."""
+        _, failures = self._dial_failures.pop(peer_id, (0.0, 0))
+        if len(self._dial_failures) >= MAX_DIAL_FAILURES:
+            del self._dial_failures[next(iter(self._dial_failures))]
+        backoff_s = min(MAX_DIAL_BACKOFF_S, DIAL_BACKOFF_S * 2 ** failures)
+        self._dial_failures[peer_id] = (time.monotonic() + backoff_s, failures + 1)
+
     async def _dial_any(self, addrs: tuple[str, ...], expect_id: str | None) -> Link:
-        errors = []
-        for url in addrs:
-            try:
-                link = await dial(url, max_bytes=self.max_frame_bytes, on_message=self._on_message,
-                                  insecure=self.settings.insecure, tls_ca=self.settings.tls_ca)
-            except (PeerUnavailable, InvalidInput) as exc:
-                errors.append(str(exc))
-                continue
-            link.meter = self.metrics
-            self._all_links.add(link)
-            link.reader.add_done_callback(lambda _t, lk=link: self._forget_link(lk))
-            try:
-                remote = await self._handshake(link, expect_id)
-            except MeshError as exc:
-                await link.close()
-                errors.append(f"{url}: {exc}")
-                continue
-            link.remote_id, link.role = remote.peer_id, "peer"
-            link.info["authed"] = True
-            self._merge([remote])
-            self.links.setdefault(remote.peer_id, link)
-            return link
-        if expect_id is None:  # a bootstrap address: each error already names its URL
-            raise PeerUnavailable("; ".join(errors or ["no address"]))
-        raise PeerUnavailable(f"cannot reach peer {expect_id[:12]}: " + "; ".join(errors or ["no address"]))
+        """Dial ``addrs`` at once and shake hands; the first link that proves ``expect_id`` (any
+        peer for a bootstrap address, ``expect_id`` None). The others are closed.
+
+        Raises:
+            PeerUnavailable: no address answered, each error named.
+        """
+        try:
+            link = await first_success([self._dial_one(url, expect_id) for url in addrs],
+                                       discard=lambda lk: lk.close())
+        except PeerUnavailable as exc:
+            if expect_id is None:  # a bootstrap address: each error already names its URL
+                raise
+            raise PeerUnavailable(f"cannot reach peer {expect_id[:12]}: {exc}") from None
+        self._merge([link.info.pop("advert")], proven=True)
+        self.links.setdefault(link.remote_id, link)
+        return link
+
+    async def _dial_one(self, url: str, expect_id: str | None) -> Link:
+        """Dial ``url`` and shake hands; the link holds the remote's advert in ``info["advert"]``.
+
+        An address learnt from others (``expect_id`` given) takes a token of the peer's dial
+        bucket (:data:`MAX_DIALS_PER_S`); bootstrap addresses do not.
+
+        Raises:
+            PeerUnavailable: not dialed (no token), unreachable, or the handshake failed.
+        """
+        if expect_id is not None and not self._dial_bucket.take(1):
+            raise PeerUnavailable(f"{url}: not dialed; this peer dials at most {MAX_DIALS_PER_S:g} learnt "
+                                  f"addresses a second")
+        try:
+            link = await dial(url, max_bytes=self.max_frame_bytes, on_message=self._on_message,
+                              insecure=self.settings.insecure, tls_ca=self.settings.tls_ca)
+        except InvalidInput as exc:
+            raise PeerUnavailable(str(exc)) from exc
+        link.meter = self.metrics
+        self._all_links.add(link)
+        link.reader.add_done_callback(lambda _t, lk=link: self._forget_link(lk))
+        try:
+            remote = await self._handshake(link, expect_id)
+        except BaseException as exc:
+            await link.close()
+            if isinstance(exc, MeshError):
+                raise PeerUnavailable(f"{url}: {exc}") from exc
+            raise
+        link.remote_id, link.role = remote.peer_id, "peer"
+        link.info.update(authed=True, advert=remote)
+        return link
 
     async def _handshake(self, link: Link, expect_id: str | None) -> PeerAdvert:
         """Dialer side: hello, check the welcome's proofs, answer with ``auth``; the remote's advert.
@@ -460,12 +514,12 @@ class Peer:
         _, f = await link.request("hello", timeout_s=timeout_s, role="peer", nonce=hello_nonce,
                                   advert=self.advert().to_wire())
         remote, welcome_nonce = discovery.check_welcome(f, hello_nonce, expect_id=expect_id, mesh_key=mesh_key,
-                                                        tls_fingerprint=link.tls_fingerprint)
+                                                        tls_fingerprint=link.tls_fingerprint, dialed_url=link.name)
         if not self._allowed(remote.peer_id):
             raise Unauthenticated(discovery.not_allowed(remote.peer_id))
         auth = {"proof": discovery.prove(self.key, discovery.HELLO_LABEL, welcome_nonce, hello_nonce)}
         if mesh_key is not None:
-            auth["mac"] = discovery.mesh_mac(mesh_key, discovery.MESH_HELLO_LABEL, welcome_nonce, hello_nonce)
+            auth.update(discovery.auth_macs(mesh_key, welcome_nonce, hello_nonce, link.name))
         await link.request("auth", timeout_s=timeout_s, **auth)
         return remote
 
@@ -518,7 +572,7 @@ class Peer:
         if self.settings.mesh_key is not None:
             extra["mac"] = discovery.mesh_mac(self.settings.mesh_key, discovery.MESH_WELCOME_LABEL, hello_nonce,
                                               welcome_nonce)
-        await link.send("welcome", re=f.get("id", int, None), advert=self.advert().to_wire(), nonce=welcome_nonce,
+        await link.send("welcome", re=f.get("id", int, None), advert=self._welcome_advert().to_wire(), nonce=welcome_nonce,
                         proof=discovery.welcome_proof(self.key, hello_nonce, welcome_nonce, self.tls_fingerprint),
                         private=self.settings.mesh_key is not None, max_step_tokens=self.settings.max_step_tokens,
                         max_frame_bytes=self.max_frame_bytes, **extra)
@@ -528,20 +582,57 @@ class Peer:
         if link.info.get("authed"):
             raise ProtocolError("auth: this connection is already authenticated")
         hello_nonce, welcome_nonce = link.info["hello_nonce"], link.info["welcome_nonce"]
-        mesh_key = self.settings.mesh_key
-        if mesh_key is not None and not discovery.check_mac(mesh_key, f.get("mac", bytes, b""),
-                                                            discovery.MESH_HELLO_LABEL, welcome_nonce, hello_nonce):
-            raise Unauthenticated(PRIVATE_MESH)
+        if self.settings.mesh_key is not None:
+            self._check_mesh_proof(link, f, hello_nonce, welcome_nonce)
         claimed = link.info["claimed"]
         if claimed is not None:
             if not discovery.check_proof(claimed.public_key, f.get("proof", bytes), discovery.HELLO_LABEL,
                                          welcome_nonce, hello_nonce):
                 raise Unauthenticated(f"auth: the proof does not match the key of peer {claimed.peer_id[:12]}")
             link.remote_id = claimed.peer_id
-            self._merge([claimed])
+            self._merge([claimed], proven=True)
             self.links.setdefault(claimed.peer_id, link)
         link.info["authed"] = True
         await link.send("authed", re=f.get("id", int, None))
+
+    def _check_mesh_proof(self, link: Link, f, hello_nonce: bytes, welcome_nonce: bytes) -> None:
+        """Check the mesh-key proof of an ``auth``, bound to this connection.
+
+        With ``addr``, ``bound_mac`` must cover it and it must be an address of this peer (one
+        it advertises, or the one this connection reached): a member's proof relayed by an
+        outsider names the outsider's address. Without it (a peer older than the bound proof)
+        the plain ``mac`` is accepted only over TLS, whose pinning already keeps relays out.
+
+        Raises:
+            Unauthenticated: a wrong MAC (:data:`PRIVATE_MESH`), a proof made for another address,
+                or an unbound proof over plain ws.
+        """
+        key, addr = self.settings.mesh_key, f.str("addr", None)
+        if addr is None:
+            if not discovery.check_mac(key, f.get("mac", bytes, b""), discovery.MESH_HELLO_LABEL, welcome_nonce,
+                                       hello_nonce):
+                raise Unauthenticated(PRIVATE_MESH)
+            if not self.tls_fingerprint:
+                raise Unauthenticated("auth: over ws:// a private mesh needs a proof bound to the address dialed "
+                                      "(field 'addr'); update meshinfer, or serve wss://")
+            return
+        if not discovery.check_mac(key, f.get("bound_mac", bytes, b""), discovery.MESH_BOUND_LABEL, welcome_nonce,
+                                   hello_nonce + addr.encode()):
+            raise Unauthenticated(PRIVATE_MESH)
+        host, port = link.ws.local_address[:2]
+        scheme = "wss" if self.tls_fingerprint else "ws"
+        here = {discovery.endpoint(a) for a in self.addrs} | {discovery.endpoint(f"{scheme}://{_url_host(host)}:{port}")}
+        if discovery.endpoint(addr) not in here:
+            raise Unauthenticated(f"auth: the mesh-key proof was made for {addr[:100]}, not for this peer "
+                                  f"({', '.join(self.addrs)}): a relay is in between")
+
+    def _welcome_advert(self) -> PeerAdvert:
+        """This peer's advert for a ``welcome``. In a private mesh, where nobody has proven the
+        key yet, it shows nothing about other users: no free KV tokens (their reservations) and
+        no RTTs; it is one ``seq`` older than :meth:`advert`, so the full advert replaces it."""
+        if self.settings.mesh_key is None:
+            return self.advert()
+        return sign_advert(replace(self.advert(), free_kv_tokens=0, rtts_ms={}, seq=self._seq - 1), self.key)
 
     async def _on_welcome(self, link: Link, f) -> None:
         raise ProtocolError("unexpected welcome")
@@ -573,13 +664,19 @@ class Peer:
                 log.debug("dropping a malformed advert from %s: %s", link.remote_id, exc)
         self._merge(ads)
 
-    def _merge(self, ads: list[PeerAdvert]) -> None:
-        """Merge adverts into the table, dropping oversized or unsigned ones and new peers once it is full."""
+    def _merge(self, ads: list[PeerAdvert], *, proven: bool = False) -> None:
+        """Merge adverts into the table, dropping oversized or unsigned ones.
+
+        ``proven``: their peers just proved their keys in a handshake with this peer. Once the
+        table holds :data:`MAX_KNOWN_PEERS`, only such a peer gets in, in place of the unproven
+        record closest to expiry that has no link and no conversation here.
+        """
         known = {a.peer_id for a in self.table.adverts()}
+        full = len(known) >= MAX_KNOWN_PEERS
         keep = []
         for ad in ads:
-            if ad.peer_id not in known and len(known) >= MAX_KNOWN_PEERS:
-                continue
+            if full and not proven and ad.peer_id not in known:
+                continue  # it could not get in: skip the signature check
             size = protocol.wire_size(ad.to_wire())
             if size > MAX_ADVERT_BYTES:
                 log.debug("dropping the advert of %s: %d bytes, over %d", ad.peer_id[:12], size, MAX_ADVERT_BYTES)
@@ -590,9 +687,9 @@ class Peer:
             if not self._allowed(ad.peer_id):
                 log.debug("dropping the advert of %s: not on --allow-keys", ad.peer_id[:12])
                 continue
-            known.add(ad.peer_id)
             keep.append(ad)
-        self.table.merge(keep)
+        busy = {c.next_id for c in self.convs.values()} | {c.prev_id for c in self.convs.values()}
+        self.table.merge(keep, proven=proven, protected=(set(self.links) | busy) - {None})
 
     def _allowed(self, peer_id: str) -> bool:
         """Whether ``peer_id`` may take part in this peer's mesh (``--allow-keys``)."""
@@ -600,8 +697,14 @@ class Peer:
         return allow is None or peer_id == self.peer_id or peer_id in allow
 
     async def _on_get_tokenizer(self, link: Link, f) -> None:
+        """The tokenizer bundle, at most :data:`TOKENIZER_BURST` per connection, then one per
+        :data:`TOKENIZER_EVERY_S` seconds (``rate_limited``)."""
         if self.tokenizer_bundle is None:
             raise InvalidInput("this peer has no tokenizer")
+        bucket = link.info.setdefault("tokenizers", _Bucket(1 / TOKENIZER_EVERY_S, TOKENIZER_BURST))
+        if not bucket.take(1):
+            raise RateLimited(f"get_tokenizer: at most {TOKENIZER_BURST} per connection, then one every "
+                              f"{TOKENIZER_EVERY_S:g} s; keep the bundle you have")
         await link.send("tokenizer", re=f.get("id", int, None), weights_hash=self.weights_hash,
                         bundle=self.tokenizer_bundle)
 
@@ -645,7 +748,7 @@ class Peer:
         nxt = f.get("next", dict, None)
         nf = protocol.Fields(nxt, f"{f.what}.next") if nxt else None
         next_id = nf.str("peer_id") if nf else None
-        next_addrs = tuple(nf.str_list("addrs")) if nf else ()
+        next_addrs = protocol.check_addrs(nf.str_list("addrs"), f"{f.what}.next") if nf else ()
         if (run.stop < self.cfg.num_hidden_layers) != (next_id is not None):
             raise ProtocolError(f"{f.what}: 'next' must name the next hop unless this hop runs the last layer")
         prev_id = f.str("prev", None)
@@ -726,11 +829,8 @@ class Peer:
             return x
         except LyingPeer as exc:
             log.warning("conversation %s, step %d: %s", conv.conv_id[:12], seq, exc)
-            try:
-                await conv.owner.send("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc),
-                                      suspect=exc.suspect)
-            except MeshError:
-                pass
+            # the previous hop's read loop must not wait on this client: post, never send
+            conv.owner.post("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc), suspect=exc.suspect)
             return None
 
     async def _on_get_log(self, link: Link, f) -> None:
@@ -832,11 +932,15 @@ class Peer:
             await self._drop_conv(conv.conv_id)
 
     async def _on_error(self, link: Link, f) -> None:
-        """An error from the next hop about a conversation: relay it to the conversation's client."""
+        """An error from the next hop about a conversation: relay it to the conversation's client.
+
+        Posted, never awaited: this runs in the next hop's read loop, which a client that does
+        not read must not stall (:meth:`meshinfer.transport.Link.post` cuts that client off instead).
+        """
         conv = self.convs.get(f.str("conv", "") or "")
         if conv is not None and link.remote_id is not None and link.remote_id == conv.next_id:
-            await conv.owner.send("error", conv=conv.conv_id, seq=f.get("seq", int, None),
-                                  code=f.str("code", "mesh_error"), message=f.str("message", ""))
+            conv.owner.post("error", conv=conv.conv_id, seq=f.get("seq", int, None),
+                            code=f.str("code", "mesh_error"), message=f.str("message", ""))
         else:
             log.debug("error frame from %s: %s", link.name, f.str("message", ""))
 
@@ -937,14 +1041,28 @@ class Peer:
     # ------------------------------------------------------------------ background
     async def _janitor_loop(self) -> None:
         while True:
-            await asyncio.sleep(min(5.0, self.settings.idle_timeout_s / 2))
+            await asyncio.sleep(min(5.0, self.settings.idle_timeout_s / 2, IDLE_LINK_TIMEOUT_S / 2))
             now = time.monotonic()
+            self._close_idle_links(now)
             self._buckets = {h: b for h, b in self._buckets.items() if b[1].level < b[1].burst}  # drop idle hosts
+            self._dial_failures = {p: f for p, f in self._dial_failures.items() if f[0] + MAX_DIAL_BACKOFF_S > now}
             for conv in list(self.convs.values()):
                 if now - conv.last_active > self.settings.idle_timeout_s and conv.queue.empty():
                     log.info("conversation %s idle for %.0f s; freeing it", conv.conv_id, now - conv.last_active,
                              extra=context(conv=conv.conv_id, peer=self.peer_id))
                     await self._drop_conv(conv.conv_id)
+
+    def _close_idle_links(self, now: float) -> None:
+        """Close connections silent for :data:`IDLE_LINK_TIMEOUT_S` that hold no conversation and
+        are not a peer that proved its key (peers gossip every few seconds)."""
+        owners = {c.owner for c in self.convs.values()}
+        for link in list(self._all_links):
+            proven_peer = link.role == "peer" and link.remote_id is not None
+            if link.role is None or proven_peer or link in owners or now - link.last_frame_at < IDLE_LINK_TIMEOUT_S:
+                continue  # before hello: HELLO_TIMEOUT_S closes it
+            log.info("closing %s: no frame for %.0f s and no conversation", link.name, now - link.last_frame_at)
+            link.last_frame_at = now  # one close each
+            self._spawn(link.close(1000, "idle"), "close idle")
 
     async def _gossip_loop(self) -> None:
         while True:
@@ -1041,6 +1159,11 @@ def last_hop_reply(ids: list[int], want: str) -> dict:
     if want == "tokens":
         fields["tokens"] = ids
     return fields
+
+
+def _url_host(host: str) -> str:
+    """``host`` as it stands in a URL (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host else host
 
 
 def _client_host(link: Link) -> str:

@@ -41,6 +41,13 @@ MAX_LIST_LEN = 1 << 16
 MAX_STR_LEN = 4096
 #: Longest peer id accepted in a trace or an ``rtts_ms`` map, characters (ids are 32 hex digits).
 MAX_ID_LEN = 64
+#: Most addresses in an advert or in an ``open``'s ``next``: each is dialed, so an attacker's long
+#: list would make peers and clients dial (and wait on) whatever it names.
+MAX_ADDRS = 4
+#: Longest address accepted, characters.
+MAX_ADDR_LEN = 256
+#: The only URL schemes a peer or client dials.
+ADDR_SCHEMES = ("ws://", "wss://")
 #: Most entries of a step's trace (one per hop).
 MAX_TRACE_HOPS = 64
 #: Most tokens of a step with ``want="tokens"`` (speculative verification): the last hop computes
@@ -152,7 +159,7 @@ class PeerAdvert:
         state = f.str("state")
         if state not in PEER_STATES:
             raise ProtocolError(f"advert: state {state!r} is not one of {', '.join(PEER_STATES)}")
-        return cls(peer_id=f.str("peer_id"), addrs=tuple(f.str_list("addrs")),
+        return cls(peer_id=f.str("peer_id"), addrs=check_addrs(f.str_list("addrs"), "advert"),
                    protocol_version=f.int("protocol_version", lo=0, hi=1 << 16),
                    weights_hash=f.str("weights_hash"), architecture=f.str("architecture"),
                    num_layers=num_layers, layers=layers, device=f.str("device"),
@@ -171,6 +178,22 @@ def _sha256_hex(f: "Fields", name: str) -> str:
     if value and (len(value) != 64 or any(c not in "0123456789abcdef" for c in value)):
         raise ProtocolError(f"advert: field {name!r} must be 64 lowercase hex digits")
     return value
+
+
+def check_addrs(addrs: list[str], what: str) -> tuple[str, ...]:
+    """``addrs`` when it holds at most :data:`MAX_ADDRS` ``ws://`` or ``wss://`` URLs of at most
+    :data:`MAX_ADDR_LEN` characters each.
+
+    Raises:
+        ProtocolError: naming the count or the first bad address.
+    """
+    if len(addrs) > MAX_ADDRS:
+        raise ProtocolError(f"{what}: field 'addrs' holds {len(addrs)} addresses; at most {MAX_ADDRS} are allowed")
+    for url in addrs:
+        if len(url) > MAX_ADDR_LEN or not url.lower().startswith(ADDR_SCHEMES) or len(url.split("://", 1)[1]) == 0:
+            raise ProtocolError(f"{what}: address {url[:80]!r} is not a ws:// or wss:// URL of at most "
+                                f"{MAX_ADDR_LEN} characters")
+    return tuple(addrs)
 
 
 def _finite(v: object) -> bool:

@@ -25,13 +25,16 @@ from .routing import Route, plan_route
 from .sampling import SamplingParams
 from .speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SpecStats, accept, next_draft_length, propose
 from .tokenizer import Tokenizer, bundle_sha256
-from .transport import Link, dial, remote_error
+from .transport import Link, dial, first_success, remote_error
 
 log = logging.getLogger(__name__)
 
 #: Largest frame a client accepts, bytes: the tokenizer bundle of a 150k-token vocabulary
 #: is about 10 MB; nothing else a peer sends is larger than a few KB.
 CLIENT_MAX_FRAME_BYTES = 64 << 20
+#: Seconds a client waits for one address to accept and answer its hello (all of a peer's
+#: addresses are dialed at once): an advert of addresses that never answer costs this, once.
+DIAL_TIMEOUT_S = 5.0
 #: RTT probes per peer; the median is used.
 RTT_PROBES = 3
 #: Failure backoff of a peer: 5 s after its first failure, doubling up to 5 minutes.
@@ -89,16 +92,19 @@ class MeshClient:
             None for any; other peers are refused at the handshake and left out of the table.
         spot_check_rate: the default ``spot_check_rate`` of this client's conversations
             (``--spot-check-rate``; see :class:`Conversation`).
+        dial_timeout_s: how long one address may take to accept and answer the hello, seconds
+            (:data:`DIAL_TIMEOUT_S`, at most ``request_timeout_s``).
     """
 
     def __init__(self, bootstrap: Sequence[str], *, request_timeout_s: float = 10.0,
                  mesh_key: bytes | None = None, insecure: bool = False, tls_ca: str | None = None,
                  allow_ids: frozenset[str] | None = None,
-                 spot_check_rate: float = audit.DEFAULT_SPOT_CHECK_RATE) -> None:
+                 spot_check_rate: float = audit.DEFAULT_SPOT_CHECK_RATE, dial_timeout_s: float = DIAL_TIMEOUT_S) -> None:
         if not bootstrap:
             raise InvalidInput("no peers to contact: pass --peers ws://HOST:PORT")
         self.bootstrap = list(bootstrap)
         self.request_timeout_s = request_timeout_s
+        self.dial_timeout_s = min(dial_timeout_s, request_timeout_s)
         self.mesh_key = mesh_key
         self.insecure, self.tls_ca = insecure, tls_ca
         self.allow_ids = allow_ids
@@ -139,33 +145,42 @@ class MeshClient:
 
     async def _hello(self, url: str) -> tuple[Link, PeerAdvert, int]:
         link = await dial(url, max_bytes=CLIENT_MAX_FRAME_BYTES, on_message=self._on_message,
-                          open_timeout_s=self.request_timeout_s, insecure=self.insecure,
+                          open_timeout_s=self.dial_timeout_s, insecure=self.insecure,
                           tls_ca=self.tls_ca)
         try:
             nonce = discovery.new_nonce()
-            _, f = await link.request("hello", timeout_s=self.request_timeout_s, role="client", nonce=nonce)
+            _, f = await link.request("hello", timeout_s=self.dial_timeout_s, role="client", nonce=nonce)
             try:
                 advert, welcome_nonce = discovery.check_welcome(f, nonce, mesh_key=self.mesh_key,
-                                                                tls_fingerprint=link.tls_fingerprint)
+                                                                tls_fingerprint=link.tls_fingerprint, dialed_url=url)
             except Unauthenticated as exc:
                 raise Unauthenticated(f"{url}: {exc}") from exc
             if self.allow_ids is not None and advert.peer_id not in self.allow_ids:
                 raise Unauthenticated(f"{url}: {discovery.not_allowed(advert.peer_id)}")
             link.info["max_step_tokens"] = f.int("max_step_tokens", lo=1, hi=1 << 20)
             if self.mesh_key is not None:
-                mac = discovery.mesh_mac(self.mesh_key, discovery.MESH_HELLO_LABEL, welcome_nonce, nonce)
-                await link.request("auth", timeout_s=self.request_timeout_s, mac=mac)
+                await link.request("auth", timeout_s=self.request_timeout_s,
+                                   **discovery.auth_macs(self.mesh_key, welcome_nonce, nonce, url))
             elif f.get("private", bool, False):
                 raise Unauthenticated(f"{url}: this mesh is private: pass its key with --mesh-key-file "
                                       f"(or MESHINFER_MESH_KEY_FILE)")
-        except MeshError:
+        except BaseException:
             await link.close()
             raise
         link.remote_id, link.role = advert.peer_id, "peer"
         return link, advert, link.info["max_step_tokens"]
 
+    async def _hello_as(self, url: str, peer_id: str) -> Link:
+        """:meth:`_hello` to ``url``, which must answer as ``peer_id`` (else ``PeerUnavailable``)."""
+        link, advert, _ = await self._hello(url)
+        if advert.peer_id != peer_id:
+            await link.close()
+            raise PeerUnavailable(f"{url} answered as peer {advert.peer_id[:12]}")
+        return link
+
     async def link(self, peer: PeerAdvert) -> Link:
-        """An open connection to ``peer``, dialing its addresses if needed.
+        """An open connection to ``peer``, dialing all its addresses at once if needed (each
+        within ``dial_timeout_s``; the first that answers as ``peer`` wins, the others are closed).
 
         Raises:
             PeerUnavailable: no address answers, or the answering peer has another id.
@@ -173,21 +188,18 @@ class MeshClient:
         link = self._links.get(peer.peer_id)
         if link is not None and not link.closed.is_set():
             return link
-        errors = []
-        for url in peer.addrs:
-            try:
-                link, advert, _ = await self._hello(url)
-            except MeshError as exc:
-                errors.append(str(exc))
-                continue
-            if advert.peer_id != peer.peer_id:
-                await link.close()
-                errors.append(f"{url} answered as peer {advert.peer_id[:12]}")
-                continue
-            self._links[peer.peer_id] = link
-            link.reader.add_done_callback(lambda _t, pid=peer.peer_id: self._link_closed(pid))
-            return link
-        raise PeerUnavailable(f"cannot reach peer {peer.peer_id[:12]}: " + "; ".join(errors or ["no address"]))
+        try:
+            link = await first_success([self._hello_as(url, peer.peer_id) for url in peer.addrs],
+                                       discard=lambda lk: lk.close())
+        except PeerUnavailable as exc:
+            raise PeerUnavailable(f"cannot reach peer {peer.peer_id[:12]}: {exc}") from None
+        old = self._links.get(peer.peer_id)
+        if old is not None and not old.closed.is_set():  # another task dialed it meanwhile
+            await link.close()
+            return old
+        self._links[peer.peer_id] = link
+        link.reader.add_done_callback(lambda _t, pid=peer.peer_id: self._link_closed(pid))
+        return link
 
     def _link_closed(self, peer_id: str) -> None:
         """Wake every conversation routed through ``peer_id``: its connection is gone."""

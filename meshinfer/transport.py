@@ -1,21 +1,27 @@
 """A websocket connection carrying meshinfer frames, shared by peers and clients.
 
-:class:`Link` adds two things to a ``websockets`` connection: request/response matching
-(a request carries ``id``, its reply ``re``) and a reader loop that decodes every frame
-through :mod:`meshinfer.protocol` and hands it to a callback. Malformed frames get an
-``error`` reply; a connection that keeps sending them is closed with code 1008.
+:class:`Link` adds three things to a ``websockets`` connection: request/response matching
+(a request carries ``id``, its reply ``re``), a reader loop that decodes every frame through
+:mod:`meshinfer.protocol` and hands it to a callback, and a bounded outbox written by its own
+task, so that a remote that stops reading costs at most :data:`OUTBOX_BYTES` and
+:data:`SEND_TIMEOUT_S` before its connection is cut, and never stalls anyone else.
+Malformed frames get an ``error`` reply; a connection that keeps sending them is closed with
+code 1008.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import ssl
-from typing import Any, Awaitable, Callable
+import time
+from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
 import websockets
 from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
 
 from . import protocol, tls
 from .errors import MeshError, PeerUnavailable, ProtocolError
@@ -26,8 +32,22 @@ log = logging.getLogger(__name__)
 MAX_BAD_FRAMES = 64
 #: Websocket close codes (RFC 6455 section 7.4.1; 4000-4999 are private use).
 CLOSE_POLICY, CLOSE_VERSION, CLOSE_SHUTDOWN = 1008, 4002, 1001
+#: Bytes of frames queued for one connection before a sender waits (:meth:`Link.send`) or the
+#: connection is cut (:meth:`Link.post`). A frame larger than this is still taken when the
+#: outbox is empty (a tokenizer bundle, a long prefill chunk).
+OUTBOX_BYTES = 4 << 20
+#: Longest a frame may wait for room in an outbox, or for the socket to take it, seconds, plus
+#: the time its bytes (and those queued before it) take at :data:`MIN_READ_BYTES_PER_S`: a
+#: remote that reads slower is cut off (its transport aborted) as a slow reader.
+SEND_TIMEOUT_S = 10.0
+#: Slowest reading a remote is allowed, bytes per second (512 kbit/s: a 1.8 MB prefill chunk of
+#: the default model may take 38 s to go out).
+MIN_READ_BYTES_PER_S = 64 * 1024
+#: Longest :meth:`Link.close` waits for queued frames (an error reply, a goodbye) to go out, seconds.
+CLOSE_FLUSH_TIMEOUT_S = 2.0
 
 Handler = Callable[["Link", str, "protocol.Fields"], Awaitable[None]]
+T = TypeVar("T")
 
 
 class Link:
@@ -58,18 +78,122 @@ class Link:
         self._pending: dict[int, asyncio.Future] = {}
         self._bad_frames = 0
         self.last_frame_bytes = 0
+        self.last_frame_at = time.monotonic()  # when the last frame (not a websocket ping) arrived
         self.closed = asyncio.Event()
         self.meter = None  # a PeerMetrics counting frame bytes and errors, when the owner sets one
+        self._outbox: collections.deque[bytes] = collections.deque()
+        self._outbox_bytes = 0
+        self._wake = asyncio.Event()  # set when a frame is queued: the writer has work
+        self._room = asyncio.Event()  # set when the writer took a frame off: senders may fit now
+        self._drained = asyncio.Event()  # set while the outbox is empty
+        self._drained.set()
+        self._cut = ""  # why the connection was cut as a slow reader, once it was
+
+    @property
+    def _label(self) -> str:
+        return self.name or self.remote_id or "?"
+
+    def _usable(self) -> None:
+        """Raise :class:`PeerUnavailable` when frames can no longer go out on this connection."""
+        if self._cut:
+            raise PeerUnavailable(f"connection to {self._label} was cut: {self._cut}")
+        if self.closed.is_set() or self.ws.state is not State.OPEN:
+            raise PeerUnavailable(f"connection to {self._label} is closed")
+
+    def _fits(self, n: int) -> bool:
+        return not self._outbox or self._outbox_bytes + n <= OUTBOX_BYTES
+
+    @staticmethod
+    def _patience_s(nbytes: int) -> float:
+        """Seconds ``nbytes`` may take to go out before the remote counts as a slow reader."""
+        return SEND_TIMEOUT_S + nbytes / MIN_READ_BYTES_PER_S
+
+    def _queue(self, data: bytes) -> None:
+        self._outbox.append(data)
+        self._outbox_bytes += len(data)
+        self._drained.clear()
+        self._wake.set()
 
     async def send(self, msg_type: str, **fields: Any) -> None:
-        """Send one frame. Raises :class:`PeerUnavailable` when the connection is closed."""
+        """Queue one frame for the writer, waiting while the outbox holds :data:`OUTBOX_BYTES`.
+
+        Returns once the frame is queued, not written. Only await this on behalf of the remote
+        itself or from a task of its own (a conversation's worker): a read loop that relays to
+        another party uses :meth:`post`. Cancelling it while it waits queues nothing.
+
+        Raises:
+            PeerUnavailable: the connection is closed, or it made no room within
+                :data:`SEND_TIMEOUT_S` seconds plus the queued bytes at :data:`MIN_READ_BYTES_PER_S`
+                (then it is cut as a slow reader).
+        """
+        data = protocol.encode(msg_type, **fields)
+        self._usable()
+        patience_s = self._patience_s(self._outbox_bytes + len(data))
+        deadline = time.monotonic() + patience_s
+        while not self._fits(len(data)):
+            self._room.clear()
+            try:
+                await asyncio.wait_for(self._room.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                self._cut_off(f"{self._outbox_bytes} bytes unread for {patience_s:.0f} s")
+            self._usable()
+        self._queue(data)
+
+    def post(self, msg_type: str, **fields: Any) -> bool:
+        """Queue one frame without waiting; for a frame sent on behalf of another party.
+
+        Returns False, queuing nothing, when the connection is closed, or when the frame does
+        not fit in its outbox: then the connection is cut as a slow reader.
+        """
         data = protocol.encode(msg_type, **fields)
         try:
-            await self.ws.send(data)
-        except ConnectionClosed as exc:
-            raise PeerUnavailable(f"connection to {self.name or self.remote_id} is closed") from exc
-        if self.meter is not None:
-            self.meter.frame_out(len(data))
+            self._usable()
+        except PeerUnavailable:
+            return False
+        if not self._fits(len(data)):
+            self._cut_off(f"{self._outbox_bytes} bytes unread, over the outbox limit of {OUTBOX_BYTES}")
+            return False
+        self._queue(data)
+        return True
+
+    def _cut_off(self, reason: str) -> None:
+        """Abort the connection of a remote that does not read; wake everyone waiting on it."""
+        if not self._cut:
+            self._cut = reason
+            log.warning("cutting off %s, a slow reader: %s", self._label, reason)
+            self.ws.transport.abort()
+        self._room.set()
+
+    async def _write_loop(self) -> None:
+        """Write queued frames in order; cut the connection when one is not taken in time (:meth:`_patience_s`).
+
+        On return (closed, cut, or cancelled with :meth:`run`) nothing more is written: waiting
+        senders and :meth:`close` are released."""
+        try:
+            while True:
+                while not self._outbox:
+                    self._drained.set()
+                    self._wake.clear()
+                    await self._wake.wait()
+                data = self._outbox.popleft()
+                self._outbox_bytes -= len(data)
+                self._room.set()
+                try:
+                    await asyncio.wait_for(self.ws.send(data), self._patience_s(len(data)))
+                except asyncio.TimeoutError:
+                    self._cut_off(f"a {len(data)}-byte frame was not taken within {self._patience_s(len(data)):.0f} s")
+                    return
+                except ConnectionClosed:
+                    return
+                except Exception as exc:  # a bug: the frames behind this one would never go out
+                    log.exception("writing a frame to %s failed", self._label)
+                    self._cut_off(f"writing a frame failed: {type(exc).__name__}")
+                    return
+                if self.meter is not None:
+                    self.meter.frame_out(len(data))
+        finally:
+            self._drained.set()
+            self._room.set()
 
     async def request(self, msg_type: str, *, timeout_s: float, **fields: Any) -> tuple[str, Any]:
         """Send a request and wait for its reply (``type``, fields).
@@ -94,14 +218,25 @@ class Link:
         return msg_type, f
 
     async def run(self) -> None:
-        """Read frames until the connection closes; never raises for what the remote sends."""
+        """Read frames until the connection closes; never raises for what the remote sends.
+
+        Runs the writer of the outbox alongside and cancels it on return; cancelling this
+        stops both.
+        """
+        writer = asyncio.get_running_loop().create_task(self._write_loop(), name=f"writer {self._label}")
         try:
             async for frame in self.ws:
                 await self._dispatch(frame)
         except ConnectionClosed:
             pass
         finally:
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+            self._outbox.clear()
+            self._outbox_bytes = 0
+            self._drained.set()
             self.closed.set()
+            self._room.set()
             for fut in self._pending.values():
                 if not fut.done():
                     fut.set_exception(PeerUnavailable(f"connection to {self.name or self.remote_id} closed"))
@@ -110,6 +245,7 @@ class Link:
         context: dict[str, Any] = {}
         try:
             self.last_frame_bytes = len(frame)
+            self.last_frame_at = time.monotonic()
             if self.meter is not None:
                 self.meter.frame_in(len(frame))
             msg_type, f = protocol.decode(frame, max_bytes=self.max_bytes)
@@ -137,15 +273,21 @@ class Link:
             self.meter.error(code)
         try:
             await self.send("error", code=code, message=str(exc)[:protocol.MAX_STR_LEN], **context)
-            if code == "version_mismatch":
-                await self.ws.close(CLOSE_VERSION, str(exc)[:120])
-            elif self._bad_frames >= MAX_BAD_FRAMES:
-                await self.ws.close(CLOSE_POLICY, f"{self._bad_frames} malformed frames")
-        except (PeerUnavailable, ConnectionClosed):
-            pass
+        except PeerUnavailable:
+            return
+        if code == "version_mismatch":
+            await self.close(CLOSE_VERSION, str(exc)[:120])
+        elif self._bad_frames >= MAX_BAD_FRAMES:
+            await self.close(CLOSE_POLICY, f"{self._bad_frames} malformed frames")
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
-        """Close the connection; safe to call twice."""
+        """Let queued frames go out (at most :data:`CLOSE_FLUSH_TIMEOUT_S` seconds), then close
+        the connection; safe to call twice. Cancelling it may leave the close handshake undone."""
+        if not self.closed.is_set() and not self._cut:
+            try:
+                await asyncio.wait_for(self._drained.wait(), CLOSE_FLUSH_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                pass
         try:
             await self.ws.close(code, reason)
         except Exception:  # already closed or broken
@@ -216,3 +358,38 @@ async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s:
     link.tls_fingerprint = tls.peer_fingerprint(ws)
     link.reader = asyncio.get_running_loop().create_task(link.run(), name=f"link {url}")
     return link
+
+
+async def first_success(attempts: Iterable[Awaitable[T]], *, discard: Callable[[T], Awaitable[Any]]) -> T:
+    """Run ``attempts`` (dials of one peer's addresses) at once; the first that succeeds.
+
+    The others are cancelled; one that succeeded anyway is passed to ``discard`` (to close
+    it). Cancelling this cancels every attempt.
+
+    Raises:
+        PeerUnavailable: every attempt failed; the message joins their errors (``MeshError``s,
+            in the order they failed), or says "no address" when there was none.
+    """
+    tasks = [asyncio.ensure_future(a) for a in attempts]
+    pending, winner, errors = set(tasks), None, []
+    try:
+        while pending and winner is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=tasks.index):
+                exc = task.exception()
+                if exc is None:
+                    winner = winner or task
+                elif isinstance(exc, MeshError):
+                    errors.append(str(exc))
+                else:
+                    raise exc
+        if winner is None:
+            raise PeerUnavailable("; ".join(errors or ["no address"]))
+        return winner.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            if task is not winner and not task.cancelled() and task.exception() is None:
+                await discard(task.result())

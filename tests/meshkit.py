@@ -18,10 +18,11 @@ FAST = dict(gossip_interval_s=0.1, advert_ttl_s=1.0, request_timeout_s=5.0)
 
 
 async def start_peer(shard: Shard, *, weights_hash: str, precision: str = "f32", bundle: dict | None = None,
-                     bootstrap: Sequence[str] = (), device: str = "cpu", **settings) -> Peer:
-    """A started peer serving ``shard`` (already on ``device``) on 127.0.0.1:0 with fast gossip."""
+                     bootstrap: Sequence[str] = (), device: str = "cpu", key=None, **settings) -> Peer:
+    """A started peer serving ``shard`` (already on ``device``) on 127.0.0.1:0 with fast gossip,
+    with ``key`` (default: a fresh one)."""
     opts = dict(FAST) | settings
-    peer = Peer(shard, DeviceExecutor(device), key=Ed25519PrivateKey.generate(),
+    peer = Peer(shard, DeviceExecutor(device), key=key or Ed25519PrivateKey.generate(),
                 weights_hash=weights_hash, precision=precision, tokenizer_bundle=bundle,
                 settings=PeerSettings(bootstrap=tuple(bootstrap), **opts))
     peer.owns_executor = True

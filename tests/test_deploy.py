@@ -173,6 +173,7 @@ def test_systemd_unit_execstart_parses_and_restarts_on_failure():
     args = parse_cli(argv[1:], "meshinfer-peer.service ExecStart")
     assert args.command == "join" and args.log_format == "json"
     assert service["Restart"] == "on-failure" and service["KillSignal"] == "SIGTERM"
+    assert int(service["LimitNOFILE"]) >= 65536  # connections are open files; 1024 is a few idle clients
     assert service["User"] != "root" and service["EnvironmentFile"] == "/etc/meshinfer/peer.env"
     for option in ("NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp"):
         assert service[option] in ("yes", "strict"), option

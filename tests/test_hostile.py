@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import math
 import random
+import re
 import socket
 import time
 import tracemalloc
@@ -26,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshkit import generate_through, mesh, split, tiny_model
 from meshinfer import peer as peer_module
-from meshinfer import protocol
+from meshinfer import protocol, transport
 from meshinfer.config import LayerRange
 from meshinfer.discovery import HELLO_LABEL, MAX_TTL_S, NONCE_BYTES, peer_id_of, sign_advert
 from meshinfer.errors import LayerRangeError, ProtocolError
@@ -186,6 +187,13 @@ def small_socket(port: int) -> socket.socket:
     return sock
 
 
+def shrink_send_buffer(peer, port: int) -> None:
+    """Give ``peer``'s socket to the client at local ``port`` a 4 KiB send buffer (no autotuning):
+    a few KB left unread fill it, as megabytes would on a long path."""
+    link = next(lk for lk in peer._all_links if lk.ws.remote_address[1] == port)
+    link.ws.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+
 def rogue_advert(digest: str, *, key=ROGUE_KEY, **changes) -> dict:
     """An advert of a peer that does not exist (no address, short TTL) with ``changes``, signed by ``key``.
 
@@ -306,6 +314,13 @@ BAD_ADVERTS = [
     (dict(state="evil"), "advert: state 'evil' is not one of joining, ready, draining"),
     (dict(addrs=["ws://x"] * 65), "advert: field 'addrs' must be a list of at most 64 strings"),
     (dict(addrs="ws://x"), "advert: field 'addrs' has type str"),
+    (dict(addrs=[f"ws://127.0.0.1:{p}" for p in range(1, 6)]),
+     "advert: field 'addrs' holds 5 addresses; at most 4 are allowed"),
+    (dict(addrs=["http://127.0.0.1:8080/admin/delete?all=1"]),
+     "advert: address 'http://127.0.0.1:8080/admin/delete?all=1' is not a ws:// or wss:// URL of at most "
+     "256 characters"),
+    (dict(addrs=["ws://" + "h" * 300]), f"advert: address {'ws://' + 'h' * 75!r} is not a ws:// or wss:// URL "
+                                        f"of at most 256 characters"),
     (dict(peer_id=None), "advert: field 'peer_id' is missing"),
     (dict(peer_id=7), "advert: field 'peer_id' has type int"),
 ]
@@ -449,6 +464,10 @@ OPEN_CASES = [
     (dict(layers=[0, 2], next={"peer_id": 5}), "protocol_error", "open.next: field 'peer_id' has type int"),
     (dict(layers=[0, 2], next={"peer_id": "x", "addrs": "ws://x"}), "protocol_error",
      "open.next: field 'addrs' has type str"),
+    (dict(layers=[0, 2], next={"peer_id": "x", "addrs": ["ws://127.0.0.1:1"] * 5}), "protocol_error",
+     "open.next: field 'addrs' holds 5 addresses; at most 4 are allowed"),
+    (dict(layers=[0, 2], next={"peer_id": "x", "addrs": ["gopher://127.0.0.1:70/"]}), "protocol_error",
+     "open.next: address 'gopher://127.0.0.1:70/' is not a ws:// or wss:// URL of at most 256 characters"),
     (dict(next="peer"), "protocol_error", "open: field 'next' has type str"),
     (dict(prev=7), "protocol_error", "open: field 'prev' has type int"),
     (dict(prev="someone"), "protocol_error", "open: 'prev' must name the previous hop unless this hop runs layer 0"),
@@ -1047,7 +1066,8 @@ FUZZ_FRAMES = 12_000  # frames generated: a batch cut short by a close loses its
 FUZZ_CONNECTIONS = 4
 FUZZ_BATCH = 8
 ERROR_CODES = {"protocol_error", "version_mismatch", "invalid_input", "bad_positions", "context_overflow",
-               "bad_layer_range", "cache_full", "peer_unavailable", "unauthenticated"}
+               "bad_layer_range", "cache_full", "peer_unavailable", "unauthenticated",
+               "rate_limited"}  # get_tokenizer: at most 2 per connection
 WEIRD = [None, True, False, 0, -1, 1, 7, 255, 1 << 31, (1 << 63) - 1, -(1 << 63), (1 << 64) - 1, 0.5, math.nan,
          math.inf, -math.inf, "", "f1", "token", "none", "f32", "x" * 5000, b"", b"\0" * 129, [], [0, 4], [4, 0],
          [0, 2, 4], [1] * 600, [[[[[]]]]], {}, {"a": 1}, {"peer_id": "p", "addrs": []}]
@@ -1196,4 +1216,267 @@ async def test_per_client_limits_refuse_clearly_and_others_go_on(tiny):
             for raw in raws:
                 await raw.close()
         await asyncio.sleep(2.5)  # the bucket refills: the limited host is served again
+        await assert_healthy(tiny, peers)
+
+
+async def test_unread_client_of_relayed_errors_does_not_freeze_the_link_between_hops(tiny, monkeypatch):
+    # The client opens conversations on the first hop only, so the second hop answers every step
+    # with an error that the first hop relays to this client, which never reads.
+    monkeypatch.setattr(transport, "SEND_TIMEOUT_S", 5.0)
+    limits = ClientLimits(conversations=64, steps_per_s=1e6, bytes_per_s=1e12)
+    async with serving(tiny, (0, 2, 4), client_limits=limits) as peers:
+        first, second = peers
+        link = first.links[second.peer_id]
+        ws = await websockets.connect(first.addrs[0], sock=small_socket(first.port), compression=None,
+                                      ping_interval=None, max_queue=1)
+        convs = [f"{c:02d}" + "x" * 62 for c in range(16)]  # 64 characters: echoed in each error
+        try:
+            await ws.send(pack("hello", role="client"))
+            shrink_send_buffer(first, ws.local_address[1])
+            for conv in convs:
+                await ws.send(pack("open", conv=conv, layers=[0, 2], max_tokens=CONTEXT,
+                                   next={"peer_id": second.peer_id, "addrs": list(second.addrs)}))
+            with contextlib.suppress(asyncio.TimeoutError, websockets.ConnectionClosed):  # stalled or cut off
+                for i in range(CONTEXT):
+                    for conv in convs:
+                        await asyncio.wait_for(ws.send(pack("step", conv=conv, seq=i, start=i, tokens=[i % VOCAB],
+                                                            want="token")), 2)
+            t0 = time.perf_counter()
+            await asyncio.wait_for(link.request("ping", timeout_s=5), 6)
+            assert time.perf_counter() - t0 < 2
+            t0 = time.perf_counter()
+            await converse(tiny, peers)
+            assert time.perf_counter() - t0 < 10
+            port = ws.local_address[1]
+            async with asyncio.timeout(4 * transport.SEND_TIMEOUT_S):  # the slow reader is cut off
+                while any(lk.ws.remote_address[1] == port for lk in first._all_links):
+                    await asyncio.sleep(0.05)
+        finally:
+            ws.transport.abort()
+        await assert_healthy(tiny, peers)
+
+
+
+# --------------------------------------------------------------------------- adverts as weapons
+@contextlib.asynccontextmanager
+async def counting_service():
+    """A loopback TCP service that answers every connection with an HTTP 404, as a service an
+    attacker points the mesh at would; yields (its ws:// base URL, the list of connections made)."""
+    hits: list[float] = []
+
+    async def answer(reader, writer) -> None:
+        hits.append(time.monotonic())
+        writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}", hits
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_gossiped_addresses_are_dialed_at_a_bounded_rate(tiny):
+    async with serving(tiny) as peers, counting_service() as (url, hits):
+        peer = peers[0]
+        raw = await Raw.connect(peer, role="peer", advert=rogue_advert(peer.weights_hash))
+        try:
+            t0 = time.monotonic()
+            await raw.send("gossip", adverts=[rogue_advert(peer.weights_hash, key=new_key(), ttl_s=60.0,
+                                                           addrs=[f"{url}/admin/delete?id={i}"]) for i in range(100)])
+            await raw.request("ping")
+            await asyncio.sleep(2.0)  # 20 gossip rounds of 0.1 s, each of which used to dial all 100
+            elapsed = time.monotonic() - t0
+            assert 0 < len(hits) <= peer_module.MAX_DIALS_PER_S * (2 + elapsed)  # a burst of 2 s, then the rate
+        finally:
+            await raw.close()
+        for ad in peer.table.adverts():
+            peer.table.remove(ad.peer_id)
+        await assert_healthy(tiny, peers)
+
+
+async def test_next_hop_addresses_of_an_open_are_dialed_once_per_backoff(tiny, monkeypatch):
+    monkeypatch.setattr(peer_module, "DIAL_BACKOFF_S", 60.0)  # longer than the test: no second dial
+    async with serving(tiny, (0, 2, 4)) as peers, counting_service() as (url, hits):
+        first = peers[0]
+        fake = peer_id_of(new_key())
+        raw = await Raw.connect(first)
+        try:
+            addrs = [f"{url}/admin/delete?id={i}" for i in range(4)]
+            assert (await raw.request("open", conv="ssrf", layers=[0, 2], max_tokens=16,
+                                      next={"peer_id": fake, "addrs": addrs}))["t"] == "opened"
+            for i in range(3):
+                await raw.send("step", conv="ssrf", seq=i, start=i, tokens=[i], want="token")
+            errors = [await raw.recv(timeout_s=10) for _ in range(3)]
+            assert [(e["t"], e["code"], e["seq"]) for e in errors] == [("error", "peer_unavailable", i) for i in range(3)]
+            assert errors[0]["message"].startswith(f"cannot reach peer {fake[:12]}: cannot reach {url}/admin/delete?id=")
+            for e in errors[1:]:
+                assert re.fullmatch(rf"peer {fake[:12]} failed 1 dial\(s\) in a row; next try in \d+\.\d s",
+                                    e["message"]), e["message"]
+            assert len(hits) == 4
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+@contextlib.contextmanager
+def silent_addresses(n: int):
+    """``n`` ws:// URLs of one loopback listener that accepts TCP and never answers."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    try:
+        yield [f"ws://127.0.0.1:{silent.getsockname()[1]}/{i}" for i in range(n)]
+    finally:
+        silent.close()
+
+
+async def plant(peer, adverts: list[dict]) -> Raw:
+    """A rogue peer connection (its own advert lives 60 s) that has gossiped ``adverts`` to ``peer``."""
+    raw = await Raw.connect(peer, role="peer", advert=rogue_advert(peer.weights_hash, ttl_s=60.0))
+    await raw.send("gossip", adverts=adverts)
+    await raw.request("ping")
+    return raw
+
+
+async def test_a_peer_of_silent_addresses_costs_planning_one_dial_timeout(tiny):
+    from meshinfer.session import MeshClient
+
+    dial_timeout_s = 3.0
+    with silent_addresses(4) as addrs:
+        async with serving(tiny) as peers:
+            peer = peers[0]
+            raw = await plant(peer, [rogue_advert(peer.weights_hash, key=new_key(), addrs=addrs, ttl_s=60.0,
+                                                  layers=[0, 4])])
+            try:
+                async with MeshClient(peer.addrs, dial_timeout_s=dial_timeout_s) as client:
+                    t0 = time.perf_counter()
+                    route = await client.plan()
+                    assert time.perf_counter() - t0 < 3 * dial_timeout_s  # one after the other: 4 timeouts or more
+                    assert route.peer_ids == (peer.peer_id,)
+            finally:
+                await raw.close()
+            for ad in peer.table.adverts():
+                peer.table.remove(ad.peer_id)
+            await assert_healthy(tiny, peers)
+
+
+async def test_listing_models_never_waits_for_a_route_being_planned(tiny):
+    from meshinfer.api import MeshModels
+    from meshinfer.session import MeshClient
+
+    with silent_addresses(1) as addrs:
+        async with serving(tiny) as peers:
+            peer = peers[0]
+            raw = await plant(peer, [rogue_advert(peer.weights_hash, key=new_key(), addrs=addrs, ttl_s=60.0,
+                                                  layers=[0, 4])])
+            try:
+                async with MeshClient(peer.addrs, dial_timeout_s=30.0, request_timeout_s=30.0) as client:
+                    models = MeshModels(client, route_ttl_s=0.0)
+                    planning = asyncio.get_running_loop().create_task(models.route(peer.weights_hash))
+                    try:
+                        listed = await asyncio.wait_for(models.models(), 10.0)  # the plan waits 30 s on a dial
+                        assert [m["meshinfer"]["weights_hash"] for m in listed] == [peer.weights_hash]
+                        assert not planning.done()
+                    finally:
+                        planning.cancel()
+                        await asyncio.gather(planning, return_exceptions=True)
+            finally:
+                await raw.close()
+            for ad in peer.table.adverts():
+                peer.table.remove(ad.peer_id)
+            await assert_healthy(tiny, peers)
+
+
+async def test_a_replayed_advert_of_a_restarted_peer_never_replaces_its_new_one(tiny):
+    from meshkit import start_peer
+
+    path, digest, tok, _ = tiny
+    key = new_key()
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        before = await start_peer(load_shard(path, LayerRange(0, 4)), weights_hash=digest, key=key,
+                                  bootstrap=peer.addrs)
+        before._seq += 10_000  # it ran for a while: 10,000 adverts (5.5 hours of gossip every 2 s)
+        old = before.advert().to_wire()  # what an attacker recorded before the restart
+        await before.close()
+        after = await start_peer(load_shard(path, LayerRange(0, 4)), weights_hash=digest, key=key,
+                                 bootstrap=peer.addrs)
+        try:
+            async with asyncio.timeout(5.0):  # the restarted peer, on a new port, is listed
+                while (ad := peer.table.get(after.peer_id)) is None or ad.addrs != after.addrs:
+                    await asyncio.sleep(0.02)
+            raw = await plant(peer, [old | {"ttl_s": 60.0}])
+            await raw.close()
+            assert peer.table.get(after.peer_id).addrs == after.addrs != tuple(old["addrs"])
+        finally:
+            await after.close()
+        peer.table.remove(after.peer_id)
+        await assert_healthy(tiny, peers)
+
+
+async def test_a_full_table_takes_a_peer_that_proves_its_key(tiny):
+    from meshkit import start_peer
+
+    path, digest, tok, _ = tiny
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        fakes = [rogue_advert(digest, key=new_key(), ttl_s=60.0) for i in range(300)]
+        raw = await plant(peer, fakes[:150])
+        try:
+            await raw.send("gossip", adverts=fakes[150:])
+            await raw.request("ping")
+            assert len(peer.table) == peer_module.MAX_KNOWN_PEERS
+            honest = await start_peer(load_shard(path, LayerRange(0, 4)), weights_hash=digest, bootstrap=peer.addrs)
+            try:
+                async with asyncio.timeout(5.0):  # it dialed and proved its key: it gets in
+                    while peer.table.get(honest.peer_id) is None:
+                        await asyncio.sleep(0.02)
+                assert len(peer.table) == peer_module.MAX_KNOWN_PEERS
+                await raw.send("gossip", adverts=[rogue_advert(digest, key=new_key(), ttl_s=60.0) for i in range(50)])
+                await raw.request("ping")  # fresh fakes cannot push it out
+                assert peer.table.get(honest.peer_id) is not None
+            finally:
+                await honest.close()
+        finally:
+            await raw.close()
+        for ad in peer.table.adverts():
+            peer.table.remove(ad.peer_id)
+        await assert_healthy(tiny, peers)
+
+
+# --------------------------------------------------------------------------- resources nobody counted
+async def test_get_tokenizer_is_rate_limited_per_connection(tiny):
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raw, other = await Raw.connect(peer), await Raw.connect(peer)
+        try:
+            for _ in range(peer_module.TOKENIZER_BURST):
+                assert (await raw.request("get_tokenizer"))["t"] == "tokenizer"
+            assert await raw.error("get_tokenizer") == (
+                "rate_limited", "get_tokenizer: at most 2 per connection, then one every 30 s; keep the bundle you have")
+            assert (await other.request("get_tokenizer"))["t"] == "tokenizer"  # another connection is served
+        finally:
+            await raw.close()
+            await other.close()
+        await assert_healthy(tiny, peers)
+
+
+async def test_an_idle_connection_that_holds_nothing_is_closed(tiny, monkeypatch):
+    monkeypatch.setattr(peer_module, "IDLE_LINK_TIMEOUT_S", 1.0)
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        idle, holder = await Raw.connect(peer), await Raw.connect(peer)
+        try:
+            assert (await holder.request("open", conv="kept", layers=[0, 4], max_tokens=8))["t"] == "opened"
+            assert await idle.closed_code(timeout_s=10.0) == 1000
+            assert idle.ws.close_reason == "idle"
+            await asyncio.sleep(2 * peer_module.IDLE_LINK_TIMEOUT_S)  # longer only makes this stricter
+            assert not holder.reader.done() and "kept" in peer.convs  # it holds a conversation: kept open
+        finally:
+            await idle.close()
+            await holder.close()
         await assert_healthy(tiny, peers)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import replace
 
 import msgpack
@@ -124,3 +125,78 @@ def test_mesh_key_file_option_and_environment(monkeypatch):
     monkeypatch.setenv("MESHINFER_MESH_KEY_FILE", "/keys/mesh.key")
     assert [build_parser().parse_args([cmd]).mesh_key_file for cmd in ("join", "chat", "status")] == \
         ["/keys/mesh.key"] * 3
+
+
+async def test_a_welcome_shows_a_stranger_nothing_about_other_users(tiny):
+    async with private_mesh(tiny, bounds=(0, 4)) as [peer]:
+        async with MeshClient(list(peer.addrs), mesh_key=KEY) as member:
+            conv = member.conversation(await member.plan(), max_tokens_total=64)
+            await conv.open()  # a member's reservation: 64 tokens
+            try:
+                assert peer.free_kv_tokens == peer.capacity_tokens - 64
+                welcome = (await frames(peer.addrs[0], {"t": "hello", "role": "client",
+                                                        "nonce": discovery.new_nonce()}))[0]
+                assert (welcome["advert"]["free_kv_tokens"], welcome["advert"]["rtts_ms"]) == (0, {})
+                assert discovery.verify_advert(protocol.PeerAdvert.from_wire(welcome["advert"]))
+                [listed] = [a for a in await member.refresh() if a.peer_id == peer.peer_id]
+                assert listed.free_kv_tokens == peer.capacity_tokens - 64  # members see it after auth
+            finally:
+                await conv.close()
+
+
+@contextlib.asynccontextmanager
+async def relay_to(url: str):
+    """An outsider's websocket relay on loopback that forwards every frame to ``url`` and back;
+    yields (its URL, the types of the frames the peer sent through it)."""
+    seen: list[str] = []
+
+    async def pipe(src, dst, record: bool) -> None:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            async for frame in src:
+                if record:
+                    seen.append(msgpack.unpackb(frame)["t"])
+                await dst.send(frame)
+
+    async def handler(ws) -> None:
+        async with websockets.connect(url, compression=None) as up:
+            pipes = [asyncio.ensure_future(pipe(ws, up, False)), asyncio.ensure_future(pipe(up, ws, True))]
+            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+            for task in pipes:
+                task.cancel()
+            await asyncio.gather(*pipes, return_exceptions=True)
+
+    async with websockets.serve(handler, "127.0.0.1", 0, compression=None) as server:
+        yield f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}", seen
+
+
+async def test_a_member_does_not_give_its_proof_to_a_relay(tiny):
+    async with private_mesh(tiny, bounds=(0, 4)) as [peer]:
+        async with relay_to(peer.addrs[0]) as (url, seen):
+            with pytest.raises(Unauthenticated) as caught:
+                await MeshClient([url], mesh_key=KEY).refresh()
+            assert str(caught.value) == (
+                f"no bootstrap peer answered: {url}: peer {peer.peer_id[:12]} does not list {url} among its "
+                f"addresses ({peer.addrs[0]}): a relay may be in between; dial an address it advertises (its "
+                f"--public-addr)")
+            assert seen == ["welcome"]  # no auth went through: never "authed"
+
+
+async def test_a_relayed_or_unbound_proof_is_refused_over_ws(tiny):
+    async with private_mesh(tiny, bounds=(0, 4)) as [peer]:
+        for addr in ("ws://127.0.0.1:1", None):  # a member's proof for a relay's address; an unbound one
+            async with websockets.connect(peer.addrs[0], compression=None) as ws:
+                hello_nonce = discovery.new_nonce()
+                await ws.send(msgpack.packb({"v": 1, "t": "hello", "role": "client", "nonce": hello_nonce}))
+                welcome_nonce = msgpack.unpackb(await ws.recv())["nonce"]
+                auth = discovery.auth_macs(KEY, welcome_nonce, hello_nonce, addr or "")
+                if addr is None:
+                    del auth["addr"], auth["bound_mac"]
+                await ws.send(msgpack.packb({"v": 1, "t": "auth", **auth}))
+                reply = msgpack.unpackb(await ws.recv())
+                assert (reply["t"], reply["code"]) == ("error", "unauthenticated")
+                assert reply["message"] == (
+                    f"auth: the mesh-key proof was made for ws://127.0.0.1:1, not for this peer ({peer.addrs[0]}): "
+                    f"a relay is in between" if addr else
+                    "auth: over ws:// a private mesh needs a proof bound to the address dialed (field 'addr'); "
+                    "update meshinfer, or serve wss://")
+        assert not peer.convs and not peer.links
