@@ -154,6 +154,7 @@ class Auditor:
         self.verified: dict[tuple[str, LayerRange], int] = {}
         self.emitted: dict[int, int] = {}
         self.checks = 0
+        self.disputes: dict[str, set[str]] = {}  # peer id -> peers whose recomputation it contradicted
 
     def mark(self, hop) -> int:
         """Leading positions of ``hop``'s output already checked."""
@@ -163,6 +164,16 @@ class Auditor:
         """Positions ``>= length`` were dropped: their checks and tokens no longer hold."""
         self.verified = {k: min(v, length) for k, v in self.verified.items()}
         self.emitted = {p: t for p, t in self.emitted.items() if p < length}
+
+    def dispute(self, a: str, b: str) -> None:
+        """Record that peers ``a`` and ``b`` disagreed on a recomputation with nobody to settle it."""
+        self.disputes.setdefault(a, set()).add(b)
+        self.disputes.setdefault(b, set()).add(a)
+
+    def disputed_by(self, peer_id: str, banned: frozenset[str] = frozenset()) -> list[str]:
+        """Peers (sorted, ``banned`` ones left out: a convicted liar's word no longer counts)
+        that ``peer_id`` disagreed with."""
+        return sorted(p for p in self.disputes.get(peer_id, ()) if p not in banned)
 
     def hops_to_check(self, hops, *, after_prefill: bool) -> list[int]:
         """Indices of the hops to check now: all after a prefill, else one with probability ``rate``."""
@@ -257,16 +268,27 @@ async def _verify(client, checker, hop, a: int, b: int, inputs: dict, width: int
 
 async def _second_opinion(conv, hop, checker, others: list, a: int, b: int, inputs: dict, claimed,
                           accusation: LyingPeer) -> None:
-    """A checker disagreed with ``hop``: ask a third peer, when one serves those layers, before
-    anyone is blamed, so that one lying checker cannot get an honest hop banned.
+    """A checker disagreed with ``hop``: nobody is blamed on one peer's word, so that one lying
+    checker cannot get an honest hop banned. A third peer that serves those layers recomputes
+    and settles it; with none, a peer that has now contradicted two different peers is blamed,
+    and otherwise the dispute is recorded and nobody is.
 
     Raises:
-        LyingPeer: the third peer agrees with the checker (``suspect``: ``hop``), or with the
-            hop (``suspect``: the checker, which lied about its recomputation); with no third
-            peer, ``accusation`` (the checker's word is taken: see docs/security.md).
+        LyingPeer: the third peer agrees with the checker (``suspect``: ``hop``) or with the
+            hop (``suspect``: the checker, which lied about its recomputation); or, with no
+            third peer, the side of the dispute that disputes with another peer too.
+        MeshError: an undecided dispute (the hop stays unverified).
     """
     if not others:
-        raise accusation
+        conv.audit.dispute(hop.peer_id, checker.peer_id)
+        banned = conv.client.backed_off()
+        if len(conv.audit.disputed_by(hop.peer_id, banned)) > 1:
+            raise accusation
+        if len(against := conv.audit.disputed_by(checker.peer_id, banned)) > 1:
+            raise LyingPeer(f"spot-check: peer {checker.peer_id[:12]} contradicts the output of {len(against)} "
+                            f"different peers, peer {hop.peer_id[:12]} among them", suspect=checker.peer_id)
+        raise MeshError(f"peers {hop.peer_id[:12]} and {checker.peer_id[:12]} disagree on layers "
+                        f"{hop.layers.cli()} and no third peer serves them to settle it")
     referee = conv.audit.rng.choice(others)
     got = await _verify(conv.client, referee, hop, a, b, inputs, None if claimed is None else claimed.shape[-1])
     try:

@@ -532,6 +532,8 @@ def _stats_line(r) -> str:
     speed = f", {r.decode_tokens_per_s:.1f} tok/s" if n > 1 else ""
     failover = f", {len(r.failovers)} failover(s)" if getattr(r, "failovers", None) else ""
     liars = f", {len(r.detections)} lying peer(s) excluded" if getattr(r, "detections", None) else ""
+    unverified = getattr(r, "unverified", None) or []
+    liars += "".join(f"; UNVERIFIED: peer {u['peer'][:12]} (layers {u['layers']}): {u['reason']}" for u in unverified)
     spec = getattr(r, "speculative", None) or {}
     drafts = f", drafts {spec['accepted']}/{spec['proposed']} accepted" if spec.get("proposed") else ""
     return (f"[{n} token{'s' if n != 1 else ''}, TTFT {r.ttft_ms:.0f} ms{speed}{drafts}{failover}{liars}, "

@@ -173,6 +173,8 @@ def plan_route(
     exclude: Set[str] = frozenset(),
     min_free_kv_tokens: int = 0,
     allow_revisit: bool = False,
+    checkable: bool = False,
+    trusted: Set[str] = frozenset(),
 ) -> Route:
     """Return the lowest-latency chain of compatible ready peers covering ``[0, L)``.
 
@@ -185,6 +187,12 @@ def plan_route(
         exclude: peer ids never to use (hops that failed, for failover).
         min_free_kv_tokens: skip peers whose ``free_kv_tokens`` is below this; 0 skips none.
         allow_revisit: let one peer serve two non-adjacent hops (see the module docstring).
+        checkable: prefer a route whose every hop can be spot-checked: each hop runs layers
+            that another usable peer of the group also serves whole (:func:`_checkable_windows`),
+            unless its peer is in ``trusted``. The fastest such route wins over any faster
+            route with a hop nobody can check; when no such route exists, the preference is
+            dropped (see docs/security.md).
+        trusted: peer ids whose hops need no check (``--allow-keys``).
 
     Raises:
         NoRoute: no group's usable peers cover every layer. The message names the missing
@@ -197,7 +205,8 @@ def plan_route(
     if not groups:
         raise NoRoute(_empty_table_message(num_layers, compat_key))
     statuses = [
-        _plan_group(key, members, client_rtts_ms, exclude, min_free_kv_tokens, allow_revisit, groups)
+        _plan_group(key, members, client_rtts_ms, exclude, min_free_kv_tokens, allow_revisit, groups,
+                    trusted=trusted if checkable else None)
         for key, members in groups.items()
     ]
     routes = [s.route for s in statuses if s.route is not None]
@@ -356,18 +365,47 @@ def _plan_group(
     min_free_kv_tokens: int,
     allow_revisit: bool,
     groups: Mapping[CompatKey, object],
+    *,
+    trusted: Set[str] | None = None,
 ) -> GroupStatus:
-    """Plan within one compat-key group. ``members`` are sorted by peer id."""
+    """Plan within one compat-key group. ``members`` are sorted by peer id. With ``trusted``
+    (not None), plan over checkable windows first (see :func:`plan_route`)."""
     usable = [p for p in members if _unusable_reason(p, exclude, min_free_kv_tokens) is None]
     missing = _missing_layers(usable, key[3])
     route = None
     if not missing:
         graph = _build_graph(usable, key[3], client_rtts_ms)
-        found = _search(graph)
+        windows = tuple((p.layers,) for p in usable)
+        found = None
+        if trusted is not None:
+            checkable = _checkable_windows(usable, trusted)
+            found = _search(graph.with_windows(checkable))
+            if found is not None:
+                graph, windows = graph.with_windows(checkable), checkable
+        if found is None:
+            found = _search(graph)
         assert found is not None, "every layer is covered, so a chain exists"
-        seq = found[1] if allow_revisit else _search_without_revisits(graph, found)
+        seq = found[1] if allow_revisit else _search_without_revisits(graph, found, windows)
         route = _to_route(graph, seq, key, client_rtts_ms)
     return GroupStatus(key, compat_label(key, groups), len(members), len(usable), route, missing)
+
+
+def _checkable_windows(usable: Sequence[PeerAdvert], trusted: Set[str]) -> _Windows:
+    """Per peer, the widest windows of its layers that another usable peer serves whole (the
+    overlaps of its range with each other peer's, none inside another), so that a hop within
+    one can be spot-checked there; a trusted peer keeps its whole range."""
+    out = []
+    for p in usable:
+        if p.peer_id in trusted:
+            out.append((p.layers,))
+            continue
+        overlaps = {LayerRange(max(p.layers.start, q.layers.start), min(p.layers.stop, q.layers.stop))
+                    for q in usable if q.peer_id != p.peer_id
+                    and max(p.layers.start, q.layers.start) < min(p.layers.stop, q.layers.stop)}
+        widest = [w for w in overlaps if not any(o != w and o.start <= w.start and w.stop <= o.stop
+                                                  for o in overlaps)]
+        out.append(tuple(sorted(widest, key=lambda w: (w.start, w.stop))))
+    return tuple(out)
 
 
 def _route_order(route: Route) -> tuple:
@@ -474,10 +512,10 @@ def _hop_key(g: _Graph, node: int, start: int) -> _HopKey:
     return (-g.peers[p].free_kv_tokens, g.peers[p].peer_id, start, p)
 
 
-def _search_without_revisits(g: _Graph, relaxed: _Found) -> tuple[_HopKey, ...]:
+def _search_without_revisits(g: _Graph, relaxed: _Found, windows: _Windows) -> tuple[_HopKey, ...]:
     """The best chain in which no peer serves two hops, by best-first branch and bound.
 
-    ``relaxed`` is :func:`_search`'s answer on ``g``. Each node of the tree narrows the
+    ``relaxed`` is :func:`_search`'s answer on ``g``, whose nodes are ``windows``. Each node of the tree narrows the
     peers' windows, and its relaxed optimum bounds from below every chain without
     revisits inside it. When a node's optimum re-enters peer p (it leaves p at layer b1
     and enters it again at layer a2), every chain without revisits falls in one of three
@@ -489,7 +527,7 @@ def _search_without_revisits(g: _Graph, relaxed: _Found) -> tuple[_HopKey, ...]:
     without revisits seen so far is taken, or else :func:`_greedy_chain`.
     """
     order = itertools.count()
-    tree = [(_label(relaxed), next(order), tuple((p.layers,) for p in g.peers), relaxed)]
+    tree = [(_label(relaxed), next(order), windows, relaxed)]
     searches = 0
     while tree and searches < MAX_REVISIT_BRANCHES:
         _, _, windows, found = heapq.heappop(tree)

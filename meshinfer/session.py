@@ -69,12 +69,14 @@ class HopStats:
 @dataclass
 class ChatResult(Generation):
     """What ``meshinfer chat --json`` prints: a :class:`Generation` plus the route, failovers and
-    lying hops detected (``detections``: peer, reason, tokens kept after the rollback) and
+    lying hops detected (``detections``: peer, reason, tokens kept after the rollback), hops
+    whose output nothing verified (``unverified``: peer, layers, reason) and
     speculation counters (``{proposed, accepted, steps, draft_tokens, acceptance}``; empty when off)."""
 
     route: list[dict] = field(default_factory=list)
     failovers: list[dict] = field(default_factory=list)
     detections: list[dict] = field(default_factory=list)
+    unverified: list[dict] = field(default_factory=list)
     speculative: dict = field(default_factory=dict)
 
 
@@ -288,7 +290,9 @@ class MeshClient:
                    compat_key=None) -> Route:
         """Refresh the table, probe RTTs and plan the fastest complete route.
 
-        Unreachable peers and peers inside their failure backoff are excluded.
+        Unreachable peers and peers inside their failure backoff are excluded. With
+        spot-checks on (``spot_check_rate`` > 0), a route whose every hop another peer can
+        check is preferred (peers on ``allow_ids`` need none; see ``routing.plan_route``).
         Raises :class:`NoRoute` naming what is missing.
         """
         await self.refresh()
@@ -298,7 +302,8 @@ class MeshClient:
         try:
             return plan_route(reachable, client_rtts_ms=self.rtts_ms, compat_key=compat_key,
                               exclude=frozenset(exclude) | unreachable | self.backed_off(),
-                              min_free_kv_tokens=min_free_kv_tokens)
+                              min_free_kv_tokens=min_free_kv_tokens, checkable=self.spot_check_rate > 0,
+                              trusted=self.allow_ids or frozenset())
         except NoRoute as exc:
             if not self.not_allowed:
                 raise
@@ -746,8 +751,32 @@ class Conversation:
         result.route = self.hop_stats()
         result.failovers = list(self.failovers)
         result.detections = list(self.detections)
+        result.unverified = self.unverified_hops()
         result.speculative = spec.to_dict() if spec else {}
         return result
+
+    def unverified_hops(self) -> list[dict]:
+        """Hops of the current route whose output no spot-check has verified, each with why:
+        ``{"peer", "layers", "reason"}`` (no other peer serves its layers, spot-checks are off,
+        sampled tokens, or not checked yet). Peers on the client's ``allow_ids`` are trusted."""
+        out = []
+        trusted = self.client.allow_ids or frozenset()
+        for i, hop in enumerate(self.route.hops):
+            if hop.peer_id in trusted or self.audit.mark(hop) > 0:
+                continue
+            disputed = self.audit.disputed_by(hop.peer_id, self.client.backed_off())
+            if disputed:
+                why = f"peer {disputed[0][:12]} disagrees with its output and no third peer can settle it"
+            elif not audit.alternates(self.client, self.route, hop):
+                why = "no other peer serves these layers, so nothing can check them"
+            elif self.audit.rate <= 0:
+                why = "spot-checks are off"
+            elif i == len(self.route.hops) - 1 and self.sampling is not None:
+                why = "sampled tokens are not checked"
+            else:
+                why = "not checked yet"
+            out.append({"peer": hop.peer_id, "layers": hop.layers.cli(), "reason": why})
+        return out
 
     async def _decode_step(self, result: ChatResult, history: list[int], remaining: int,
                            spec: SpecStats | None) -> tuple[list[int], list]:

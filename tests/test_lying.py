@@ -8,6 +8,7 @@ caught, failover plans freely and finds the twin.
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -62,13 +63,13 @@ def noise(relative: float, *, from_position: int = 0):
 
 
 async def run_with_liar(tiny, *, lie_shard=None, lie_compute=None, rate=audit.DEFAULT_SPOT_CHECK_RATE, seed=0):
-    """Generate N_TOKENS through a route forced through the liar; (result, conversation, liar, twin)."""
+    """Generate N_TOKENS through a route forced through the liar; (result, conversation, liar, twins)."""
     path, digest, tok, ids, _ = tiny
     shard = lambda a, b: load_shard(path, LayerRange(a, b))  # noqa: E731
     first = await start_peer(shard(0, 1), weights_hash=digest, bundle=tok.to_bundle())
     peers = [first] + [await start_peer(shard(a, b), weights_hash=digest, bootstrap=first.addrs)
-                       for a, b in ((1, 3), (1, 3), (3, 4))]
-    twin, liar = peers[1], peers[2]
+                       for a, b in ((1, 3), (1, 3), (1, 3), (3, 4))]
+    twins, liar = (peers[1], peers[2]), peers[3]  # two honest twins: a dispute needs a third opinion
     if lie_shard is not None:
         liar.shard = LyingShard(liar.shard, lie_shard)
     if lie_compute is not None:
@@ -77,43 +78,43 @@ async def run_with_liar(tiny, *, lie_shard=None, lie_compute=None, rate=audit.DE
     try:
         await wait_for_tables(peers)
         async with MeshClient(list(first.addrs)) as client:
-            route = await client.plan(exclude=frozenset({twin.peer_id}))
+            route = await client.plan(exclude=frozenset(t.peer_id for t in twins))
             assert liar.peer_id in route.peer_ids
             conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, spot_check_rate=rate,
                                        spot_check_seed=seed)
             out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
             await conv.close()
             assert liar.peer_id in client.backed_off()
-            return out, conv, liar, twin
+            return out, conv, liar, twins
     finally:
         for p in peers:
             await p.close()
 
 
-def assert_caught(out, conv, liar, twin, expected, reason: str):
+def assert_caught(out, conv, liar, twins, expected, reason: str):
     print("detections:", out.detections)
     assert out.token_ids == expected
     assert [d["peer"] for d in out.detections] == [liar.peer_id]
     assert reason in out.detections[0]["reason"]
-    assert liar.peer_id not in conv.route.peer_ids and twin.peer_id in conv.route.peer_ids
+    assert liar.peer_id not in conv.route.peer_ids and any(t.peer_id in conv.route.peer_ids for t in twins)
 
 
 async def test_a_peer_that_skips_a_layer_is_caught_by_the_spot_check(tiny):
-    out, conv, liar, twin = await run_with_liar(tiny, lie_shard=skip_last_layer)
-    assert_caught(out, conv, liar, twin, tiny[4], "spot-check")
+    out, conv, liar, twins = await run_with_liar(tiny, lie_shard=skip_last_layer)
+    assert_caught(out, conv, liar, twins, tiny[4], "spot-check")
     assert out.detections[0]["kept_tokens"] == len(tiny[3])  # nothing was verified: back to the prompt
 
 
 async def test_a_peer_adding_one_percent_noise_is_caught_by_the_spot_check(tiny):
-    out, conv, liar, twin = await run_with_liar(tiny, lie_shard=noise(1e-2))
-    assert_caught(out, conv, liar, twin, tiny[4], "relative L2")
+    out, conv, liar, twins = await run_with_liar(tiny, lie_shard=noise(1e-2))
+    assert_caught(out, conv, liar, twins, tiny[4], "relative L2")
 
 
 async def test_a_peer_that_starts_lying_mid_generation_is_rolled_back(tiny):
     n_prompt = len(tiny[3])
-    out, conv, liar, twin = await run_with_liar(tiny, lie_shard=noise(1.0, from_position=n_prompt + 3),
+    out, conv, liar, twins = await run_with_liar(tiny, lie_shard=noise(1.0, from_position=n_prompt + 3),
                                                 rate=1.0, seed=3)
-    assert_caught(out, conv, liar, twin, tiny[4], "spot-check")
+    assert_caught(out, conv, liar, twins, tiny[4], "spot-check")
     kept = out.detections[0]["kept_tokens"]
     assert n_prompt <= kept <= n_prompt + 4  # rolled back to the liar's last verified position
 
@@ -121,18 +122,18 @@ async def test_a_peer_that_starts_lying_mid_generation_is_rolled_back(tiny):
 async def test_a_peer_that_logs_honestly_but_sends_noise_is_caught_by_the_next_hops_digests(tiny):
     def send_noise(out):  # the hop's log (for spot-checks) keeps the honest output
         return out + 1e-2 * out.pow(2).mean(-1, keepdim=True).sqrt() * torch.randn(out.shape)
-    out, conv, liar, twin = await run_with_liar(tiny, lie_compute=send_noise)
-    assert_caught(out, conv, liar, twin, tiny[4], "differs from what peer")
+    out, conv, liar, twins = await run_with_liar(tiny, lie_compute=send_noise)
+    assert_caught(out, conv, liar, twins, tiny[4], "differs from what peer")
 
 
 async def test_garbage_norms_are_caught_by_the_next_hop(tiny):
-    out, conv, liar, twin = await run_with_liar(tiny, lie_compute=lambda out: out * 1e7)
-    assert_caught(out, conv, liar, twin, tiny[4], "outside the plausible band")
+    out, conv, liar, twins = await run_with_liar(tiny, lie_compute=lambda out: out * 1e7)
+    assert_caught(out, conv, liar, twins, tiny[4], "outside the plausible band")
 
 
 async def test_an_extra_position_is_caught_by_the_position_count(tiny):
-    out, conv, liar, twin = await run_with_liar(tiny, lie_compute=lambda out: torch.cat([out, out[:, -1:]], 1))
-    assert_caught(out, conv, liar, twin, tiny[4], "positions after the step")
+    out, conv, liar, twins = await run_with_liar(tiny, lie_compute=lambda out: torch.cat([out, out[:, -1:]], 1))
+    assert_caught(out, conv, liar, twins, tiny[4], "positions after the step")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
@@ -186,7 +187,8 @@ def test_relative_error_and_tolerance():
 
 @pytest.mark.realmodel
 async def test_default_model_liar_is_caught_and_output_is_exact():
-    """2 honest peers + 1 liar with the same range as one of them (layers 0-11, 1% noise)."""
+    """3 honest peers + 1 liar with the same range as two of them (layers 0-11, 1% noise): the
+    second honest twin settles the dispute between the liar and the first."""
     from conftest import model_path
     from meshkit import file_hash
     from realmodels import DEFAULT, load_cases, shard_of
@@ -200,12 +202,14 @@ async def test_default_model_liar_is_caught_and_output_is_exact():
     liar = await start_peer(shard_of(DEFAULT, 0, 12), weights_hash=digest, bundle=tok.to_bundle(),
                             bootstrap=honest.addrs)
     last = await start_peer(shard_of(DEFAULT, 12, 24), weights_hash=digest, bootstrap=honest.addrs)
+    referee = await start_peer(shard_of(DEFAULT, 0, 12), weights_hash=digest, bundle=tok.to_bundle(),
+                               bootstrap=honest.addrs)
     liar.shard = LyingShard(liar.shard, noise(1e-2))
-    peers = [honest, liar, last]
+    peers = [honest, liar, last, referee]
     try:
         await wait_for_tables(peers)
         async with MeshClient(list(honest.addrs)) as client:
-            route = await client.plan(exclude=frozenset({honest.peer_id}))
+            route = await client.plan(exclude=frozenset({honest.peer_id, referee.peer_id}))
             conv = client.conversation(route, max_tokens_total=len(ids) + n)
             out = await conv.generate(ids, max_tokens=n, eos_ids=())
             await conv.close()
@@ -216,7 +220,7 @@ async def test_default_model_liar_is_caught_and_output_is_exact():
     assert out.token_ids == case["greedy_ids"][:n]
     assert [d["peer"] for d in out.detections] == [liar.peer_id]
     assert "relative L2" in out.detections[0]["reason"]
-    assert conv.route.peer_ids == (honest.peer_id, last.peer_id)
+    assert conv.route.peer_ids in ((honest.peer_id, last.peer_id), (referee.peer_id, last.peer_id))
 
 
 async def test_verify_and_get_log_requests_are_bounded_and_exact(tiny):
@@ -284,6 +288,56 @@ async def test_a_checker_that_lies_in_verify_is_outvoted_and_the_hop_stays(tiny)
             assert conv.route.peer_ids == (first.peer_id, a.peer_id, last.peer_id) and out.failovers == []
             assert [d["peer"] for d in out.detections] == [b.peer_id]
             assert "that peer" in out.detections[0]["reason"] and "contradict" in out.detections[0]["reason"]
+    finally:
+        for p in peers:
+            await p.close()
+
+
+async def test_a_lone_peer_advertising_every_layer_at_no_cost_is_checked_and_caught(tiny):
+    """The liar serves all 4 layers, adds noise, and advertises 0 ms of compute, so the fastest
+    route is the liar alone, which no peer could check. The planner prefers a route whose hops
+    another peer serves whole: the liar gets half the layers, a spot-check catches it, and the
+    tokens are the honest ones."""
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 2), (2, 4), (0, 4)])
+    a, b, liar = peers
+    liar.shard = LyingShard(liar.shard, noise(1.0))  # its verify answers lie too
+    liar.compute_ms_per_token = 0.0  # its next adverts say so
+    try:
+        async with asyncio.timeout(10):
+            while any(p.compute_ms_per_token for p in a.table.adverts() if p.peer_id == liar.peer_id):
+                await asyncio.sleep(0.05)
+        async with MeshClient(list(a.addrs)) as client:
+            route = await client.plan()
+            assert liar.peer_id in route.peer_ids and len(route.hops) == 2
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, spot_check_rate=1.0)
+            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            await conv.close()
+            assert out.token_ids == expected
+            assert [d["peer"] for d in out.detections] == [liar.peer_id]  # it contradicted both a and b
+            assert conv.route.peer_ids == (a.peer_id, b.peer_id) and liar.peer_id in client.backed_off()
+            assert not {a.peer_id, b.peer_id} & client.backed_off()
+            assert out.unverified == [  # no twin left for either hop: the result says so
+                {"peer": h.peer_id, "layers": h.layers.cli(), "reason": "no other peer serves these layers, "
+                 "so nothing can check them"} for h in conv.route.hops]
+    finally:
+        for p in peers:
+            await p.close()
+
+
+async def test_a_reply_with_every_hop_checked_reports_nothing_unverified(tiny):
+    ids = tiny[3]
+    peers = await start_lying_mesh(tiny, [(0, 2), (0, 2), (2, 4), (2, 4)])
+    try:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            conv = client.conversation(await client.plan(), max_tokens_total=len(ids) + 4)
+            out = await conv.generate(ids, max_tokens=4, eos_ids=())
+            assert out.unverified == []
+            unchecked = client.conversation(conv.route, max_tokens_total=len(ids) + 4, spot_check_rate=0.0)
+            out = await unchecked.generate(ids, max_tokens=4, eos_ids=())
+            assert [u["reason"] for u in out.unverified] == ["spot-checks are off"] * 2
+            await conv.close()
+            await unchecked.close()
     finally:
         for p in peers:
             await p.close()

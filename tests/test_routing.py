@@ -510,3 +510,23 @@ def test_larger_table_plans_quickly():
     peers.append(peer("head", 0, 79, num_layers=80, compute_ms=400.0))
     route = plan_route(peers, client_rtts_ms={p.peer_id: float(rng.randint(1, 60)) for p in peers})
     assert_valid_route(route, 80)
+
+
+def test_a_checkable_route_beats_a_faster_one_nobody_can_check():
+    """A lone peer advertising every layer at 0 ms would take every route alone; with
+    checkable=True each hop runs layers another peer serves whole, so a spot-check can catch it."""
+    liar, a, b = peer("liar", 0, 23, compute_ms=0.0), peer("a", 0, 11), peer("b", 12, 23)
+    rtts = {"liar": 1.0, "a": 1.0, "b": 1.0}
+    assert chain(plan_route([liar, a, b], client_rtts_ms=rtts)) == [("liar", "0-23")]
+    route = plan_route([liar, a, b], client_rtts_ms=rtts, checkable=True)
+    assert_valid_route(route, 24)
+    assert all(any(q.peer_id != h.peer_id and q.layers.start <= h.layers.start and h.layers.stop <= q.layers.stop
+                   for q in (liar, a, b)) for h in route.hops)
+    assert chain(route) in ([("liar", "0-11"), ("b", "12-23")], [("a", "0-11"), ("liar", "12-23")])
+    assert chain(plan_route([liar, a, b], client_rtts_ms=rtts, checkable=True, trusted={"liar"})) == \
+        [("liar", "0-23")]  # a trusted (allowlisted) peer needs no check
+
+
+def test_checkable_planning_falls_back_when_no_route_can_be_checked():
+    a, b = peer("a", 0, 11), peer("b", 12, 23)  # no twins at all
+    assert chain(plan_route([a, b], client_rtts_ms={}, checkable=True)) == [("a", "0-11"), ("b", "12-23")]
