@@ -327,6 +327,14 @@ def _completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
+def _trust(result) -> dict:
+    """The ``meshinfer`` extension of a completion: lying peers excluded while answering
+    (``detections``) and hops of the final route that no spot-check verified (``unverified``:
+    peer, layers, reason). See docs/security.md."""
+    return {"detections": [{"peer": d["peer"], "reason": d["reason"]} for d in result.detections],
+            "unverified": list(result.unverified)}
+
+
 def _usage(result) -> dict:
     n_prompt, n_out = len(result.prompt_ids), len(result.token_ids)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
@@ -467,7 +475,7 @@ class ApiServer:
             await conv.close()  # also when cancelled: the client went away
         return web.json_response(dict(head, object="chat.completion", choices=[{
             "index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
-            "finish_reason": result.finish_reason}], usage=_usage(result)))
+            "finish_reason": result.finish_reason}], usage=_usage(result), meshinfer=_trust(result)))
 
     async def _open(self, conv: Conversation, n_prompt: int, max_tokens: int) -> None:
         """Open ``conv`` on every hop (reserving prompt + ``max_tokens`` of KV cache).
@@ -523,7 +531,7 @@ class ApiServer:
                 log.exception("completion %s failed", head["id"])
                 await send(ApiError(500, "internal server error (see the server log)", type="server_error").body())
             else:
-                await send(chunk({}, result.finish_reason))
+                await send(dict(chunk({}, result.finish_reason), meshinfer=_trust(result)))
                 if req.include_usage:
                     await send(dict(head, object="chat.completion.chunk", choices=[], usage=_usage(result)))
             await send("[DONE]")

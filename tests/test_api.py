@@ -114,6 +114,19 @@ async def test_greedy_text_and_usage_match_the_session_path(tiny):
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices == []
 
 
+async def test_a_reply_says_which_hops_nobody_verified(tiny):
+    """Two hops and no twin for either: the answer is marked unverified, in both modes."""
+    _, digest, tok, _ = tiny
+    async with tiny_api(tiny) as (peers, server, api):
+        status, body = await raw_post(server, {"model": model_id(digest), "messages": MESSAGES, "max_tokens": 3})
+        _, _, _, chunks = await streamed(api, model=model_id(digest), messages=MESSAGES, max_tokens=3)
+    why = "no other peer serves these layers, so nothing can check them"
+    assert status == 200 and body["meshinfer"] == {"detections": [], "unverified": [
+        {"peer": peers[0].peer_id, "layers": "0-1", "reason": why},
+        {"peer": peers[1].peer_id, "layers": "2-3", "reason": why}]}
+    assert chunks[-1].choices[0].finish_reason and chunks[-1].model_extra["meshinfer"] == body["meshinfer"]
+
+
 async def test_models_are_listed_by_their_stable_id(tiny):
     _, digest, _, _ = tiny
     async with tiny_api(tiny) as (peers, server, api):
