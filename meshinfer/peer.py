@@ -50,6 +50,10 @@ IDLE_LINK_TIMEOUT_S = 120.0
 TOKENIZER_BURST, TOKENIZER_EVERY_S = 2, 30.0
 #: Steps queued per conversation before new ones are refused (flow control).
 MAX_QUEUED_STEPS = 64
+#: Most bytes of hidden states queued for the device over all conversations: 128 steps of
+#: 512 tokens of the default model (1.8 MB each). Beyond it a step is refused (rate_limited),
+#: so a previous hop that floods queues cannot grow the peer's memory without bound.
+MAX_QUEUED_BYTES = 256 << 20
 #: Most conversations one client connection may hold open at once.
 MAX_CONVERSATIONS_PER_LINK = 64
 #: Frame overhead allowed beyond the largest hidden-state payload, bytes.
@@ -142,11 +146,14 @@ class ClientLimits:
         conversations: conversations open at once, all its connections together.
         steps_per_s: step frames per second, sustained (token bucket, bursts of 2 s).
         bytes_per_s: frame bytes per second, sustained (token bucket, bursts of 2 s).
+        kv_share: share of the peer's KV capacity (tokens) the host's open conversations may
+            reserve together, so that one host cannot reserve all of it and send nothing.
     """
 
     conversations: int = 64
     steps_per_s: float = 200.0
     bytes_per_s: float = 32 * 2 ** 20
+    kv_share: float = 0.5
 
 
 class _Bucket:
@@ -218,6 +225,7 @@ class Peer:
         self._tasks: set[asyncio.Task] = set()
         self._seq = discovery.first_seq()  # newer than any advert of this key's previous runs
         self._reserved_tokens = 0
+        self._queued_bytes = 0  # hidden states of steps waiting in conversation queues
         self._server = None
         self.addrs: tuple[str, ...] = ()
         self.tls_fingerprint = ""  # SHA-256 hex of the certificate served, once started with TLS
@@ -730,6 +738,7 @@ class Peer:
         if tokens > self.free_kv_tokens:
             raise CacheFull(f"conversation needs {tokens} tokens of KV cache; this peer has "
                             f"{self.free_kv_tokens} free of {self.capacity_tokens}")
+        self._check_host_reservation(host, tokens)
         prev_id, next_id, next_addrs = self._neighbours(f, run)
         cache = KVCache(run, self.cfg.num_key_value_heads, self.cfg.head_dim, dtype=self.shard.dtype,
                         device=self.shard.device, max_tokens=tokens)
@@ -742,6 +751,16 @@ class Peer:
         log.info("opened conversation %s: layers %s, %d tokens reserved", conv_id, run.cli(), tokens,
                  extra=context(conv=conv_id, peer=self.peer_id))
         await link.send("opened", re=rid, conv=conv_id, free_kv_tokens=self.free_kv_tokens)
+
+    def _check_host_reservation(self, host: str, tokens: int) -> None:
+        """Raise :class:`RateLimited` when ``host``'s open conversations plus ``tokens`` would
+        reserve more than ``client_limits.kv_share`` of this peer's KV capacity."""
+        limit = int(self.capacity_tokens * self.settings.client_limits.kv_share)
+        held = sum(c.reserved_tokens for c in self.convs.values() if _client_host(c.owner) == host)
+        if held + tokens > limit:
+            raise RateLimited(f"client {host} holds {held} tokens of KV cache on this peer; {tokens} more would "
+                              f"pass its limit of {limit} ({self.settings.client_limits.kv_share:.0%} of "
+                              f"{self.capacity_tokens})")
 
     def _neighbours(self, f, run: LayerRange) -> tuple[str | None, str | None, tuple[str, ...]]:
         """``prev`` and ``next`` of an open/reroute frame, checked against the hop's position."""
@@ -794,6 +813,9 @@ class Peer:
         if start != conv.expected_start and not (rollback and start < conv.expected_start):
             raise PositionError(f"step {seq} starts at position {start}; conversation {conv.conv_id} "
                                 f"expects position {conv.expected_start}")
+        if rollback and conv.expected_start - start >= protocol.MAX_VERIFY_TOKENS:
+            raise PositionError(f"step {seq} rolls back {conv.expected_start - start} positions; a rollback drops "
+                                f"the rejected drafts of one step, fewer than {protocol.MAX_VERIFY_TOKENS}")
         if start + x.shape[1] > conv.reserved_tokens:
             raise CacheFull(f"step {seq} would grow the conversation to {start + x.shape[1]} tokens; "
                             f"it reserved {conv.reserved_tokens}")
@@ -883,10 +905,22 @@ class Peer:
         await link.send("verified", re=f.get("id", int, None), **reply)
 
     def _enqueue(self, conv: _Conv, item: tuple) -> None:
+        """Queue a step for ``conv``'s worker. Its hidden states count against
+        :data:`MAX_QUEUED_BYTES` (all conversations) until the worker takes it.
+
+        Raises:
+            CacheFull: the conversation has :data:`MAX_QUEUED_STEPS` steps queued.
+            RateLimited: the peer holds :data:`MAX_QUEUED_BYTES` of queued hidden states.
+        """
+        size = item[2].nbytes if isinstance(item[2], torch.Tensor) else 0
+        if size and self._queued_bytes + size > MAX_QUEUED_BYTES:
+            raise RateLimited(f"peer {self.peer_id[:12]} holds {self._queued_bytes} bytes of queued steps; "
+                              f"{size} more would pass {MAX_QUEUED_BYTES}")
         try:
             conv.queue.put_nowait(item)
         except asyncio.QueueFull:
             raise CacheFull(f"conversation {conv.conv_id} has {MAX_QUEUED_STEPS} steps queued") from None
+        self._queued_bytes += size
         conv.last_active = time.monotonic()
 
     async def _on_truncate(self, link: Link, f) -> None:
@@ -948,6 +982,7 @@ class Peer:
     async def _conv_worker(self, conv: _Conv) -> None:
         while True:
             seq, start, x, want, trace, t_recv, replay, sampling, *rest = await conv.queue.get()
+            self._queued_bytes -= x.nbytes if isinstance(x, torch.Tensor) else 0
             try:
                 t0 = time.perf_counter()
                 if isinstance(x, int):  # a replayed step this hop holds: resend what it sent then
@@ -1034,6 +1069,9 @@ class Peer:
         if conv.task is not None and conv.task is not asyncio.current_task():
             conv.task.cancel()
             await asyncio.gather(conv.task, return_exceptions=True)
+        while not conv.queue.empty():  # steps it will never run no longer count as queued
+            x = conv.queue.get_nowait()[2]
+            self._queued_bytes -= x.nbytes if isinstance(x, torch.Tensor) else 0
         await self.executor.run(conv.cache.free)
         if conv.sent is not None:
             conv.sent.free()

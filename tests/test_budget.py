@@ -9,6 +9,7 @@ import pytest
 from meshkit import mesh, start_peer, tiny_model, wait_for_tables
 from meshinfer.config import LayerRange
 from meshinfer.errors import CacheFull, ContextOverflow
+from meshinfer.peer import ClientLimits
 from meshinfer.generate import greedy_generate, load_shard
 from meshinfer.session import MeshClient
 
@@ -27,7 +28,8 @@ async def test_full_budget_is_refused_and_the_next_conversation_goes_elsewhere(t
     per_token = 2 * 2 * 2 * 8 * 4 + 4 * 32  # K+V of layers 2-3 is on the last hop; hop 1 also logs C floats
     first = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=tok.to_bundle())
     small = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=first.addrs,
-                             kv_budget_bytes=150 * 2 * 2 * 2 * 8 * 4)  # 150 tokens
+                             kv_budget_bytes=150 * 2 * 2 * 2 * 8 * 4,  # 150 tokens, all for one host
+                             client_limits=ClientLimits(kv_share=1.0))
     big = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=first.addrs,
                            kv_budget_bytes=10_000 * per_token)
     try:
@@ -62,7 +64,8 @@ async def test_a_full_peer_with_no_other_route_is_reported_as_full(tiny):
     path, digest, tok, _ = tiny
     first = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=tok.to_bundle())
     small = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=first.addrs,
-                             kv_budget_bytes=150 * 2 * 2 * 2 * 8 * 4)  # 150 tokens
+                             kv_budget_bytes=150 * 2 * 2 * 2 * 8 * 4,  # 150 tokens, all for one host
+                             client_limits=ClientLimits(kv_share=1.0))
     try:
         await wait_for_tables([first, small])
         async with MeshClient(list(first.addrs)) as client:

@@ -10,6 +10,7 @@ conversations and tasks back at baseline.
 from __future__ import annotations
 
 import asyncio
+import threading
 import contextlib
 import itertools
 import math
@@ -503,7 +504,8 @@ async def test_open_with_bad_fields_is_refused_and_allocates_nothing(tiny):
 
 
 async def test_open_beyond_the_kv_budget_is_refused(tiny):
-    async with serving(tiny, kv_budget_bytes=100 * 512) as peers:  # 512 bytes of KV per token
+    # one host may take it all here (kv_share=1.0): the per-host share has its own test
+    async with serving(tiny, kv_budget_bytes=100 * 512, client_limits=ClientLimits(kv_share=1.0)) as peers:
         peer = peers[0]
         raw = await Raw.connect(peer)
         try:
@@ -1216,6 +1218,73 @@ async def test_per_client_limits_refuse_clearly_and_others_go_on(tiny):
             for raw in raws:
                 await raw.close()
         await asyncio.sleep(2.5)  # the bucket refills: the limited host is served again
+        await assert_healthy(tiny, peers)
+
+
+async def test_one_host_cannot_reserve_more_than_its_share_of_the_kv_cache(tiny):
+    """54 conversations of the whole context, no steps: the host gets half the capacity, and
+    another host still opens conversations."""
+    async with serving(tiny, kv_budget_bytes=1000 * 512) as peers:  # 1,000 tokens; 500 for one host
+        peer = peers[0]
+        raw = await Raw.connect(peer)
+        try:
+            replies = [await raw.request("open", conv=f"c{i}", layers=[0, 4], max_tokens=200) for i in range(3)]
+            assert [r["t"] for r in replies] == ["opened", "opened", "error"]
+            assert (replies[2]["code"], replies[2]["message"]) == (
+                "rate_limited", "client 127.0.0.1 holds 400 tokens of KV cache on this peer; 200 more would pass "
+                                "its limit of 500 (50% of 1000)")
+            other = await Raw.connect(peer, local_addr=("127.0.0.2", 0))
+            assert (await other.request("open", conv="o", layers=[0, 4], max_tokens=200))["t"] == "opened"
+            await other.close()
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+async def test_a_rollback_deeper_than_one_steps_drafts_is_refused(tiny):
+    """Replaying a 64-token chunk with rollback: true made every victim wait; a rollback may
+    only drop the rejected drafts of one step."""
+    async with serving(tiny) as peers:
+        raw = await Raw.connect(peers[0])
+        try:
+            await raw.request("open", conv="r", layers=[0, 4], max_tokens=200)
+            await raw.send("step", conv="r", seq=1, start=0, tokens=list(range(1, 65)), want="none")
+            assert await raw.error("step", conv="r", seq=2, start=0, tokens=list(range(1, 65)), want="token",
+                                   rollback=True) == (
+                "bad_positions", "step 2 rolls back 64 positions; a rollback drops the rejected drafts of one step, "
+                                 "fewer than 32")
+            await raw.send("step", conv="r", seq=3, start=40, tokens=[1], want="token", rollback=True)
+            reply = await raw.recv(timeout_s=10)
+            assert reply["t"] == "token" and reply["length"] == 41  # 24 positions back: drafts, allowed
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+async def test_queued_hidden_states_are_bounded_over_all_conversations(tiny, monkeypatch):
+    """A previous hop that fills every conversation's queue gets rate_limited once the peer holds
+    MAX_QUEUED_BYTES of queued steps, and the count returns to 0 when they are gone."""
+    monkeypatch.setattr(peer_module, "MAX_QUEUED_BYTES", 3 * 8 * 8)  # three steps of 8 int64 token ids
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        gate = threading.Event()
+        peer.executor.submit(gate.wait, 30)  # the device is busy: steps stay queued
+        raw = await Raw.connect(peer)
+        try:
+            await raw.request("open", conv="q", layers=[0, 4], max_tokens=200)
+            await raw.send("step", conv="q", seq=1, start=0, tokens=list(range(1, 9)), want="none")
+            await asyncio.sleep(0.2)  # the worker took step 1 and waits for the device
+            for k in (2, 3, 4):
+                await raw.send("step", conv="q", seq=k, start=8 * (k - 1), tokens=[1] * 8, want="none")
+            code, message = await raw.error("step", conv="q", seq=5, start=32, tokens=[1] * 8, want="none")
+            assert code == "rate_limited" and message.endswith("bytes of queued steps; 64 more would pass 192")
+            assert peer._queued_bytes == 192
+        finally:
+            gate.set()
+            await raw.close()
+        await settle(peers)
+        assert peer._queued_bytes == 0
+        monkeypatch.undo()  # the usual limit for the health check's prompt
         await assert_healthy(tiny, peers)
 
 
