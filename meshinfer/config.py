@@ -13,8 +13,12 @@ from dataclasses import dataclass
 
 from .errors import LayerRangeError
 
-#: Architectures the Llama-family decoder in ``meshinfer.models.llama`` covers.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+#: Architectures meshinfer runs, and the one file under ``meshinfer/models/`` that implements each
+#: (``meshinfer.models.families``): Llama-style (``llama``, SmolLM2 and Mistral too; ``qwen2``),
+#: Qwen3 dense (``qwen3``: q/k RMSNorm), sparse mixture-of-experts (``qwen3moe``, ``mixtral``).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "mixtral")
+#: Architectures whose feed-forward is a sparse mixture of experts (``meshinfer.models.moe``).
+MOE_ARCHITECTURES = ("qwen3moe", "mixtral")
 #: Compute precisions (``--dtype`` values and advertised identities); each is one kernel family,
 #: defined in ``meshinfer.models.quant``. Kept here, free of torch, for the CLI's choices.
 PRECISION_NAMES = ("f32", "bf16", "f16", "q8-bf16", "q4-g32-bf16", "q4-g64-bf16", "q4-g128-bf16")
@@ -22,13 +26,14 @@ PRECISION_NAMES = ("f32", "bf16", "f16", "q8-bf16", "q4-g32-bf16", "q4-g64-bf16"
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder.
+    """Hyper-parameters of a decoder of one of :data:`SUPPORTED_ARCHITECTURES`.
 
     Attributes:
-        architecture: ``"llama"`` or ``"qwen2"`` (GGUF ``general.architecture``).
+        architecture: one of :data:`SUPPORTED_ARCHITECTURES` (GGUF ``general.architecture``,
+            except that a GGUF ``llama`` with experts is ``"mixtral"``).
         vocab_size: V, rows of the token embedding.
         hidden_size: C, width of the residual stream.
-        intermediate_size: width of the SwiGLU MLP.
+        intermediate_size: width of the dense SwiGLU MLP (unused by the MoE layers).
         num_hidden_layers: number of decoder blocks L.
         num_attention_heads: H, query heads.
         num_key_value_heads: Hkv, key/value heads (grouped-query attention when < H).
@@ -37,6 +42,13 @@ class ModelConfig:
         max_position_embeddings: context length in tokens.
         attention_bias: True when q/k/v projections carry a bias (Qwen2).
         tie_word_embeddings: True when the output projection reuses the token embedding.
+        head_dim: D, width of one attention head. 0 (the default) derives it as
+            ``hidden_size // num_attention_heads``; Qwen3 sets it apart (0.6B: C=1024, H=16, D=128).
+        num_experts: E, experts per MoE layer (HF ``num_experts`` / ``num_local_experts``); 0 = dense.
+        num_experts_per_tok: k, experts each token is routed to (top-k of the router).
+        moe_intermediate_size: width of one expert's SwiGLU MLP (Mixtral: ``intermediate_size``).
+        norm_topk_prob: renormalise the top-k router probabilities to sum to 1 (Mixtral always;
+            Qwen3-MoE when its config says so, as llama.cpp assumes).
     """
 
     architecture: str
@@ -51,11 +63,21 @@ class ModelConfig:
     max_position_embeddings: int
     attention_bias: bool
     tie_word_embeddings: bool
+    head_dim: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+    def __post_init__(self) -> None:
+        heads = self.num_attention_heads
+        if self.head_dim == 0 and isinstance(heads, int) and heads > 0 and self.hidden_size % heads == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // heads)  # the one derived field
 
     @property
-    def head_dim(self) -> int:
-        """D = hidden_size / num_attention_heads."""
-        return self.hidden_size // self.num_attention_heads
+    def is_moe(self) -> bool:
+        """True when the feed-forward layers are sparse mixtures of experts."""
+        return self.architecture in MOE_ARCHITECTURES
 
     @property
     def kv_bytes_per_token_per_layer_f32(self) -> int:
@@ -64,22 +86,36 @@ class ModelConfig:
 
     def validate(self) -> "ModelConfig":
         """Check internal consistency; raise ``ValueError`` naming the field at fault."""
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model config field {name} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
-                             f"num_attention_heads {self.num_attention_heads}")
+        if self.head_dim == 0:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                             f"{self.num_attention_heads}; give head_dim explicitly")
+        if not isinstance(self.head_dim, int) or self.head_dim < 0 or self.head_dim % 2:
+            raise ValueError(f"model config field head_dim must be a positive even integer (RoPE rotates pairs), "
+                             f"got {self.head_dim!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
                              f"num_key_value_heads {self.num_key_value_heads}")
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {self.architecture!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.is_moe:
+            self._validate_moe()
         return self
+
+    def _validate_moe(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{self.architecture} model config field {name} must be a positive integer, "
+                                 f"got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}")
 
 
 _CLI_RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$|^\s*(\d+)\s*$")

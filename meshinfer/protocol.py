@@ -61,7 +61,7 @@ class PeerAdvert:
         addrs: websocket URLs the peer can be dialed at (may be empty behind NAT).
         protocol_version: the peer's :data:`PROTOCOL_VERSION`.
         weights_hash: sha256 hex of the weights (see ``meshinfer.weights.identity``).
-        architecture: ``"llama"`` or ``"qwen2"``.
+        architecture: one of ``meshinfer.config.SUPPORTED_ARCHITECTURES`` (``"qwen2"``, ``"qwen3moe"`` ...).
         num_layers: L, layers of the whole model.
         layers: the half-open layer range this peer holds.
         device: ``"cpu"``, ``"cuda:0"``, ``"mps"`` ...

@@ -1,5 +1,9 @@
 """Llama-family decoder (Llama, SmolLM2, Qwen2) split into shards by layer range.
 
+``Shard`` (embedding, a range of blocks, final norm and head; single and batched passes) serves
+every family: it builds each layer with ``meshinfer.models.families.make_block``; the other
+families (``qwen3.py``, ``moe.py``) reuse this file's ``Attention``, ``MLP`` and ``Block``.
+
 Module names follow the Hugging Face checkpoints (``layers.3.self_attn.q_proj.weight``),
 with layer indices global to the whole model, so a shard over ``[12, 24)`` holds
 ``layers.12`` .. ``layers.23``. The caller passes the KV cache in; the model never owns it.
@@ -9,7 +13,7 @@ Pure torch: nothing here logs, prints, awaits or touches files.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -33,13 +37,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * D, C, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
-                cache: LayerCache | None, layer: int) -> torch.Tensor:
-        """``x`` ``(B, T, C)`` -> ``(B, T, C)``; ``cos/sin`` ``(T, D)``; ``start`` = first position."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``(B, T, C)`` -> q ``(B, H, T, D)``, k and v ``(B, Hkv, T, D)``, before RoPE."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+                cache: LayerCache | None, layer: int) -> torch.Tensor:
+        """``x`` ``(B, T, C)`` -> ``(B, T, C)``; ``cos/sin`` ``(T, D)``; ``start`` = first position."""
+        B, T, _ = x.shape
+        q, k, v = self.project(x)  # (B, H, T, D), (B, Hkv, T, D) x 2
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, Hkv, S, D)
@@ -55,9 +65,7 @@ class Attention(nn.Module):
         never sees another's keys. ``cos/sin`` ``(N, D)`` hold each row's own position.
         """
         _, N, _ = x.shape
-        q = self.q_proj(x).view(1, N, self.n_heads, self.head_dim).transpose(1, 2)  # (1, H, N, D)
-        k = self.k_proj(x).view(1, N, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (1, Hkv, N, D)
-        v = self.v_proj(x).view(1, N, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (1, Hkv, N, D)
+        q, k, v = self.project(x)  # (1, H, N, D), (1, Hkv, N, D) x 2
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         ys = []
         for seg in segments:
@@ -69,27 +77,36 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``intermediate_size`` defaults to the config's (one MoE expert passes its own width).
+    """
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C)
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer: ``x + attn(norm(x))`` then ``h + mlp(norm(h))``."""
+    """One pre-norm decoder layer: ``x + attn(norm(x))`` then ``h + mlp(norm(h))``.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    Other families reuse it with their own attention (Qwen3: q/k norms) or feed-forward
+    (a sparse mixture of experts): ``attention`` and ``mlp`` build those from the config.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, attention: Callable[[ModelConfig], nn.Module] = Attention,
+                 mlp: Callable[[ModelConfig], nn.Module] = MLP) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp(cfg)
 
     def forward(self, x, cos, sin, start, cache, layer):  # (B, T, C) -> (B, T, C)
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, start, cache, layer)
@@ -130,7 +147,9 @@ class Shard(nn.Module):
         self.is_first = layers.start == 0
         self.is_last = layers.stop == cfg.num_hidden_layers
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(layers.start, layers.stop)})
+        from .families import make_block  # the families import this module's Attention, MLP, Block
+
+        self.layers = nn.ModuleDict({str(i): make_block(cfg) for i in range(layers.start, layers.stop)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last else None
 

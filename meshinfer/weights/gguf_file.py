@@ -55,6 +55,10 @@ SUPPORTED_TYPES = frozenset({
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 })
 
+#: ``general.architecture`` values read here (llama.cpp's names). A ``llama`` file with
+#: ``llama.expert_count`` > 0 is Mixtral (llama.cpp converts Mixtral as ``llama``).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+
 # GGUF tensor name (without the "blk.N." prefix) -> module name inside a block.
 _BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -66,10 +70,29 @@ _BLOCK_NAMES = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_DENSE_FFN_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_ROUTER_NAMES = {"ffn_gate_inp.weight": "mlp.gate.weight"}
+# Merged expert tensors (E, out, in) -> the per-expert module name, ``{e}`` the expert index.
+_EXPERT_NAMES = {
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+}
+
+
+def _block_names(cfg: ModelConfig) -> dict[str, str]:
+    """GGUF suffix -> module name for one block of ``cfg``'s family (experts excluded)."""
+    names = dict(_BLOCK_NAMES)
+    if cfg.architecture in ("qwen3", "qwen3moe"):
+        names |= _QK_NORM_NAMES
+    names |= _ROUTER_NAMES if cfg.is_moe else _DENSE_FFN_NAMES
+    return names
 
 # ---------------------------------------------------------------------------------------------
 # Header parsing (ggml docs/gguf.md), little-endian.
@@ -397,6 +420,9 @@ class GGUFFile:
         arch = self.field("general.architecture")
         if not isinstance(arch, str):
             raise WeightsError(f"{self.path}: metadata field 'general.architecture' is not a string")
+        if arch not in GGUF_ARCHITECTURES:
+            raise WeightsError(f"{self.path}: architecture {arch!r} is not supported; supported: "
+                               f"{', '.join(GGUF_ARCHITECTURES)} (llama with experts: Mixtral)")
 
         def num(key: str, default: object = ...) -> object:
             value = self.field(f"{arch}.{key}", default)
@@ -409,8 +435,10 @@ class GGUFFile:
             raise WeightsError(f"{self.path}: tensor 'token_embd.weight' is missing")
         vocab = int(num("vocab_size", embd.dims[1] if len(embd.dims) > 1 else 0))
         heads = int(num("attention.head_count"))
+        experts = int(num("expert_count", 0))
+        exps = self._tensors.get("blk.0.ffn_gate_exps.weight")
         cfg = ModelConfig(
-            architecture=arch,
+            architecture="mixtral" if arch == "llama" and experts else arch,
             vocab_size=vocab,
             hidden_size=int(num("embedding_length")),
             intermediate_size=int(num("feed_forward_length")),
@@ -422,6 +450,11 @@ class GGUFFile:
             max_position_embeddings=int(num("context_length")),
             attention_bias="blk.0.attn_q.bias" in self._tensors,
             tie_word_embeddings="output.weight" not in self._tensors,
+            head_dim=int(num("attention.key_length", 0)),
+            num_experts=experts,
+            num_experts_per_tok=int(num("expert_used_count", 0)),
+            moe_intermediate_size=int(num("expert_feed_forward_length", exps.dims[1] if exps else 0)),
+            norm_topk_prob=bool(self.field(f"{arch}.expert_weights_norm", True)),  # llama.cpp's default
         )
         try:
             return cfg.validate()
@@ -475,8 +508,9 @@ class GGUFFile:
         wanted: list[tuple[str, str]] = []
         if layers.start == 0:
             wanted.append(("token_embd.weight", "embed_tokens.weight"))
+        names = _block_names(cfg)
         for i in range(layers.start, layers.stop):
-            for suffix, module in _BLOCK_NAMES.items():
+            for suffix, module in names.items():
                 gname = f"blk.{i}.{suffix}"
                 if gname in self._tensors or not suffix.endswith(".bias"):
                     wanted.append((gname, f"layers.{i}.{module}"))
@@ -486,9 +520,29 @@ class GGUFFile:
             wanted.append((head, "lm_head.weight"))
         for gname, module in wanted:
             arr = self.dequantize(gname)
-            if cfg.architecture == "llama":
+            if cfg.architecture in ("llama", "mixtral"):
                 if ".attn_q." in gname:
                     arr = _reverse_llama_permute(arr, cfg.num_attention_heads)
                 elif ".attn_k." in gname:
                     arr = _reverse_llama_permute(arr, cfg.num_key_value_heads)
             yield module, torch.from_numpy(arr)
+            if cfg.is_moe and module.endswith(".mlp.gate.weight"):  # the experts follow their router
+                yield from self._iter_experts(gname.rsplit(".", 2)[0], module.rsplit(".", 3)[0])
+
+    def _iter_experts(self, block: str, layer: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """Split block ``blk.N``'s merged ``ffn_*_exps`` tensors ``(E, out, in)`` into per-expert
+        ``(out, in)`` tensors named ``layers.N.mlp.experts.{e}.*_proj.weight``.
+
+        Raises:
+            WeightsError: a merged tensor is missing or has a number of experts other than E.
+        """
+        import torch
+
+        E = self.config.num_experts
+        for suffix, module in _EXPERT_NAMES.items():
+            arr = self.dequantize(f"{block}.{suffix}")  # (E, out, in)
+            if arr.ndim != 3 or arr.shape[0] != E:
+                raise WeightsError(f"{self.path}: tensor '{block}.{suffix}' has shape {list(arr.shape)}; "
+                                   f"expected ({E}, out, in) for {E} experts")
+            for e in range(E):
+                yield f"{layer}.{module.format(e=e)}", torch.from_numpy(arr[e])

@@ -16,7 +16,48 @@ import torch
 from ..config import LayerRange, ModelConfig
 from ..errors import WeightsError
 
-_ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}
+#: config.json ``model_type`` -> ``ModelConfig.architecture``.
+_ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama", "qwen3": "qwen3",
+                       "qwen3_moe": "qwen3moe", "mixtral": "mixtral"}
+
+# Mixtral checkpoint names -> the module names of ``meshinfer.models.moe`` (Qwen3-MoE's).
+_MIXTRAL_RENAMES = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                    (".w2.", ".down_proj."))
+
+
+def _module_name(arch: str, name: str) -> str:
+    """A checkpoint tensor name inside a layer (``block_sparse_moe.experts.0.w1.weight``) -> the
+    shard's module name (``mlp.experts.0.gate_proj.weight``)."""
+    if arch == "mixtral":
+        for old, new in _MIXTRAL_RENAMES:
+            name = name.replace(old, new)
+    return name
+
+
+def _moe_fields(raw: dict, arch: str, path: Path) -> dict:
+    """ModelConfig's MoE fields from a config.json; {} for a dense model.
+
+    Raises:
+        WeightsError: a Qwen3-MoE config with dense layers among the sparse ones
+            (``mlp_only_layers``, ``decoder_sparse_step``), which meshinfer does not run.
+    """
+    if arch not in ("qwen3moe", "mixtral"):
+        return {}
+    if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step") or 1) != 1:
+        raise WeightsError(f"{path}/config.json: dense layers among the sparse ones (mlp_only_layers "
+                           f"{raw.get('mlp_only_layers')}, decoder_sparse_step {raw.get('decoder_sparse_step')}) "
+                           "are not supported; every layer must be sparse (decoder_sparse_step 1)")
+    return {"num_experts": int(raw.get("num_experts") or raw.get("num_local_experts") or 0),
+            "num_experts_per_tok": int(raw.get("num_experts_per_tok") or 0),
+            "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+            # HF's Qwen3MoeConfig defaults norm_topk_prob to False; Mixtral always renormalises
+            "norm_topk_prob": arch == "mixtral" or bool(raw.get("norm_topk_prob", False))}
+
+
+def _rope_theta(raw: dict) -> float:
+    """``rope_theta``, top-level (transformers 4) or under ``rope_parameters`` (transformers 5)."""
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    return float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
 
 class SafetensorsDir:
@@ -66,10 +107,12 @@ class SafetensorsDir:
                 num_attention_heads=heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                rope_theta=_rope_theta(raw),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                head_dim=int(raw.get("head_dim") or 0),
+                **_moe_fields(raw, arch, self.path),
             )
             return cfg.validate()
         except KeyError as exc:
@@ -124,7 +167,7 @@ class SafetensorsDir:
             for name in sorted(n for n in self._where if n.startswith(prefix)):
                 if "rotary_emb" in name:
                     continue
-                yield f"layers.{i}.{name[len(prefix):]}", self._load(name)
+                yield f"layers.{i}.{_module_name(cfg.architecture, name[len(prefix):])}", self._load(name)
         if layers.stop == cfg.num_hidden_layers:
             yield "norm.weight", self._load("model.norm.weight")
             head = "lm_head.weight" if "lm_head.weight" in self._where else "model.embed_tokens.weight"

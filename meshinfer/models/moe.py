@@ -1,0 +1,81 @@
+"""Sparse mixture-of-experts decoders: Qwen3-MoE and Mixtral.
+
+Each layer's feed-forward is ``E`` SwiGLU experts and a linear router (Shazeer et al. 2017;
+Jiang et al. 2024, "Mixtral of Experts"): a token goes to the ``k`` experts with the highest
+router probability (softmax over all ``E`` logits, in float32), and its output is their sum
+weighted by those probabilities, renormalised over the ``k`` when ``norm_topk_prob``
+(Mixtral always; Qwen3-MoE per its config). Sources: HF ``modeling_qwen3_moe`` /
+``modeling_mixtral`` (``TopKRouter``, ``Experts``), llama.cpp ``build_moe_ffn``.
+
+Attention is Qwen3's (q/k norms) for ``qwen3moe`` and Llama's for ``mixtral``. Module names
+follow Qwen3-MoE's checkpoints (``mlp.gate.weight``, ``mlp.experts.3.up_proj.weight``); the
+readers map Mixtral's (``block_sparse_moe``, ``w1/w2/w3``) and GGUF's merged expert tensors
+onto them. Pure torch: nothing here logs, prints, awaits or touches files.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import ModelConfig
+from .llama import MLP, Attention, Block
+from .qwen3 import Qwen3Attention
+
+
+class Router(nn.Module):
+    """Top-k router: ``weight`` ``(E, C)``; computed in float32 whatever the compute dtype.
+
+    Not an ``nn.Linear``, so a quantized precision never touches it: routing is a discrete
+    choice, and a rounding error there swaps an expert rather than nudging a value.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size), requires_grad=False)
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``(N, C)`` -> weights ``(N, k)`` float32 and expert ids ``(N, k)`` int64."""
+        probs = F.linear(x.float(), self.weight.float()).softmax(dim=-1)  # (N, E)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+
+class SparseMoE(nn.Module):
+    """``E`` SwiGLU experts of width ``moe_intermediate_size`` behind a :class:`Router`.
+
+    Tokens are grouped by expert: each expert that any token chose runs once over all the
+    rows that chose it, so a batched pass (several sequences packed along T) reads each
+    chosen expert's weights once for the whole batch. Each row's result depends only on that
+    row, so a batched pass equals unbatched ones up to BLAS rounding.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(B, T, C)`` -> ``(B, T, C)`` in ``x``'s dtype."""
+        flat = x.reshape(-1, x.shape[-1])  # (N, C)
+        weights, experts = self.gate(flat)  # (N, k) float32, (N, k) int64
+        out = torch.zeros_like(flat)  # (N, C)
+        for e in torch.unique(experts).tolist():  # ascending, as HF's loop over hit experts
+            rows, slot = torch.where(experts == e)  # (n_e,), (n_e,)
+            y = self.experts[e](flat[rows])  # (n_e, C)
+            out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
+        return out.view(x.shape)
+
+
+def make_qwen3moe_block(cfg: ModelConfig) -> nn.Module:
+    """One Qwen3-MoE decoder layer (HF ``Qwen3MoeDecoderLayer``, every layer sparse)."""
+    return Block(cfg, attention=Qwen3Attention, mlp=SparseMoE)
+
+
+def make_mixtral_block(cfg: ModelConfig) -> nn.Module:
+    """One Mixtral decoder layer (HF ``MixtralDecoderLayer``)."""
+    return Block(cfg, attention=Attention, mlp=SparseMoE)

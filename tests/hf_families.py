@@ -1,0 +1,144 @@
+"""Tiny random models of each family built with transformers' own classes, written as a
+Hugging Face directory (``save_pretrained``) and as a GGUF the way llama.cpp's converter
+writes them (tensor names, metadata, Llama's q/k permutation, merged expert tensors).
+
+transformers is a test-only dependency (docs/dependencies.md); tests importing this module
+skip without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tiny import MERGED, SPECIALS, _permute, add_tokenizer_metadata
+
+VOCAB = 256 + len(MERGED) + len(SPECIALS)
+FAMILIES = ("qwen3", "qwen3moe", "mixtral")
+#: Shared tiny widths: 4 layers, C=32, H=4, Hkv=2; Qwen3 families set D=16 apart from C/H=8.
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512,
+              rope_theta=10000.0)
+
+
+def hf_model(family: str, seed: int = 0):
+    """A float32 transformers ``*ForCausalLM`` of ``family`` with large random weights (norm
+    weights near 1, so the q/k norms and routing matter), in eval mode with eager attention."""
+    import transformers as tf
+
+    if family == "qwen3":
+        cfg = tf.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
+        cls = tf.Qwen3ForCausalLM
+    elif family == "qwen3moe":
+        cfg = tf.Qwen3MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=16, num_experts=8,
+                                num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                                mlp_only_layers=[], tie_word_embeddings=False)
+        cls = tf.Qwen3MoeForCausalLM
+    elif family == "mixtral":
+        cfg = tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+        cls = tf.MixtralForCausalLM
+    else:
+        raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                scale = 1.0 if "embed_tokens" in name else 0.2
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+    return model
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits ``(T, V)`` for one sequence."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def write_hf(model, path: Path) -> Path:
+    """``save_pretrained`` (config.json + model.safetensors in the checkpoint's own names)."""
+    model.save_pretrained(str(path))
+    return path
+
+
+def _gguf_arch(family: str) -> str:
+    return {"qwen3": "qwen3", "qwen3moe": "qwen3moe", "mixtral": "llama"}[family]
+
+
+_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+          "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+          "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+          "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+          "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+          "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight"}
+
+
+def _gguf_tensors(family: str, model) -> dict[str, np.ndarray]:
+    """llama.cpp-named float32 arrays from the transformers model's own parameters.
+
+    transformers 5 keeps experts merged (``mlp.experts.gate_up_proj`` ``(E, 2F, C)``,
+    ``down_proj`` ``(E, C, F)``), which is GGUF's layout once gate and up are split.
+    """
+    cfg = model.config
+    out: dict[str, np.ndarray] = {}
+    for name, p in model.state_dict().items():
+        arr = p.detach().float().numpy()
+        if name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out["output.weight"] = arr
+            continue
+        top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+        if name in top:
+            out[top[name]] = arr
+            continue
+        i, rest = name[len("model.layers."):].split(".", 1)
+        if family == "mixtral" and rest.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads
+            arr = _permute(arr, heads)
+        if rest == "mlp.experts.gate_up_proj":
+            F = arr.shape[1] // 2
+            out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = arr[:, :F], arr[:, F:]
+        elif rest == "mlp.experts.down_proj":
+            out[f"blk.{i}.ffn_down_exps.weight"] = arr
+        else:
+            out[f"blk.{i}.{_NAMES[rest]}"] = arr
+    return out
+
+
+def write_gguf(model, family: str, path: Path) -> Path:
+    """An F32 GGUF of ``model`` with llama.cpp's names and metadata and the tiny tokenizer."""
+    import gguf
+
+    cfg = model.config
+    wr = gguf.GGUFWriter(str(path), _gguf_arch(family))
+    wr.add_block_count(cfg.num_hidden_layers)
+    wr.add_context_length(cfg.max_position_embeddings)
+    wr.add_embedding_length(cfg.hidden_size)
+    wr.add_feed_forward_length(cfg.intermediate_size)
+    wr.add_head_count(cfg.num_attention_heads)
+    wr.add_head_count_kv(cfg.num_key_value_heads)
+    wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    wr.add_rope_freq_base(10000.0)
+    wr.add_vocab_size(cfg.vocab_size)
+    if family != "mixtral":
+        wr.add_key_length(cfg.head_dim)
+        wr.add_value_length(cfg.head_dim)
+    if family in ("qwen3moe", "mixtral"):
+        wr.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
+        wr.add_expert_used_count(cfg.num_experts_per_tok)
+    if family == "qwen3moe":
+        wr.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    add_tokenizer_metadata(wr)
+    for name, arr in _gguf_tensors(family, model).items():
+        wr.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return path

@@ -1,0 +1,157 @@
+"""Each model family against transformers' own implementation, from GGUF and from a Hugging
+Face directory: whole and split at every layer boundary, prefill and step by step (f32, within
+1e-4 relative); bf16 and int8 close; MoE batched passes equal single ones and group tokens by
+expert; unsupported architectures refused at load time with the supported list.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from meshinfer.config import SUPPORTED_ARCHITECTURES, LayerRange
+from meshinfer.errors import WeightsError
+from meshinfer.generate import load_shard, new_cache
+
+pytest.importorskip("transformers")
+import hf_families as hff  # noqa: E402  (needs transformers)
+
+PROMPT = [5, 17, 200, 33, 104, 101, 7, 128, 259]  # ends with a special token
+FOLLOW = [44, 99, 3, 250, 101]  # teacher-forced continuation, fed one token per step
+REL_TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=hff.FAMILIES)
+def family(request, tmp_path_factory):
+    """(family, {"gguf": path, "hf": path}, transformers logits (T, V) of PROMPT + FOLLOW)."""
+    model = hff.hf_model(request.param)
+    d = tmp_path_factory.mktemp(request.param)
+    paths = {"gguf": hff.write_gguf(model, request.param, d / "tiny.gguf"), "hf": hff.write_hf(model, d / "hf")}
+    return request.param, paths, hff.hf_logits(model, PROMPT + FOLLOW)
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def run_chain(shards, ids: list[int], follow: list[int]) -> torch.Tensor:
+    """Prefill ``ids`` through the chain, then feed ``follow`` one token per step; logits (T, V)."""
+    caches = [new_cache(s) for s in shards]
+
+    def step(x: torch.Tensor, start: int) -> torch.Tensor:
+        for s, cache in zip(shards, caches):
+            x = s(x, start, cache, logits="all")
+        return x[0]
+
+    rows = [step(torch.tensor([ids]), 0)]
+    rows += [step(torch.tensor([[t]]), len(ids) + j) for j, t in enumerate(follow)]
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "hf"])
+def test_whole_model_equals_transformers(family, fmt):
+    name, paths, want = family
+    shard = load_shard(paths[fmt])
+    assert shard.cfg.architecture == name
+    got = shard(torch.tensor([PROMPT + FOLLOW]), 0, logits="all")[0]
+    assert rel(got, want) < REL_TOL
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "hf"])
+def test_every_layer_boundary_prefill_then_steps_equals_transformers(family, fmt):
+    """A chain of one-layer shards cuts at every boundary; prefill then one token per step."""
+    _, paths, want = family
+    L = load_shard(paths[fmt], LayerRange(0, 1)).cfg.num_hidden_layers
+    for shards in ([load_shard(paths[fmt])], [load_shard(paths[fmt], LayerRange(i, i + 1)) for i in range(L)]):
+        got = run_chain(shards, PROMPT, FOLLOW)
+        assert rel(got, want) < REL_TOL, f"{len(shards)} shards"
+
+
+def test_gguf_and_hf_directory_give_the_same_config(family):
+    _, paths, _ = family
+    a, b = (load_shard(paths[f], LayerRange(0, 1)).cfg for f in ("gguf", "hf"))
+    assert a.rms_norm_eps == pytest.approx(b.rms_norm_eps)  # GGUF stores it as float32
+    assert replace(a, rms_norm_eps=0.0) == replace(b, rms_norm_eps=0.0)
+
+
+@pytest.mark.parametrize("precision,tol", [("bf16", 0.5), ("q8-bf16", 0.2)])
+def test_low_precisions_run_and_stay_near_f32(family, precision, tol):
+    """bf16 and int8 run for every family (the router stays float: it is not an nn.Linear).
+    The bound is loose: 4 random layers amplify rounding, and a near-tie in a router may
+    switch an expert; the greedy choice must still agree on most positions."""
+    _, paths, _ = family
+    ids = torch.tensor([PROMPT + FOLLOW])
+    ref = load_shard(paths["gguf"])(ids, 0, logits="all")[0]
+    low = load_shard(paths["gguf"], dtype=precision)
+    got = low(ids, 0, logits="all")[0]
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert rel(got, ref) < tol
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+
+
+@pytest.mark.parametrize("moe", ["qwen3moe", "mixtral"])
+def test_batched_pass_equals_single_passes_and_runs_each_expert_once(moe, tmp_path):
+    """Three sequences at different positions in one ``forward_batch``: same logits as one
+    ``forward`` each, and each chosen expert runs once per layer for the whole batch."""
+    path = hff.write_gguf(hff.hf_model(moe, seed=1), moe, tmp_path / "moe.gguf")
+    shard = load_shard(path)
+    prompts = [PROMPT, FOLLOW, PROMPT[:3] + FOLLOW]
+    single, batch = [new_cache(shard) for _ in prompts], [new_cache(shard) for _ in prompts]
+    for ids, a, b in zip(prompts, single, batch):
+        shard(torch.tensor([ids]), 0, a)
+        shard(torch.tensor([ids]), 0, b)
+    calls: list[int] = []
+    hooks = [e.register_forward_hook(lambda m, i, o: calls.append(id(m)))
+             for blk in shard.layers.values() for e in blk.mlp.experts]
+    steps = [torch.tensor([[t]]) for t in (7, 42, 259)]
+    try:
+        out = shard.forward_batch(steps, [c.length for c in batch], batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(calls) == len(set(calls))  # grouped by expert: no expert ran twice in a layer
+    for x, cache, got in zip(steps, single, out):
+        want = shard(x, cache.length, cache)
+        assert torch.allclose(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+        assert int(got.argmax()) == int(want.argmax())
+
+
+def test_unsupported_gguf_architecture_is_refused_naming_it_and_the_supported(tmp_path):
+    import gguf
+
+    wr = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma2")
+    wr.add_block_count(2)
+    wr.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    with pytest.raises(WeightsError, match=r"architecture 'gemma2' is not supported; supported: "
+                                           r"llama, qwen2, qwen3, qwen3moe \(llama with experts: Mixtral\)"):
+        load_shard(tmp_path / "g.gguf")
+
+
+def test_unsupported_config_json_model_type_is_refused_naming_it_and_the_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3", "hidden_size": 32}))
+    with pytest.raises(WeightsError, match=r"model_type 'phi3' is not supported; supported: "
+                                           r"llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"):
+        load_shard(tmp_path)
+
+
+def test_qwen3_moe_with_dense_layers_among_the_sparse_is_refused(family, tmp_path):
+    name, paths, _ = family
+    if name != "qwen3moe":
+        pytest.skip("a Qwen3-MoE config field")
+    raw = json.loads((paths["hf"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"mlp_only_layers": [1]}))
+    with pytest.raises(WeightsError, match=r"mlp_only_layers \[1\].*every layer must be sparse"):
+        load_shard(tmp_path)
+
+
+def test_supported_architectures_each_have_a_block_builder():
+    from meshinfer.models.families import BLOCKS
+
+    assert tuple(BLOCKS) == SUPPORTED_ARCHITECTURES
