@@ -63,12 +63,18 @@ class SparseMoE(nn.Module):
         """``x`` ``(B, T, C)`` -> ``(B, T, C)`` in ``x``'s dtype."""
         flat = x.reshape(-1, x.shape[-1])  # (N, C)
         weights, experts = self.gate(flat)  # (N, k) float32, (N, k) int64
-        out = torch.zeros_like(flat)  # (N, C)
-        for e in torch.unique(experts).tolist():  # ascending, as HF's loop over hit experts
-            rows, slot = torch.where(experts == e)  # (n_e,), (n_e,)
+        if flat.shape[0] == 1:  # one decode token: no grouping to do, k experts in a row
+            w = weights[0].to(flat.dtype).tolist()
+            ys = [self.experts[e](flat) * w[j] for j, e in enumerate(experts[0].tolist())]  # k x (1, C)
+            return torch.stack(ys, dim=1).sum(dim=1).view(x.shape)  # (B, T, C), as the grouped sum below
+        picked = flat.new_empty(*experts.shape, flat.shape[-1])  # (N, k, C): each row's k expert outputs
+        for e in torch.unique(experts).tolist():
+            rows, slot = torch.where(experts == e)  # (n_e,), (n_e,): a row picks an expert at most once
             y = self.experts[e](flat[rows])  # (n_e, C)
-            out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
-        return out.view(x.shape)
+            picked[rows, slot] = y * weights[rows, slot, None].to(y.dtype)
+        # A plain store and a sum over k, not index_add_: on torch 2.13's CPU kernels index_add_
+        # of one (1, C) row took ~10 ms, longer than the whole layer.
+        return picked.sum(dim=1).view(x.shape)  # (B, T, C)
 
 
 def make_qwen3moe_block(cfg: ModelConfig) -> nn.Module:
