@@ -84,6 +84,27 @@ class ModelConfig:
         """Bytes one token's K and V take in one layer at float32: ``2 * Hkv * D * 4``."""
         return 2 * self.num_key_value_heads * self.head_dim * 4
 
+    def parameter_counts(self, layers: "LayerRange") -> tuple[int, int]:
+        """(resident, active per token) weights of a shard over ``layers``, in elements.
+
+        Resident counts every weight the shard holds, whatever its precision; active counts
+        those one token reads: all of a dense shard, and only the router plus ``k`` of the
+        ``E`` experts of each MoE layer. The embedding counts on the first shard and the final
+        norm and output projection on the last (tied or not, the last shard holds its own copy).
+        """
+        C, H, Hkv, D, V = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim, \
+            self.vocab_size
+        attn = 2 * C * H * D + 2 * C * Hkv * D + 2 * C  # q, o, k, v, the two block norms
+        attn += (H * D + 2 * Hkv * D) * self.attention_bias + 2 * D * (self.architecture in ("qwen3", "qwen3moe"))
+        if self.is_moe:
+            expert = 3 * C * self.moe_intermediate_size
+            resident = attn + self.num_experts * (C + expert)  # router row + expert, per expert
+            active = attn + self.num_experts * C + self.num_experts_per_tok * expert
+        else:
+            resident = active = attn + 3 * C * self.intermediate_size
+        ends = V * C * (layers.start == 0) + (C + V * C) * (layers.stop == self.num_hidden_layers)
+        return len(layers) * resident + ends, len(layers) * active + ends
+
     def validate(self) -> "ModelConfig":
         """Check internal consistency; raise ``ValueError`` naming the field at fault."""
         if self.architecture not in SUPPORTED_ARCHITECTURES:

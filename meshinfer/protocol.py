@@ -79,6 +79,11 @@ class PeerAdvert:
         tls_fingerprint: hex SHA-256 of the TLS certificate the peer serves ``wss://`` with,
             or "" without TLS. Signed, so a dialer can pin the certificate by peer id. Sent
             only when set, so adverts of plain peers keep their old bytes.
+        params: weights the peer holds for its layers, in elements, whatever the precision
+            (``ModelConfig.parameter_counts``); 0 from a peer that predates the field.
+        active_params: weights one token reads there: ``params`` for a dense model, the router
+            and ``k`` of ``E`` experts per layer for a mixture of experts. Both signed, sent
+            only when set.
     """
 
     peer_id: str
@@ -99,6 +104,8 @@ class PeerAdvert:
     public_key: str = ""
     sig: str = ""
     tls_fingerprint: str = ""
+    params: int = 0
+    active_params: int = 0
 
     @property
     def compat_key(self) -> tuple[str, str, int, int]:
@@ -116,6 +123,8 @@ class PeerAdvert:
                 "public_key": self.public_key, "sig": self.sig}
         if self.tls_fingerprint:
             d["tls_fingerprint"] = self.tls_fingerprint
+        if self.params:
+            d["params"], d["active_params"] = self.params, self.active_params
         return d
 
     def signed_bytes(self) -> bytes:
@@ -154,7 +163,9 @@ class PeerAdvert:
                    compute_ms_per_token=f.float("compute_ms_per_token", lo=0.0),
                    rtts_ms={k: float(v) for k, v in rtts.items()}, seq=f.int("seq", lo=0, hi=1 << 62),
                    ttl_s=f.float("ttl_s", lo=0.0, hi=3600.0), public_key=f.str("public_key", ""),
-                   sig=f.str("sig", ""), tls_fingerprint=f.str("tls_fingerprint", ""))
+                   sig=f.str("sig", ""), tls_fingerprint=f.str("tls_fingerprint", ""),
+                   params=f.int("params", lo=0, hi=1 << 50, default=0),
+                   active_params=f.int("active_params", lo=0, hi=1 << 50, default=0))
 
 
 def _finite(v: object) -> bool:

@@ -155,3 +155,18 @@ def test_supported_architectures_each_have_a_block_builder():
     from meshinfer.models.families import BLOCKS
 
     assert tuple(BLOCKS) == SUPPORTED_ARCHITECTURES
+
+
+def test_parameter_counts_match_the_shard_and_count_k_of_e_experts_as_active(family):
+    name, paths, _ = family
+    for layers in (LayerRange(0, 1), LayerRange(1, 3), LayerRange(3, 4), LayerRange(0, 4)):
+        shard = load_shard(paths["gguf"], layers)
+        resident, active = shard.cfg.parameter_counts(layers)
+        assert resident == sum(p.numel() for p in shard.parameters())
+        if not shard.cfg.is_moe:
+            assert active == resident
+            continue
+        blk = next(iter(shard.layers.values()))
+        idle = len(blk.mlp.experts) - shard.cfg.num_experts_per_tok
+        assert active == resident - len(layers) * idle * sum(p.numel() for p in blk.mlp.experts[0].parameters())
+

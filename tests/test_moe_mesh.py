@@ -13,6 +13,7 @@ import pytest
 from meshkit import crash, file_hash, generate_through, mesh, split, start_peer, wait_for_tables
 from meshinfer import protocol
 from meshinfer.config import LayerRange
+from meshinfer.discovery import verify_advert
 from meshinfer.generate import greedy_generate, load_shard
 from meshinfer.session import MeshClient
 from meshinfer.tokenizer import Tokenizer
@@ -46,6 +47,10 @@ async def test_two_peers_give_the_tokens_of_generate_with_float32_hidden_states(
     async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest,
                     bundle=tok.to_bundle()) as peers:
         assert [p.cfg.architecture for p in peers] == ["qwen3moe", "qwen3moe"]
+        for p in peers:  # adverts carry resident and active weights, signed
+            ad = protocol.PeerAdvert.from_wire(p.advert().to_wire())
+            assert (ad.params, ad.active_params) == p.cfg.parameter_counts(p.shard.range)
+            assert 0 < ad.active_params < ad.params and verify_advert(ad)
         route, ids, out = await generate_through(peers, tok, STORY, max_tokens=24)
     assert [h.layers for h in route.hops] == [LayerRange(0, 2), LayerRange(2, 4)]
     assert out.token_ids == greedy_generate(whole, ids, max_tokens=24).token_ids
