@@ -8,6 +8,7 @@ inside the code, inclusive ``a-b`` on the command line.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -15,8 +16,9 @@ from .errors import LayerRangeError
 
 #: Architectures meshinfer runs, and the one file under ``meshinfer/models/`` that implements each
 #: (``meshinfer.models.families``): Llama-style (``llama``, SmolLM2 and Mistral too; ``qwen2``),
-#: Qwen3 dense (``qwen3``: q/k RMSNorm), sparse mixture-of-experts (``qwen3moe``, ``mixtral``).
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "mixtral")
+#: Qwen3 dense (``qwen3``: q/k RMSNorm), sparse mixture-of-experts (``qwen3moe``, ``mixtral``),
+#: Phi-3 (``phi3``: fused projections, LongRoPE, sliding window).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "phi3")
 #: Architectures whose feed-forward is a sparse mixture of experts (``meshinfer.models.moe``).
 MOE_ARCHITECTURES = ("qwen3moe", "mixtral")
 #: Compute precisions (``--dtype`` values and advertised identities); each is one kernel family,
@@ -49,6 +51,13 @@ class ModelConfig:
         moe_intermediate_size: width of one expert's SwiGLU MLP (Mixtral: ``intermediate_size``).
         norm_topk_prob: renormalise the top-k router probabilities to sum to 1 (Mixtral always;
             Qwen3-MoE when its config says so, as llama.cpp assumes).
+        partial_rotary_factor: share of D that RoPE rotates (Phi-4-mini: 0.75; 1.0 elsewhere).
+        sliding_window: 0, or the keys a query sees, itself included (Phi-3: 2047).
+        rope_short_factor, rope_long_factor: LongRoPE per-frequency divisors ``(R/2,)`` below
+            and above ``original_max_position_embeddings`` tokens (Phi-3 128k); empty: plain RoPE.
+        original_max_position_embeddings: the pre-training context LongRoPE extends.
+        rope_attention_factor: LongRoPE's cos/sin scale. 0 (the default) derives HF's
+            ``sqrt(1 + ln(s) / ln(original))`` with ``s = max_position / original`` (1 if s <= 1).
     """
 
     architecture: str
@@ -68,11 +77,28 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    partial_rotary_factor: float = 1.0
+    sliding_window: int = 0
+    rope_short_factor: tuple[float, ...] = ()
+    rope_long_factor: tuple[float, ...] = ()
+    original_max_position_embeddings: int = 0
+    rope_attention_factor: float = 0.0
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # the derived fields, computed here only
         heads = self.num_attention_heads
         if self.head_dim == 0 and isinstance(heads, int) and heads > 0 and self.hidden_size % heads == 0:
-            object.__setattr__(self, "head_dim", self.hidden_size // heads)  # the one derived field
+            object.__setattr__(self, "head_dim", self.hidden_size // heads)
+        if self.rope_attention_factor == 0.0:
+            factor = self.max_position_embeddings / (self.original_max_position_embeddings or 1)
+            scale = 1.0
+            if self.rope_long_factor and factor > 1.0:
+                scale = math.sqrt(1 + math.log(factor) / math.log(self.original_max_position_embeddings))
+            object.__setattr__(self, "rope_attention_factor", scale)
+
+    @property
+    def rotary_dim(self) -> int:
+        """R, the leading dims of each head that RoPE rotates: ``int(D * partial_rotary_factor)``."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def is_moe(self) -> bool:
@@ -127,6 +153,15 @@ class ModelConfig:
                              f"num_key_value_heads {self.num_key_value_heads}")
         if self.is_moe:
             self._validate_moe()
+        if self.rotary_dim <= 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives {self.rotary_dim} rotary dims "
+                             f"of head_dim {self.head_dim}; it must be a positive even number")
+        half = self.rotary_dim // 2
+        if self.rope_long_factor and not (len(self.rope_long_factor) == len(self.rope_short_factor) == half
+                                          and self.original_max_position_embeddings > 0):
+            raise ValueError(f"LongRoPE needs long and short factors of {half} values each (rotary dims / 2) and "
+                             f"original_max_position_embeddings; got {len(self.rope_long_factor)}, "
+                             f"{len(self.rope_short_factor)}, {self.original_max_position_embeddings}")
         return self
 
     def _validate_moe(self) -> None:

@@ -16,7 +16,9 @@ import torch
 from tiny import MERGED, SPECIALS, _permute, add_tokenizer_metadata
 
 VOCAB = 256 + len(MERGED) + len(SPECIALS)
-FAMILIES = ("qwen3", "qwen3moe", "mixtral")
+FAMILIES = ("qwen3", "qwen3moe", "mixtral", "phi3")
+#: Phi-3's LongRoPE switches to the long factors past this many tokens (the tests cross it).
+PHI3_ORIGINAL_CONTEXT = 16
 #: Shared tiny widths: 4 layers, C=32, H=4, Hkv=2; Qwen3 families set D=16 apart from C/H=8.
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512,
@@ -39,6 +41,14 @@ def hf_model(family: str, seed: int = 0):
     elif family == "mixtral":
         cfg = tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
         cls = tf.MixtralForCausalLM
+    elif family == "phi3":  # LongRoPE, partial rotary (4 of 8 dims) and a 6-token sliding window
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.3], "long_factor": [2.0, 5.0],
+                "original_max_position_embeddings": PHI3_ORIGINAL_CONTEXT}
+        cfg = tf.Phi3Config(**(COMMON | {"max_position_embeddings": 64}), original_max_position_embeddings=
+                            PHI3_ORIGINAL_CONTEXT, rope_parameters=rope, sliding_window=6, pad_token_id=0,
+                            bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
+        cls = tf.Phi3ForCausalLM
     else:
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
     cfg._attn_implementation = "eager"
@@ -68,7 +78,7 @@ def write_hf(model, path: Path) -> Path:
 
 
 def _gguf_arch(family: str) -> str:
-    return {"qwen3": "qwen3", "qwen3moe": "qwen3moe", "mixtral": "llama"}[family]
+    return {"qwen3": "qwen3", "qwen3moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3"}[family]
 
 
 _NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -76,7 +86,8 @@ _NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernor
           "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
           "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
           "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-          "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight"}
+          "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+          "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
 
 
 def _gguf_tensors(family: str, model) -> dict[str, np.ndarray]:
@@ -126,7 +137,7 @@ def write_gguf(model, family: str, path: Path) -> Path:
     wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     wr.add_rope_freq_base(10000.0)
     wr.add_vocab_size(cfg.vocab_size)
-    if family != "mixtral":
+    if family in ("qwen3", "qwen3moe"):
         wr.add_key_length(cfg.head_dim)
         wr.add_value_length(cfg.head_dim)
     if family in ("qwen3moe", "mixtral"):
@@ -134,6 +145,8 @@ def write_gguf(model, family: str, path: Path) -> Path:
         wr.add_expert_used_count(cfg.num_experts_per_tok)
     if family == "qwen3moe":
         wr.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if family == "phi3":
+        _add_phi3_metadata(wr, cfg)
     add_tokenizer_metadata(wr)
     for name, arr in _gguf_tensors(family, model).items():
         wr.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
@@ -142,3 +155,19 @@ def write_gguf(model, family: str, path: Path) -> Path:
     wr.write_tensors_to_file()
     wr.close()
     return path
+
+
+def _add_phi3_metadata(wr, cfg) -> None:
+    """What llama.cpp's ``Phi3MiniModel`` writes: rotary dims, sliding window, LongRoPE."""
+    import math
+
+    rope = cfg.rope_parameters
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    original = rope["original_max_position_embeddings"]
+    scale = cfg.max_position_embeddings / original
+    wr.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+    wr.add_sliding_window(cfg.sliding_window or 0)
+    wr.add_rope_scaling_orig_ctx_len(original)
+    wr.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    wr.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    wr.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))

@@ -73,8 +73,10 @@ def test_every_layer_boundary_prefill_then_steps_equals_transformers(family, fmt
 def test_gguf_and_hf_directory_give_the_same_config(family):
     _, paths, _ = family
     a, b = (load_shard(paths[f], LayerRange(0, 1)).cfg for f in ("gguf", "hf"))
-    assert a.rms_norm_eps == pytest.approx(b.rms_norm_eps)  # GGUF stores it as float32
-    assert replace(a, rms_norm_eps=0.0) == replace(b, rms_norm_eps=0.0)
+    floats = ("rms_norm_eps", "rope_attention_factor", "rope_long_factor", "rope_short_factor")
+    for name in floats:  # GGUF stores them as float32
+        assert getattr(a, name) == pytest.approx(getattr(b, name), rel=1e-6), name
+    assert replace(a, **{n: getattr(b, n) for n in floats}) == b
 
 
 @pytest.mark.parametrize("precision,tol", [("bf16", 0.5), ("q8-bf16", 0.2)])
@@ -119,6 +121,43 @@ def test_batched_pass_equals_single_passes_and_runs_each_expert_once(moe, tmp_pa
         assert int(got.argmax()) == int(want.argmax())
 
 
+def test_phi3_longrope_switches_to_the_long_factors_when_transformers_does(tmp_path):
+    """Prefill under Phi-3's original context, then one token per step past it: each step's
+    factors follow the sequence length, as transformers' incremental decoding with a cache;
+    the whole sequence at once takes the long factors everywhere, as transformers' does."""
+    model = hff.hf_model("phi3", seed=3)
+    path = hff.write_gguf(model, "phi3", tmp_path / "phi3.gguf")
+    ids = [(7 * i + 3) % 256 for i in range(hff.PHI3_ORIGINAL_CONTEXT + 8)]
+    P = hff.PHI3_ORIGINAL_CONTEXT - 4
+    with torch.no_grad():
+        out = model(torch.tensor([ids[:P]]), use_cache=True)
+        rows, past = [out.logits[0]], out.past_key_values
+        for t in ids[P:]:
+            out = model(torch.tensor([[t]]), cache=past, use_cache=True)
+            rows.append(out.logits[0])
+            past = out.past_key_values
+    chain = [load_shard(path, LayerRange(0, 2)), load_shard(path, LayerRange(2, 4))]
+    assert rel(run_chain(chain, ids[:P], ids[P:]), torch.cat(rows)) < REL_TOL
+    whole = load_shard(path)(torch.tensor([ids]), 0, logits="all")[0]
+    assert rel(whole, hff.hf_logits(model, ids)) < REL_TOL
+
+
+def test_phi3_batched_pass_takes_each_sequences_own_longrope_factors(tmp_path):
+    """One sequence past the original context and one under it share a batched pass; each gets
+    the logits a pass of its own gives."""
+    shard = load_shard(hff.write_gguf(hff.hf_model("phi3", seed=4), "phi3", tmp_path / "phi3.gguf"))
+    prompts = [[(5 * i + 1) % 256 for i in range(hff.PHI3_ORIGINAL_CONTEXT + 3)], PROMPT]
+    single, batch = [new_cache(shard) for _ in prompts], [new_cache(shard) for _ in prompts]
+    for ids, a, b in zip(prompts, single, batch):
+        shard(torch.tensor([ids]), 0, a)
+        shard(torch.tensor([ids]), 0, b)
+    steps = [torch.tensor([[9, 10]]), torch.tensor([[11]])]
+    out = shard.forward_batch(steps, [c.length for c in batch], batch, logits="all")
+    for x, cache, got in zip(steps, single, out):
+        want = shard(x, cache.length, cache, logits="all")
+        assert rel(got, want) < 1e-5
+
+
 def test_unsupported_gguf_architecture_is_refused_naming_it_and_the_supported(tmp_path):
     import gguf
 
@@ -130,14 +169,14 @@ def test_unsupported_gguf_architecture_is_refused_naming_it_and_the_supported(tm
     wr.write_tensors_to_file()
     wr.close()
     with pytest.raises(WeightsError, match=r"architecture 'gemma2' is not supported; supported: "
-                                           r"llama, qwen2, qwen3, qwen3moe \(llama with experts: Mixtral\)"):
+                                           r"llama, qwen2, qwen3, qwen3moe, phi3 \(llama with experts: Mixtral\)"):
         load_shard(tmp_path / "g.gguf")
 
 
 def test_unsupported_config_json_model_type_is_refused_naming_it_and_the_supported(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3", "hidden_size": 32}))
-    with pytest.raises(WeightsError, match=r"model_type 'phi3' is not supported; supported: "
-                                           r"llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon", "hidden_size": 32}))
+    with pytest.raises(WeightsError, match=r"model_type 'falcon' is not supported; supported: "
+                                           r"llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe"):
         load_shard(tmp_path)
 
 

@@ -8,6 +8,7 @@ architecture   file                         what differs
 ``qwen3``      ``models/qwen3.py``          per-head q/k RMSNorm, explicit head_dim
 ``qwen3moe``   ``models/moe.py``            Qwen3 attention, sparse MoE feed-forward
 ``mixtral``    ``models/moe.py``            Llama attention, sparse MoE feed-forward
+``phi3``       ``models/phi3.py``           fused qkv and gate_up, LongRoPE, sliding window
 =============  ===========================  ==========================================
 
 ``meshinfer.config.SUPPORTED_ARCHITECTURES`` lists the same names without importing torch.
@@ -20,7 +21,7 @@ from typing import Callable
 from torch import nn
 
 from ..config import SUPPORTED_ARCHITECTURES, ModelConfig
-from . import llama, moe, qwen3
+from . import llama, moe, phi3, qwen3
 
 #: architecture -> a function building one decoder layer from the config.
 BLOCKS: dict[str, Callable[[ModelConfig], nn.Module]] = {
@@ -29,6 +30,7 @@ BLOCKS: dict[str, Callable[[ModelConfig], nn.Module]] = {
     "qwen3": qwen3.make_block,
     "qwen3moe": moe.make_qwen3moe_block,
     "mixtral": moe.make_mixtral_block,
+    "phi3": phi3.make_block,
 }
 assert set(BLOCKS) == set(SUPPORTED_ARCHITECTURES)
 

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 from ..config import LayerRange, ModelConfig
 from ..errors import InvalidInput, PositionError, WeightsError
-from .common import LayerCache, RMSNorm, apply_rope, causal_attention, rope_cos_sin
+from .common import LayerCache, RMSNorm, apply_rope, causal_attention, rope_tables
 from .quant import Precision, quantize_modules
 
 
@@ -31,7 +31,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         C, H, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = H, Hkv, D
+        self.n_heads, self.n_kv_heads, self.head_dim, self.window = H, Hkv, D, cfg.sliding_window
         self.q_proj = nn.Linear(C, H * D, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
@@ -53,7 +53,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, Hkv, S, D)
-        y = causal_attention(q, k, v, start)  # (B, H, T, D)
+        y = causal_attention(q, k, v, start, window=self.window)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def forward_ragged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -71,7 +71,7 @@ class Attention(nn.Module):
         for seg in segments:
             rows = slice(seg.offset, seg.offset + seg.length)
             k_all, v_all = seg.cache.update(layer, k[:, :, rows], v[:, :, rows])  # (1, Hkv, S_i, D)
-            ys.append(causal_attention(q[:, :, rows], k_all, v_all, seg.start))  # (1, H, T_i, D)
+            ys.append(causal_attention(q[:, :, rows], k_all, v_all, seg.start, window=self.window))  # (1, H, T_i, D)
         y = torch.cat(ys, dim=2) if len(ys) > 1 else ys[0]  # (1, H, N, D)
         return self.o_proj(y.transpose(1, 2).reshape(1, N, -1))
 
@@ -275,7 +275,7 @@ class Shard(nn.Module):
         x = x.to(self.device)  # inputs may come from anywhere (the wire, a warm-up) on the CPU
         h = self.embed_tokens(x) if run.start == 0 else x.to(self.dtype)  # (B, T, C)
         positions = torch.arange(start, start + T, device=h.device)  # (T,)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        cos, sin = rope_tables(self.cfg, positions, start + T, h.dtype)  # (T, R)
         for i in range(run.start, run.stop):
             h = self.layers[str(i)](h, cos, sin, start, cache, i)
         if cache is not None:
@@ -285,6 +285,16 @@ class Shard(nn.Module):
         if logits == "last":
             h = h[:, -1:]  # (B, 1, C)
         return self.lm_head(self.norm(h)).float()  # (B, T|1, V)
+
+    def _packed_rope(self, segments: Sequence[Segment], dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``(N, R)`` for the packed rows: each row at its own position; under LongRoPE,
+        with the factors its own sequence's length picks."""
+        spans = [torch.arange(s.start, s.start + s.length, device=device) for s in segments]
+        if not self.cfg.rope_long_factor:
+            return rope_tables(self.cfg, torch.cat(spans), 0, dtype)  # (N, R)
+        tables = [rope_tables(self.cfg, p, s.start + s.length, dtype) for p, s in zip(spans, segments)]
+        return torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])  # (N, R) x 2
 
     @torch.inference_mode()
     def forward_batch(self, xs: Sequence[torch.Tensor], starts: Sequence[int], caches: Sequence[LayerCache], *,
@@ -343,8 +353,7 @@ class Shard(nn.Module):
             h = self.embed_tokens(torch.cat([x.to(device) for x in xs], dim=1))  # (1, N, C)
         else:
             h = torch.cat([x.to(device=device, dtype=self.dtype) for x in xs], dim=1)  # (1, N, C)
-        positions = torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in segments])  # (N,)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)  # (N, D)
+        cos, sin = self._packed_rope(segments, h.dtype, device)  # (N, R)
         for i in range(run.start, run.stop):
             h = self.layers[str(i)].forward_ragged(h, cos, sin, segments, i)
         for seg in segments:

@@ -57,7 +57,7 @@ SUPPORTED_TYPES = frozenset({
 
 #: ``general.architecture`` values read here (llama.cpp's names). A ``llama`` file with
 #: ``llama.expert_count`` > 0 is Mixtral (llama.cpp converts Mixtral as ``llama``).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3")
 
 # GGUF tensor name (without the "blk.N." prefix) -> module name inside a block.
 _BLOCK_NAMES = {
@@ -86,8 +86,16 @@ _EXPERT_NAMES = {
 }
 
 
+# Phi-3: q, k, v in one tensor; llama.cpp's ``ffn_up`` holds gate and up fused (2F rows).
+_PHI3_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn_qkv.weight": "self_attn.qkv_proj.weight",
+               "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+               "ffn_up.weight": "mlp.gate_up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+
+
 def _block_names(cfg: ModelConfig) -> dict[str, str]:
     """GGUF suffix -> module name for one block of ``cfg``'s family (experts excluded)."""
+    if cfg.architecture == "phi3":
+        return dict(_PHI3_NAMES)
     names = dict(_BLOCK_NAMES)
     if cfg.architecture in ("qwen3", "qwen3moe"):
         names |= _QK_NORM_NAMES
@@ -455,11 +463,27 @@ class GGUFFile:
             num_experts_per_tok=int(num("expert_used_count", 0)),
             moe_intermediate_size=int(num("expert_feed_forward_length", exps.dims[1] if exps else 0)),
             norm_topk_prob=bool(self.field(f"{arch}.expert_weights_norm", True)),  # llama.cpp's default
+            **(self._phi3_fields(num) if arch == "phi3" else {}),
         )
         try:
             return cfg.validate()
         except ValueError as exc:
             raise WeightsError(f"{self.path}: {exc}") from exc
+
+    def _phi3_fields(self, num: Callable[..., object]) -> dict[str, object]:
+        """Phi-3's partial rotary, sliding window and LongRoPE (``rope_factors_long/short``
+        tensors, ``rope.scaling.*``), as llama.cpp's converter writes them."""
+        heads = int(num("attention.head_count"))
+        head_dim = int(num("attention.key_length", 0)) or int(num("embedding_length")) // heads
+        fields: dict[str, object] = {
+            "partial_rotary_factor": int(num("rope.dimension_count", head_dim)) / head_dim,
+            "sliding_window": int(num("attention.sliding_window", 0))}
+        if "rope_factors_long.weight" in self._tensors:
+            fields |= {"rope_long_factor": tuple(self.dequantize("rope_factors_long.weight").tolist()),
+                       "rope_short_factor": tuple(self.dequantize("rope_factors_short.weight").tolist()),
+                       "original_max_position_embeddings": int(num("rope.scaling.original_context_length")),
+                       "rope_attention_factor": float(num("rope.scaling.attn_factor", 0.0))}
+        return fields
 
     # ------------------------------------------------------------------ tensors
     def tensor_names(self) -> list[str]:

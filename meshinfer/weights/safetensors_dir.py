@@ -18,7 +18,7 @@ from ..errors import WeightsError
 
 #: config.json ``model_type`` -> ``ModelConfig.architecture``.
 _ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama", "qwen3": "qwen3",
-                       "qwen3_moe": "qwen3moe", "mixtral": "mixtral"}
+                       "qwen3_moe": "qwen3moe", "mixtral": "mixtral", "phi3": "phi3"}
 
 # Mixtral checkpoint names -> the module names of ``meshinfer.models.moe`` (Qwen3-MoE's).
 _MIXTRAL_RENAMES = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
@@ -52,6 +52,30 @@ def _moe_fields(raw: dict, arch: str, path: Path) -> dict:
             "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
             # HF's Qwen3MoeConfig defaults norm_topk_prob to False; Mixtral always renormalises
             "norm_topk_prob": arch == "mixtral" or bool(raw.get("norm_topk_prob", False))}
+
+
+def _phi3_fields(raw: dict, path: Path) -> dict:
+    """Phi-3's partial rotary, sliding window and LongRoPE from a config.json (transformers 4:
+    ``rope_scaling`` and top-level fields; transformers 5: ``rope_parameters``).
+
+    Raises:
+        WeightsError: a RoPE scaling type other than LongRoPE (``longrope``, ``su``).
+    """
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    fields = {"partial_rotary_factor": float(rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor")
+                                             or 1.0),
+              "sliding_window": int(raw.get("sliding_window") or 0)}
+    if kind == "default":
+        return fields
+    if kind not in ("longrope", "su"):
+        raise WeightsError(f"{path}/config.json: RoPE scaling {kind!r} is not supported for phi3; "
+                           "supported: longrope (su), or none")
+    return fields | {"rope_long_factor": tuple(float(f) for f in rope["long_factor"]),
+                     "rope_short_factor": tuple(float(f) for f in rope["short_factor"]),
+                     "original_max_position_embeddings": int(rope.get("original_max_position_embeddings")
+                                                             or raw["original_max_position_embeddings"]),
+                     "rope_attention_factor": float(rope.get("attention_factor") or 0.0)}
 
 
 def _rope_theta(raw: dict) -> float:
@@ -113,6 +137,7 @@ class SafetensorsDir:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 head_dim=int(raw.get("head_dim") or 0),
                 **_moe_fields(raw, arch, self.path),
+                **(_phi3_fields(raw, self.path) if arch == "phi3" else {}),
             )
             return cfg.validate()
         except KeyError as exc:
