@@ -17,8 +17,9 @@ from .errors import LayerRangeError
 #: Architectures meshinfer runs, and the one file under ``meshinfer/models/`` that implements each
 #: (``meshinfer.models.families``): Llama-style (``llama``, SmolLM2 and Mistral too; ``qwen2``),
 #: Qwen3 dense (``qwen3``: q/k RMSNorm), sparse mixture-of-experts (``qwen3moe``, ``mixtral``),
-#: Phi-3 (``phi3``: fused projections, LongRoPE, sliding window).
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "phi3")
+#: Phi-3 (``phi3``: fused projections, LongRoPE, sliding window), Gemma 2 (``gemma2``: extra norms,
+#: soft-capping, alternating sliding-window layers).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "phi3", "gemma2")
 #: Architectures whose feed-forward is a sparse mixture of experts (``meshinfer.models.moe``).
 MOE_ARCHITECTURES = ("qwen3moe", "mixtral")
 #: Compute precisions (``--dtype`` values and advertised identities); each is one kernel family,
@@ -58,6 +59,11 @@ class ModelConfig:
         original_max_position_embeddings: the pre-training context LongRoPE extends.
         rope_attention_factor: LongRoPE's cos/sin scale. 0 (the default) derives HF's
             ``sqrt(1 + ln(s) / ln(original))`` with ``s = max_position / original`` (1 if s <= 1).
+        layer_types: per layer, ``"sliding_attention"`` or ``"full_attention"`` (Gemma 2: they
+            alternate); empty: ``sliding_window`` (if any) applies to every layer.
+        query_pre_attn_scalar: attention scores are scaled by its ``-1/2`` power; 0 = ``head_dim``.
+        attn_logit_softcapping, final_logit_softcapping: 0, or ``cap`` in ``cap * tanh(x / cap)``
+            applied to attention scores / output logits (Gemma 2: 50 and 30).
     """
 
     architecture: str
@@ -83,6 +89,10 @@ class ModelConfig:
     rope_long_factor: tuple[float, ...] = ()
     original_max_position_embeddings: int = 0
     rope_attention_factor: float = 0.0
+    layer_types: tuple[str, ...] = ()
+    query_pre_attn_scalar: float = 0.0
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
 
     def __post_init__(self) -> None:  # the derived fields, computed here only
         heads = self.num_attention_heads
@@ -94,6 +104,17 @@ class ModelConfig:
             if self.rope_long_factor and factor > 1.0:
                 scale = math.sqrt(1 + math.log(factor) / math.log(self.original_max_position_embeddings))
             object.__setattr__(self, "rope_attention_factor", scale)
+
+    @property
+    def embed_scale(self) -> float:
+        """Factor on the token embeddings: ``sqrt(C)`` for Gemma (HF ``ScaledWordEmbedding``), else 1."""
+        return math.sqrt(self.hidden_size) if self.architecture == "gemma2" else 1.0
+
+    def window(self, layer: int) -> int:
+        """The sliding window of ``layer`` (0: full attention); see ``layer_types``."""
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return self.sliding_window
 
     @property
     def rotary_dim(self) -> int:
@@ -121,6 +142,7 @@ class ModelConfig:
         C, H, Hkv, D, V = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim, \
             self.vocab_size
         attn = 2 * C * H * D + 2 * C * Hkv * D + 2 * C  # q, o, k, v, the two block norms
+        attn += 2 * C * (self.architecture == "gemma2")  # Gemma: a norm after each sublayer too
         attn += (H * D + 2 * Hkv * D) * self.attention_bias + 2 * D * (self.architecture in ("qwen3", "qwen3moe"))
         if self.is_moe:
             expert = 3 * C * self.moe_intermediate_size
@@ -156,6 +178,10 @@ class ModelConfig:
         if self.rotary_dim <= 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives {self.rotary_dim} rotary dims "
                              f"of head_dim {self.head_dim}; it must be a positive even number")
+        if self.layer_types and (len(self.layer_types) != self.num_hidden_layers or
+                                 set(self.layer_types) - {"sliding_attention", "full_attention"}):
+            raise ValueError(f"layer_types must name sliding_attention or full_attention for each of the "
+                             f"{self.num_hidden_layers} layers, got {list(self.layer_types)}")
         half = self.rotary_dim // 2
         if self.rope_long_factor and not (len(self.rope_long_factor) == len(self.rope_short_factor) == half
                                           and self.original_max_position_embeddings > 0):

@@ -16,7 +16,7 @@ import torch
 from tiny import MERGED, SPECIALS, _permute, add_tokenizer_metadata
 
 VOCAB = 256 + len(MERGED) + len(SPECIALS)
-FAMILIES = ("qwen3", "qwen3moe", "mixtral", "phi3")
+FAMILIES = ("qwen3", "qwen3moe", "mixtral", "phi3", "gemma2")
 #: Phi-3's LongRoPE switches to the long factors past this many tokens (the tests cross it).
 PHI3_ORIGINAL_CONTEXT = 16
 #: Shared tiny widths: 4 layers, C=32, H=4, Hkv=2; Qwen3 families set D=16 apart from C/H=8.
@@ -49,6 +49,11 @@ def hf_model(family: str, seed: int = 0):
                             PHI3_ORIGINAL_CONTEXT, rope_parameters=rope, sliding_window=6, pad_token_id=0,
                             bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
         cls = tf.Phi3ForCausalLM
+    elif family == "gemma2":  # small caps so that tanh bites; a 4-token window on even layers
+        cfg = tf.Gemma2Config(**COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0, pad_token_id=0,
+                              bos_token_id=None, eos_token_id=None, tie_word_embeddings=True)
+        cls = tf.Gemma2ForCausalLM
     else:
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
     cfg._attn_implementation = "eager"
@@ -78,7 +83,12 @@ def write_hf(model, path: Path) -> Path:
 
 
 def _gguf_arch(family: str) -> str:
-    return {"qwen3": "qwen3", "qwen3moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3"}[family]
+    return {"qwen3": "qwen3", "qwen3moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3", "gemma2": "gemma2"}[family]
+
+
+_GEMMA2_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                 "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 
 
 _NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -100,6 +110,8 @@ def _gguf_tensors(family: str, model) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name, p in model.state_dict().items():
         arr = p.detach().float().numpy()
+        if family == "gemma2" and name.endswith("norm.weight"):
+            arr = arr + 1  # llama.cpp's Gemma converter stores 1 + w
         if name == "lm_head.weight":
             if not cfg.tie_word_embeddings:
                 out["output.weight"] = arr
@@ -118,7 +130,7 @@ def _gguf_tensors(family: str, model) -> dict[str, np.ndarray]:
         elif rest == "mlp.experts.down_proj":
             out[f"blk.{i}.ffn_down_exps.weight"] = arr
         else:
-            out[f"blk.{i}.{_NAMES[rest]}"] = arr
+            out[f"blk.{i}.{(_GEMMA2_NAMES if family == 'gemma2' else {}).get(rest) or _NAMES[rest]}"] = arr
     return out
 
 
@@ -137,7 +149,11 @@ def write_gguf(model, family: str, path: Path) -> Path:
     wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     wr.add_rope_freq_base(10000.0)
     wr.add_vocab_size(cfg.vocab_size)
-    if family in ("qwen3", "qwen3moe"):
+    if family == "gemma2":
+        wr.add_sliding_window(cfg.sliding_window)
+        wr.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        wr.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if family in ("qwen3", "qwen3moe", "gemma2"):
         wr.add_key_length(cfg.head_dim)
         wr.add_value_length(cfg.head_dim)
     if family in ("qwen3moe", "mixtral"):

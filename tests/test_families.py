@@ -94,6 +94,21 @@ def test_low_precisions_run_and_stay_near_f32(family, precision, tol):
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
 
 
+def test_batched_pass_equals_single_passes(family):
+    """Sequences at different positions (windows and caps included) in one ``forward_batch``."""
+    _, paths, _ = family
+    shard = load_shard(paths["gguf"])
+    prompts = [PROMPT, FOLLOW, PROMPT + FOLLOW]
+    single, batch = [new_cache(shard) for _ in prompts], [new_cache(shard) for _ in prompts]
+    for ids, a, b in zip(prompts, single, batch):
+        shard(torch.tensor([ids]), 0, a)
+        shard(torch.tensor([ids]), 0, b)
+    steps = [torch.tensor([[7]]), torch.tensor([[42, 43]]), torch.tensor([[259]])]
+    out = shard.forward_batch(steps, [c.length for c in batch], batch, logits="all")
+    for x, cache, got in zip(steps, single, out):
+        assert rel(got, shard(x, cache.length, cache, logits="all")) < 1e-5
+
+
 @pytest.mark.parametrize("moe", ["qwen3moe", "mixtral"])
 def test_batched_pass_equals_single_passes_and_runs_each_expert_once(moe, tmp_path):
     """Three sequences at different positions in one ``forward_batch``: same logits as one
@@ -161,22 +176,22 @@ def test_phi3_batched_pass_takes_each_sequences_own_longrope_factors(tmp_path):
 def test_unsupported_gguf_architecture_is_refused_naming_it_and_the_supported(tmp_path):
     import gguf
 
-    wr = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma2")
+    wr = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "falcon")
     wr.add_block_count(2)
     wr.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
     wr.close()
-    with pytest.raises(WeightsError, match=r"architecture 'gemma2' is not supported; supported: "
-                                           r"llama, qwen2, qwen3, qwen3moe, phi3 \(llama with experts: Mixtral\)"):
+    with pytest.raises(WeightsError, match=r"architecture 'falcon' is not supported; supported: "
+                                           r"llama, qwen2, qwen3, qwen3moe, phi3, gemma2 \(llama with experts: Mixtral\)"):
         load_shard(tmp_path / "g.gguf")
 
 
 def test_unsupported_config_json_model_type_is_refused_naming_it_and_the_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon", "hidden_size": 32}))
     with pytest.raises(WeightsError, match=r"model_type 'falcon' is not supported; supported: "
-                                           r"llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe"):
+                                           r"gemma2, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe"):
         load_shard(tmp_path)
 
 

@@ -9,6 +9,8 @@ architecture   file                         what differs
 ``qwen3moe``   ``models/moe.py``            Qwen3 attention, sparse MoE feed-forward
 ``mixtral``    ``models/moe.py``            Llama attention, sparse MoE feed-forward
 ``phi3``       ``models/phi3.py``           fused qkv and gate_up, LongRoPE, sliding window
+``gemma2``     ``models/gemma.py``          (1 + w) norms around both sublayers, soft-caps,
+                                            sqrt(C) embedding scale, GeLU, sliding layers
 =============  ===========================  ==========================================
 
 ``meshinfer.config.SUPPORTED_ARCHITECTURES`` lists the same names without importing torch.
@@ -21,22 +23,25 @@ from typing import Callable
 from torch import nn
 
 from ..config import SUPPORTED_ARCHITECTURES, ModelConfig
-from . import llama, moe, phi3, qwen3
+from . import gemma, llama, moe, phi3, qwen3
+from .common import RMSNorm
 
-#: architecture -> a function building one decoder layer from the config.
-BLOCKS: dict[str, Callable[[ModelConfig], nn.Module]] = {
-    "llama": llama.Block,
-    "qwen2": llama.Block,
-    "qwen3": qwen3.make_block,
-    "qwen3moe": moe.make_qwen3moe_block,
-    "mixtral": moe.make_mixtral_block,
-    "phi3": phi3.make_block,
+#: architecture -> a function building one decoder layer from the config (most families build
+#: every layer alike; Gemma's differ by layer index: sliding or full attention).
+BLOCKS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
+    "llama": lambda cfg, layer: llama.Block(cfg),
+    "qwen2": lambda cfg, layer: llama.Block(cfg),
+    "qwen3": lambda cfg, layer: qwen3.make_block(cfg),
+    "qwen3moe": lambda cfg, layer: moe.make_qwen3moe_block(cfg),
+    "mixtral": lambda cfg, layer: moe.make_mixtral_block(cfg),
+    "phi3": lambda cfg, layer: phi3.make_block(cfg),
+    "gemma2": gemma.make_block,
 }
 assert set(BLOCKS) == set(SUPPORTED_ARCHITECTURES)
 
 
-def make_block(cfg: ModelConfig) -> nn.Module:
-    """One decoder layer of ``cfg``'s family.
+def make_block(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Decoder layer ``layer`` of ``cfg``'s family.
 
     Raises:
         ValueError: an architecture outside :data:`BLOCKS`; the message lists the supported ones.
@@ -45,4 +50,11 @@ def make_block(cfg: ModelConfig) -> nn.Module:
     if build is None:
         raise ValueError(f"architecture {cfg.architecture!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return build(cfg)
+    return build(cfg, layer)
+
+
+def make_final_norm(cfg: ModelConfig) -> nn.Module:
+    """The norm before the output projection: Gemma's ``(1 + w)`` RMSNorm, else the common one."""
+    cls = gemma.GemmaRMSNorm if cfg.architecture == "gemma2" else RMSNorm
+    return cls(cfg.hidden_size, cfg.rms_norm_eps)
+

@@ -45,6 +45,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         return q, k, v
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """Causal attention of q ``(B, H, T, D)`` over k, v ``(B, Hkv, S, D)`` -> ``(B, H, T, D)``."""
+        return causal_attention(q, k, v, start, window=self.window)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
                 cache: LayerCache | None, layer: int) -> torch.Tensor:
         """``x`` ``(B, T, C)`` -> ``(B, T, C)``; ``cos/sin`` ``(T, D)``; ``start`` = first position."""
@@ -53,7 +57,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, Hkv, S, D)
-        y = causal_attention(q, k, v, start, window=self.window)  # (B, H, T, D)
+        y = self.attend(q, k, v, start)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def forward_ragged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -71,7 +75,7 @@ class Attention(nn.Module):
         for seg in segments:
             rows = slice(seg.offset, seg.offset + seg.length)
             k_all, v_all = seg.cache.update(layer, k[:, :, rows], v[:, :, rows])  # (1, Hkv, S_i, D)
-            ys.append(causal_attention(q[:, :, rows], k_all, v_all, seg.start, window=self.window))  # (1, H, T_i, D)
+            ys.append(self.attend(q[:, :, rows], k_all, v_all, seg.start))  # (1, H, T_i, D)
         y = torch.cat(ys, dim=2) if len(ys) > 1 else ys[0]  # (1, H, N, D)
         return self.o_proj(y.transpose(1, 2).reshape(1, N, -1))
 
@@ -147,10 +151,10 @@ class Shard(nn.Module):
         self.is_first = layers.start == 0
         self.is_last = layers.stop == cfg.num_hidden_layers
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
-        from .families import make_block  # the families import this module's Attention, MLP, Block
+        from .families import make_block, make_final_norm  # the families import this module's classes
 
-        self.layers = nn.ModuleDict({str(i): make_block(cfg) for i in range(layers.start, layers.stop)})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
+        self.layers = nn.ModuleDict({str(i): make_block(cfg, i) for i in range(layers.start, layers.stop)})
+        self.norm = make_final_norm(cfg) if self.is_last else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last else None
 
     @property
@@ -273,7 +277,7 @@ class Shard(nn.Module):
         if cache is not None:
             cache.reserve(T)
         x = x.to(self.device)  # inputs may come from anywhere (the wire, a warm-up) on the CPU
-        h = self.embed_tokens(x) if run.start == 0 else x.to(self.dtype)  # (B, T, C)
+        h = self._embed(x) if run.start == 0 else x.to(self.dtype)  # (B, T, C)
         positions = torch.arange(start, start + T, device=h.device)  # (T,)
         cos, sin = rope_tables(self.cfg, positions, start + T, h.dtype)  # (T, R)
         for i in range(run.start, run.stop):
@@ -284,7 +288,20 @@ class Shard(nn.Module):
             return h
         if logits == "last":
             h = h[:, -1:]  # (B, 1, C)
-        return self.lm_head(self.norm(h)).float()  # (B, T|1, V)
+        return self._head(h)  # (B, T|1, V)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(B, T)`` -> embeddings ``(B, T, C)``, times ``cfg.embed_scale`` (Gemma)."""
+        h = self.embed_tokens(ids)  # (B, T, C)
+        if self.cfg.embed_scale != 1.0:
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)  # HF rounds the scale to the dtype
+        return h
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``(B, T, C)`` -> float32 logits ``(B, T, V)``, soft-capped when the config says."""
+        out = self.lm_head(self.norm(h)).float()  # (B, T, V)
+        cap = self.cfg.final_logit_softcapping
+        return torch.tanh(out / cap) * cap if cap else out
 
     def _packed_rope(self, segments: Sequence[Segment], dtype: torch.dtype,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,7 +367,7 @@ class Shard(nn.Module):
             offset += x.shape[1]
         device = self.device
         if run.start == 0:
-            h = self.embed_tokens(torch.cat([x.to(device) for x in xs], dim=1))  # (1, N, C)
+            h = self._embed(torch.cat([x.to(device) for x in xs], dim=1))  # (1, N, C)
         else:
             h = torch.cat([x.to(device=device, dtype=self.dtype) for x in xs], dim=1)  # (1, N, C)
         cos, sin = self._packed_rope(segments, h.dtype, device)  # (N, R)
@@ -366,5 +383,5 @@ class Shard(nn.Module):
             spans.append((len(rows), len(rows) + seg.offset + seg.length - first))
             rows.extend(range(first, seg.offset + seg.length))
         picked = h if len(rows) == h.shape[1] else h[:, torch.tensor(rows, device=device)]  # (1, R, C)
-        out = self.lm_head(self.norm(picked)).float()  # (1, R, V)
+        out = self._head(picked)  # (1, R, V)
         return [out[:, a:b] for a, b in spans]  # B x (1, 1 or T_i, V)

@@ -57,7 +57,7 @@ SUPPORTED_TYPES = frozenset({
 
 #: ``general.architecture`` values read here (llama.cpp's names). A ``llama`` file with
 #: ``llama.expert_count`` > 0 is Mixtral (llama.cpp converts Mixtral as ``llama``).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2")
 
 # GGUF tensor name (without the "blk.N." prefix) -> module name inside a block.
 _BLOCK_NAMES = {
@@ -92,10 +92,19 @@ _PHI3_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn_qkv.weight": 
                "ffn_up.weight": "mlp.gate_up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
 
 
+# Gemma 2: a norm after each sublayer; ``ffn_norm`` is the one before the MLP. Norm weights are
+# stored as ``1 + w`` (llama.cpp's converter adds the 1), which is what ``GemmaRMSNorm`` holds.
+_GEMMA2_NORM_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                      "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                      "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+
+
 def _block_names(cfg: ModelConfig) -> dict[str, str]:
     """GGUF suffix -> module name for one block of ``cfg``'s family (experts excluded)."""
     if cfg.architecture == "phi3":
         return dict(_PHI3_NAMES)
+    if cfg.architecture == "gemma2":
+        return _BLOCK_NAMES | _GEMMA2_NORM_NAMES | _DENSE_FFN_NAMES
     names = dict(_BLOCK_NAMES)
     if cfg.architecture in ("qwen3", "qwen3moe"):
         names |= _QK_NORM_NAMES
@@ -464,6 +473,7 @@ class GGUFFile:
             moe_intermediate_size=int(num("expert_feed_forward_length", exps.dims[1] if exps else 0)),
             norm_topk_prob=bool(self.field(f"{arch}.expert_weights_norm", True)),  # llama.cpp's default
             **(self._phi3_fields(num) if arch == "phi3" else {}),
+            **(self._gemma2_fields(num) if arch == "gemma2" else {}),
         )
         try:
             return cfg.validate()
@@ -484,6 +494,17 @@ class GGUFFile:
                        "original_max_position_embeddings": int(num("rope.scaling.original_context_length")),
                        "rope_attention_factor": float(num("rope.scaling.attn_factor", 0.0))}
         return fields
+
+    def _gemma2_fields(self, num: Callable[..., object]) -> dict[str, object]:
+        """Gemma 2's window, soft-caps and alternating layers (llama.cpp: sliding on even layers;
+        scales scores by ``key_length ** -0.5``; the 27B model's ``query_pre_attn_scalar`` is C/H
+        instead, which a GGUF does not record)."""
+        layers, heads = int(num("block_count")), int(num("attention.head_count"))
+        head_dim = int(num("attention.key_length", 0)) or int(num("embedding_length")) // heads
+        return {"sliding_window": int(num("attention.sliding_window", 0)), "query_pre_attn_scalar": float(head_dim),
+                "attn_logit_softcapping": float(num("attn_logit_softcapping", 0.0)),
+                "final_logit_softcapping": float(num("final_logit_softcapping", 0.0)),
+                "layer_types": tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))}
 
     # ------------------------------------------------------------------ tensors
     def tensor_names(self) -> list[str]:

@@ -18,7 +18,7 @@ from ..errors import WeightsError
 
 #: config.json ``model_type`` -> ``ModelConfig.architecture``.
 _ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama", "qwen3": "qwen3",
-                       "qwen3_moe": "qwen3moe", "mixtral": "mixtral", "phi3": "phi3"}
+                       "qwen3_moe": "qwen3moe", "mixtral": "mixtral", "phi3": "phi3", "gemma2": "gemma2"}
 
 # Mixtral checkpoint names -> the module names of ``meshinfer.models.moe`` (Qwen3-MoE's).
 _MIXTRAL_RENAMES = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
@@ -76,6 +76,18 @@ def _phi3_fields(raw: dict, path: Path) -> dict:
                      "original_max_position_embeddings": int(rope.get("original_max_position_embeddings")
                                                              or raw["original_max_position_embeddings"]),
                      "rope_attention_factor": float(rope.get("attention_factor") or 0.0)}
+
+
+def _gemma2_fields(raw: dict) -> dict:
+    """Gemma 2's window, soft-caps, score scale and layer types from a config.json (layer types
+    alternate, sliding first, when the file predates the field)."""
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    return {"sliding_window": int(raw.get("sliding_window") or 0),
+            "attn_logit_softcapping": float(raw.get("attn_logit_softcapping") or 0.0),
+            "final_logit_softcapping": float(raw.get("final_logit_softcapping") or 0.0),
+            "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar") or 0.0),
+            "layer_types": tuple(types)}
 
 
 def _rope_theta(raw: dict) -> float:
@@ -138,6 +150,7 @@ class SafetensorsDir:
                 head_dim=int(raw.get("head_dim") or 0),
                 **_moe_fields(raw, arch, self.path),
                 **(_phi3_fields(raw, self.path) if arch == "phi3" else {}),
+                **(_gemma2_fields(raw) if arch == "gemma2" else {}),
             )
             return cfg.validate()
         except KeyError as exc:
@@ -182,7 +195,16 @@ class SafetensorsDir:
             raise WeightsError(f"{file}: cannot read tensor {hf_name!r}: {exc}") from exc
 
     def iter_shard_tensors(self, layers: LayerRange) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(module_name, float32 tensor)`` for a shard over ``layers``; see ``GGUFFile``."""
+        """Yield ``(module_name, float32 tensor)`` for a shard over ``layers``; see ``GGUFFile``.
+
+        Gemma's norm weights ``w`` come out as ``1 + w``, the scale ``GemmaRMSNorm`` holds.
+        """
+        for name, tensor in self._iter_tensors(layers):
+            if self.config.architecture == "gemma2" and name.endswith("norm.weight"):
+                tensor = tensor + 1.0
+            yield name, tensor
+
+    def _iter_tensors(self, layers: LayerRange) -> Iterator[tuple[str, torch.Tensor]]:
         cfg = self.config
         layers.check_within(cfg.num_hidden_layers)
         if layers.start == 0:
