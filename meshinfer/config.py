@@ -17,9 +17,9 @@ from .errors import LayerRangeError
 #: Architectures meshinfer runs, and the one file under ``meshinfer/models/`` that implements each
 #: (``meshinfer.models.families``): Llama-style (``llama``, SmolLM2 and Mistral too; ``qwen2``),
 #: Qwen3 dense (``qwen3``: q/k RMSNorm), sparse mixture-of-experts (``qwen3moe``, ``mixtral``),
-#: Phi-3 (``phi3``: fused projections, LongRoPE, sliding window), Gemma 2 (``gemma2``: extra norms,
-#: soft-capping, alternating sliding-window layers).
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "phi3", "gemma2")
+#: Phi-3 (``phi3``: fused projections, LongRoPE, sliding window), Gemma 2 and 3 (``gemma2``,
+#: ``gemma3``: extra norms, soft-capping, sliding-window layers, Gemma 3's two RoPE bases).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "phi3", "gemma2", "gemma3")
 #: Architectures whose feed-forward is a sparse mixture of experts (``meshinfer.models.moe``).
 MOE_ARCHITECTURES = ("qwen3moe", "mixtral")
 #: Compute precisions (``--dtype`` values and advertised identities); each is one kernel family,
@@ -64,6 +64,10 @@ class ModelConfig:
         query_pre_attn_scalar: attention scores are scaled by its ``-1/2`` power; 0 = ``head_dim``.
         attn_logit_softcapping, final_logit_softcapping: 0, or ``cap`` in ``cap * tanh(x / cap)``
             applied to attention scores / output logits (Gemma 2: 50 and 30).
+        rope_local_theta: 0, or the RoPE base of the sliding-window layers, ``rope_theta`` being
+            the full layers' (Gemma 3: 10,000 and 1,000,000; HF ``rope_local_base_freq``).
+        rope_linear_factor: linear RoPE scaling of the full layers: positions divided by it
+            (Gemma 3 4B and up: 8); 1 = none.
     """
 
     architecture: str
@@ -93,6 +97,8 @@ class ModelConfig:
     query_pre_attn_scalar: float = 0.0
     attn_logit_softcapping: float = 0.0
     final_logit_softcapping: float = 0.0
+    rope_local_theta: float = 0.0
+    rope_linear_factor: float = 1.0
 
     def __post_init__(self) -> None:  # the derived fields, computed here only
         heads = self.num_attention_heads
@@ -108,7 +114,7 @@ class ModelConfig:
     @property
     def embed_scale(self) -> float:
         """Factor on the token embeddings: ``sqrt(C)`` for Gemma (HF ``ScaledWordEmbedding``), else 1."""
-        return math.sqrt(self.hidden_size) if self.architecture == "gemma2" else 1.0
+        return math.sqrt(self.hidden_size) if self.architecture in ("gemma2", "gemma3") else 1.0
 
     def window(self, layer: int) -> int:
         """The sliding window of ``layer`` (0: full attention); see ``layer_types``."""
@@ -142,8 +148,9 @@ class ModelConfig:
         C, H, Hkv, D, V = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim, \
             self.vocab_size
         attn = 2 * C * H * D + 2 * C * Hkv * D + 2 * C  # q, o, k, v, the two block norms
-        attn += 2 * C * (self.architecture == "gemma2")  # Gemma: a norm after each sublayer too
-        attn += (H * D + 2 * Hkv * D) * self.attention_bias + 2 * D * (self.architecture in ("qwen3", "qwen3moe"))
+        attn += 2 * C * (self.architecture in ("gemma2", "gemma3"))  # Gemma: a norm after each sublayer too
+        attn += (H * D + 2 * Hkv * D) * self.attention_bias
+        attn += 2 * D * (self.architecture in ("qwen3", "qwen3moe", "gemma3"))  # q/k norms
         if self.is_moe:
             expert = 3 * C * self.moe_intermediate_size
             resident = attn + self.num_experts * (C + expert)  # router row + expert, per expert

@@ -16,7 +16,7 @@ import torch
 from tiny import MERGED, SPECIALS, _permute, add_tokenizer_metadata
 
 VOCAB = 256 + len(MERGED) + len(SPECIALS)
-FAMILIES = ("qwen3", "qwen3moe", "mixtral", "phi3", "gemma2")
+FAMILIES = ("qwen3", "qwen3moe", "mixtral", "phi3", "gemma2", "gemma3")
 #: Phi-3's LongRoPE switches to the long factors past this many tokens (the tests cross it).
 PHI3_ORIGINAL_CONTEXT = 16
 #: Shared tiny widths: 4 layers, C=32, H=4, Hkv=2; Qwen3 families set D=16 apart from C/H=8.
@@ -54,6 +54,13 @@ def hf_model(family: str, seed: int = 0):
                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0, pad_token_id=0,
                               bos_token_id=None, eos_token_id=None, tie_word_embeddings=True)
         cls = tf.Gemma2ForCausalLM
+    elif family == "gemma3":  # 6 layers: 5 sliding (base 1e4), 1 full (base 1e3, linear x2)
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        cfg = tf.Gemma3TextConfig(**(COMMON | {"num_hidden_layers": 6}), head_dim=16, query_pre_attn_scalar=16,
+                                  sliding_window=4, rope_parameters=rope, pad_token_id=0, bos_token_id=None,
+                                  eos_token_id=None, tie_word_embeddings=True)
+        cls = tf.Gemma3ForCausalLM
     else:
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
     cfg._attn_implementation = "eager"
@@ -83,7 +90,8 @@ def write_hf(model, path: Path) -> Path:
 
 
 def _gguf_arch(family: str) -> str:
-    return {"qwen3": "qwen3", "qwen3moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3", "gemma2": "gemma2"}[family]
+    return {"qwen3": "qwen3", "qwen3moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3", "gemma2": "gemma2",
+            "gemma3": "gemma3"}[family]
 
 
 _GEMMA2_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -110,7 +118,7 @@ def _gguf_tensors(family: str, model) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name, p in model.state_dict().items():
         arr = p.detach().float().numpy()
-        if family == "gemma2" and name.endswith("norm.weight"):
+        if family in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             arr = arr + 1  # llama.cpp's Gemma converter stores 1 + w
         if name == "lm_head.weight":
             if not cfg.tie_word_embeddings:
@@ -130,7 +138,8 @@ def _gguf_tensors(family: str, model) -> dict[str, np.ndarray]:
         elif rest == "mlp.experts.down_proj":
             out[f"blk.{i}.ffn_down_exps.weight"] = arr
         else:
-            out[f"blk.{i}.{(_GEMMA2_NAMES if family == 'gemma2' else {}).get(rest) or _NAMES[rest]}"] = arr
+            gemma = family in ("gemma2", "gemma3")
+            out[f"blk.{i}.{(_GEMMA2_NAMES if gemma else {}).get(rest) or _NAMES[rest]}"] = arr
     return out
 
 
@@ -147,13 +156,20 @@ def write_gguf(model, family: str, path: Path) -> Path:
     wr.add_head_count(cfg.num_attention_heads)
     wr.add_head_count_kv(cfg.num_key_value_heads)
     wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    wr.add_rope_freq_base(10000.0)
+    wr.add_rope_freq_base(1000.0 if family == "gemma3" else 10000.0)
     wr.add_vocab_size(cfg.vocab_size)
     if family == "gemma2":
         wr.add_sliding_window(cfg.sliding_window)
         wr.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         wr.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    if family in ("qwen3", "qwen3moe", "gemma2"):
+    if family == "gemma3":
+        import gguf as g
+
+        wr.add_sliding_window(cfg.sliding_window)
+        wr.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+        wr.add_rope_scaling_type(g.RopeScalingType.LINEAR)
+        wr.add_rope_scaling_factor(cfg.rope_parameters["full_attention"]["factor"])
+    if family in ("qwen3", "qwen3moe", "gemma2", "gemma3"):
         wr.add_key_length(cfg.head_dim)
         wr.add_value_length(cfg.head_dim)
     if family in ("qwen3moe", "mixtral"):

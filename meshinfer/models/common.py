@@ -74,13 +74,21 @@ def rope_tables(cfg: ModelConfig, positions: torch.Tensor, seq_len: int,
 
     ``R = cfg.rotary_dim``. Under LongRoPE the long factors apply once the sequence is longer
     than ``original_max_position_embeddings``, the short ones before, as HF decides per forward
-    pass from its last position (``longrope_frequency_update``).
+    pass from its last position (``longrope_frequency_update``). With two RoPE bases
+    (``cfg.rope_local_theta``, Gemma 3) the result is ``(2, T, R)``: index 0 for the full
+    layers (``rope_theta``, divided by ``rope_linear_factor``), 1 for the sliding ones.
     """
     ext, scale = (), 1.0
     if cfg.rope_long_factor:
         long = seq_len > cfg.original_max_position_embeddings
         ext, scale = (cfg.rope_long_factor if long else cfg.rope_short_factor), cfg.rope_attention_factor
-    return rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, dtype, ext_factors=ext, scale=scale)
+    if cfg.rope_linear_factor != 1.0:
+        ext = (cfg.rope_linear_factor,) * (cfg.rotary_dim // 2)
+    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, dtype, ext_factors=ext, scale=scale)
+    if not cfg.rope_local_theta:
+        return cos, sin
+    local_cos, local_sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_local_theta, dtype)
+    return torch.stack((cos, local_cos)), torch.stack((sin, local_sin))  # (2, T, R) x 2
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

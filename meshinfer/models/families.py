@@ -11,6 +11,8 @@ architecture   file                         what differs
 ``phi3``       ``models/phi3.py``           fused qkv and gate_up, LongRoPE, sliding window
 ``gemma2``     ``models/gemma.py``          (1 + w) norms around both sublayers, soft-caps,
                                             sqrt(C) embedding scale, GeLU, sliding layers
+``gemma3``     ``models/gemma.py``          Gemma 2 without caps, q/k norms, 5:1 sliding,
+                                            a RoPE base per layer kind
 =============  ===========================  ==========================================
 
 ``meshinfer.config.SUPPORTED_ARCHITECTURES`` lists the same names without importing torch.
@@ -36,6 +38,7 @@ BLOCKS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
     "mixtral": lambda cfg, layer: moe.make_mixtral_block(cfg),
     "phi3": lambda cfg, layer: phi3.make_block(cfg),
     "gemma2": gemma.make_block,
+    "gemma3": gemma.make_block,
 }
 assert set(BLOCKS) == set(SUPPORTED_ARCHITECTURES)
 
@@ -55,6 +58,6 @@ def make_block(cfg: ModelConfig, layer: int) -> nn.Module:
 
 def make_final_norm(cfg: ModelConfig) -> nn.Module:
     """The norm before the output projection: Gemma's ``(1 + w)`` RMSNorm, else the common one."""
-    cls = gemma.GemmaRMSNorm if cfg.architecture == "gemma2" else RMSNorm
+    cls = gemma.GemmaRMSNorm if cfg.architecture in ("gemma2", "gemma3") else RMSNorm
     return cls(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -1,5 +1,6 @@
-"""Gemma 2 decoder (Gemma Team 2024, "Gemma 2: Improving Open Language Models at a Practical
-Size"; HF ``modeling_gemma2``), on the Llama attention and ``Shard``:
+"""Gemma 2 and Gemma 3 (text) decoders (Gemma Team 2024, "Gemma 2: Improving Open Language
+Models at a Practical Size"; 2025, "Gemma 3 Technical Report"; HF ``modeling_gemma2``,
+``modeling_gemma3``), on the Llama attention and ``Shard``:
 
 - RMSNorm with a ``(1 + w)`` scale, applied in float32; the checkpoints store ``w``, llama.cpp's
   GGUF stores ``1 + w``, and so does this module (the safetensors reader adds the 1).
@@ -11,6 +12,9 @@ Size"; HF ``modeling_gemma2``), on the Llama attention and ``Shard``:
   (``ModelConfig.layer_types``).
 - Embeddings times ``sqrt(C)`` and final logits soft-capped: in ``Shard`` (``embed_scale``,
   ``final_logit_softcapping``).
+- Gemma 3: no soft-caps, ``(1 + w)`` RMSNorm on each query and key head, five sliding layers to
+  one full, and two RoPE bases (sliding: ``rope_local_theta``; full: ``rope_theta`` with linear
+  scaling), so ``Shard`` passes ``(2, T, R)`` tables and each layer takes its own.
 
 Pure torch: nothing here logs, prints, awaits or touches files.
 """
@@ -62,13 +66,35 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, star
 
 
 class GemmaAttention(Attention):
-    """Llama attention with Gemma's score scale, soft-cap and this layer's window."""
+    """Llama attention with Gemma's score scale, soft-cap and this layer's window; Gemma 3 adds
+    ``(1 + w)`` RMSNorms on query and key heads and its layer kind's RoPE table."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__(cfg)
         self.window = cfg.window(layer)
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.cap = cfg.attn_logit_softcapping
+        sliding = bool(cfg.layer_types) and cfg.layer_types[layer] == "sliding_attention"
+        self.rope_index = 1 if sliding else 0  # of a (2, T, R) table: full, sliding
+        if cfg.architecture == "gemma3":
+            self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project(x)  # (B, H, T, D), (B, Hkv, T, D) x 2
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def _rope(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's ``(T, R)`` tables from ``(T, R)`` or, with two bases, ``(2, T, R)``."""
+        return (cos[self.rope_index], sin[self.rope_index]) if cos.dim() == 3 else (cos, sin)
+
+    def forward(self, x, cos, sin, start, cache, layer):  # (B, T, C) -> (B, T, C), see Attention
+        return super().forward(x, *self._rope(cos, sin), start, cache, layer)
+
+    def forward_ragged(self, x, cos, sin, segments, layer):  # (1, N, C) -> (1, N, C), see Attention
+        return super().forward_ragged(x, *self._rope(cos, sin), segments, layer)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         return softcapped_attention(q, k, v, start, scale=self.scale, cap=self.cap, window=self.window)
@@ -111,5 +137,6 @@ class GemmaBlock(nn.Module):
 
 
 def make_block(cfg: ModelConfig, layer: int) -> nn.Module:
-    """Decoder layer ``layer`` of a Gemma 2 model (HF ``Gemma2DecoderLayer``)."""
+    """Decoder layer ``layer`` of a Gemma 2 or 3 model (HF ``Gemma2DecoderLayer``,
+    ``Gemma3DecoderLayer``)."""
     return GemmaBlock(cfg, layer)

@@ -57,7 +57,7 @@ SUPPORTED_TYPES = frozenset({
 
 #: ``general.architecture`` values read here (llama.cpp's names). A ``llama`` file with
 #: ``llama.expert_count`` > 0 is Mixtral (llama.cpp converts Mixtral as ``llama``).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
 
 # GGUF tensor name (without the "blk.N." prefix) -> module name inside a block.
 _BLOCK_NAMES = {
@@ -105,6 +105,8 @@ def _block_names(cfg: ModelConfig) -> dict[str, str]:
         return dict(_PHI3_NAMES)
     if cfg.architecture == "gemma2":
         return _BLOCK_NAMES | _GEMMA2_NORM_NAMES | _DENSE_FFN_NAMES
+    if cfg.architecture == "gemma3":
+        return _BLOCK_NAMES | _GEMMA2_NORM_NAMES | _QK_NORM_NAMES | _DENSE_FFN_NAMES
     names = dict(_BLOCK_NAMES)
     if cfg.architecture in ("qwen3", "qwen3moe"):
         names |= _QK_NORM_NAMES
@@ -474,6 +476,7 @@ class GGUFFile:
             norm_topk_prob=bool(self.field(f"{arch}.expert_weights_norm", True)),  # llama.cpp's default
             **(self._phi3_fields(num) if arch == "phi3" else {}),
             **(self._gemma2_fields(num) if arch == "gemma2" else {}),
+            **(self._gemma3_fields(num) if arch == "gemma3" else {}),
         )
         try:
             return cfg.validate()
@@ -505,6 +508,17 @@ class GGUFFile:
                 "attn_logit_softcapping": float(num("attn_logit_softcapping", 0.0)),
                 "final_logit_softcapping": float(num("final_logit_softcapping", 0.0)),
                 "layer_types": tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))}
+
+    def _gemma3_fields(self, num: Callable[..., object]) -> dict[str, object]:
+        """Gemma 3's window, five sliding layers to one full, RoPE bases (sliding:
+        ``rope.freq_base_swa``, else llama.cpp's 10,000) and linear scaling of the full layers."""
+        fields = self._gemma2_fields(num) | {"attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0}
+        fields["layer_types"] = tuple("sliding_attention" if (i + 1) % 6 else "full_attention"
+                                      for i in range(len(fields["layer_types"])))
+        fields["rope_local_theta"] = float(num("rope.freq_base_swa", 10000.0))
+        if self.field("gemma3.rope.scaling.type", "none") == "linear":
+            fields["rope_linear_factor"] = float(num("rope.scaling.factor"))
+        return fields
 
     # ------------------------------------------------------------------ tensors
     def tensor_names(self) -> list[str]:

@@ -18,7 +18,8 @@ from ..errors import WeightsError
 
 #: config.json ``model_type`` -> ``ModelConfig.architecture``.
 _ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama", "qwen3": "qwen3",
-                       "qwen3_moe": "qwen3moe", "mixtral": "mixtral", "phi3": "phi3", "gemma2": "gemma2"}
+                       "qwen3_moe": "qwen3moe", "mixtral": "mixtral", "phi3": "phi3", "gemma2": "gemma2",
+                       "gemma3_text": "gemma3"}
 
 # Mixtral checkpoint names -> the module names of ``meshinfer.models.moe`` (Qwen3-MoE's).
 _MIXTRAL_RENAMES = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
@@ -90,9 +91,33 @@ def _gemma2_fields(raw: dict) -> dict:
             "layer_types": tuple(types)}
 
 
+def _gemma3_fields(raw: dict, path: Path) -> dict:
+    """Gemma 3's layer kinds (``layer_types``, else one full layer in ``sliding_window_pattern``,
+    6) and RoPE: ``rope_parameters`` per layer kind (transformers 5), or ``rope_theta``,
+    ``rope_local_base_freq`` and ``rope_scaling`` (transformers 4; defaults 1e6 and 1e4).
+
+    Raises:
+        WeightsError: a RoPE scaling of the full layers other than linear.
+    """
+    layers, every = int(raw["num_hidden_layers"]), int(raw.get("sliding_window_pattern") or 6)
+    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
+                                       for i in range(layers)]
+    params = raw.get("rope_parameters") or {}
+    full = params.get("full_attention") or raw.get("rope_scaling") or {}
+    local = params.get("sliding_attention") or {"rope_theta": raw.get("rope_local_base_freq", 1e4)}
+    kind = full.get("rope_type") or full.get("type") or "default"
+    if kind not in ("default", "linear"):
+        raise WeightsError(f"{path}/config.json: RoPE scaling {kind!r} is not supported for gemma3; "
+                           "supported: linear, or none")
+    return _gemma2_fields(raw) | {"layer_types": tuple(types), "rope_local_theta": float(local["rope_theta"]),
+                                  "rope_linear_factor": float(full.get("factor") or 1.0) if kind == "linear" else 1.0}
+
+
 def _rope_theta(raw: dict) -> float:
-    """``rope_theta``, top-level (transformers 4) or under ``rope_parameters`` (transformers 5)."""
+    """``rope_theta``, top-level (transformers 4) or under ``rope_parameters`` (transformers 5;
+    Gemma 3: its ``full_attention`` entry)."""
     params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    params = params.get("full_attention", params)  # one dict per layer kind (Gemma 3): the full layers'
     return float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
 
@@ -151,6 +176,7 @@ class SafetensorsDir:
                 **_moe_fields(raw, arch, self.path),
                 **(_phi3_fields(raw, self.path) if arch == "phi3" else {}),
                 **(_gemma2_fields(raw) if arch == "gemma2" else {}),
+                **(_gemma3_fields(raw, self.path) if arch == "gemma3" else {}),
             )
             return cfg.validate()
         except KeyError as exc:
@@ -200,7 +226,7 @@ class SafetensorsDir:
         Gemma's norm weights ``w`` come out as ``1 + w``, the scale ``GemmaRMSNorm`` holds.
         """
         for name, tensor in self._iter_tensors(layers):
-            if self.config.architecture == "gemma2" and name.endswith("norm.weight"):
+            if self.config.architecture in ("gemma2", "gemma3") and name.endswith("norm.weight"):
                 tensor = tensor + 1.0
             yield name, tensor
 
