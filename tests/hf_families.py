@@ -2,8 +2,8 @@
 Hugging Face directory (``save_pretrained``) and as a GGUF the way llama.cpp's converter
 writes them (tensor names, metadata, Llama's q/k permutation, merged expert tensors).
 
-transformers is a test-only dependency (docs/dependencies.md); tests importing this module
-skip without it.
+transformers is a test-only dependency (docs/dependencies.md), imported only by the functions
+that build models; tests that need it skip without it.
 """
 
 from __future__ import annotations
@@ -75,6 +75,28 @@ def hf_model(family: str, seed: int = 0):
                 scale = 1.0 if "embed_tokens" in name else 0.2
                 p.copy_(scale * torch.randn(p.shape, generator=g))
     return model
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute difference relative to the largest reference magnitude."""
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def run_chain(shards, ids: list[int], follow: list[int]) -> torch.Tensor:
+    """Prefill ``ids`` through a chain of meshinfer shards, then feed ``follow`` one token per
+    step; float32 logits ``(len(ids) + len(follow), V)``."""
+    from meshinfer.generate import new_cache
+
+    caches = [new_cache(s) for s in shards]
+
+    def step(x: torch.Tensor, start: int) -> torch.Tensor:
+        for s, cache in zip(shards, caches):
+            x = s(x, start, cache, logits="all")
+        return x[0]
+
+    rows = [step(torch.tensor([ids]), 0)]
+    rows += [step(torch.tensor([[t]]), len(ids) + j) for j, t in enumerate(follow)]
+    return torch.cat(rows)
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:

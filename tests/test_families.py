@@ -18,6 +18,7 @@ from meshinfer.generate import load_shard, new_cache
 
 pytest.importorskip("transformers")
 import hf_families as hff  # noqa: E402  (needs transformers)
+from hf_families import rel, run_chain  # noqa: E402
 
 PROMPT = [5, 17, 200, 33, 104, 101, 7, 128, 259]  # ends with a special token
 FOLLOW = [44, 99, 3, 250, 101]  # teacher-forced continuation, fed one token per step
@@ -31,24 +32,6 @@ def family(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     paths = {"gguf": hff.write_gguf(model, request.param, d / "tiny.gguf"), "hf": hff.write_hf(model, d / "hf")}
     return request.param, paths, hff.hf_logits(model, PROMPT + FOLLOW)
-
-
-def rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
-
-
-def run_chain(shards, ids: list[int], follow: list[int]) -> torch.Tensor:
-    """Prefill ``ids`` through the chain, then feed ``follow`` one token per step; logits (T, V)."""
-    caches = [new_cache(s) for s in shards]
-
-    def step(x: torch.Tensor, start: int) -> torch.Tensor:
-        for s, cache in zip(shards, caches):
-            x = s(x, start, cache, logits="all")
-        return x[0]
-
-    rows = [step(torch.tensor([ids]), 0)]
-    rows += [step(torch.tensor([[t]]), len(ids) + j) for j, t in enumerate(follow)]
-    return torch.cat(rows)
 
 
 @pytest.mark.parametrize("fmt", ["gguf", "hf"])
