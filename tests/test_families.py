@@ -1,7 +1,8 @@
 """Each model family against transformers' own implementation, from GGUF and from a Hugging
 Face directory: whole and split at every layer boundary, prefill and step by step (f32, within
-1e-4 relative); bf16 and int8 close; MoE batched passes equal single ones and group tokens by
-expert; unsupported architectures refused at load time with the supported list.
+1e-4 relative); bf16 and int8 close; batched passes equal single ones (MoE: each expert runs
+once per batch); a 2-peer mesh gives generate's tokens; unsupported architectures refused at
+load time with the supported list.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from meshinfer.config import SUPPORTED_ARCHITECTURES, LayerRange
 from meshinfer.errors import WeightsError
-from meshinfer.generate import load_shard, new_cache
+from meshinfer.generate import greedy_generate, load_shard, new_cache
 
 pytest.importorskip("transformers")
 import hf_families as hff  # noqa: E402  (needs transformers)
@@ -154,6 +155,22 @@ def test_phi3_batched_pass_takes_each_sequences_own_longrope_factors(tmp_path):
     for x, cache, got in zip(steps, single, out):
         want = shard(x, cache.length, cache, logits="all")
         assert rel(got, want) < 1e-5
+
+
+async def test_two_peers_split_mid_model_give_the_tokens_of_generate(family):
+    """Every family's GGUF in a real 2-peer mesh (the synthetic tokenizer and ChatML template)."""
+    from meshkit import file_hash, generate_through, mesh
+    from meshinfer.tokenizer import Tokenizer
+
+    _, paths, _ = family
+    path, tok = paths["gguf"], Tokenizer.from_gguf(paths["gguf"])
+    whole = load_shard(path)
+    L = whole.cfg.num_hidden_layers
+    shards = [load_shard(path, LayerRange(0, L // 2)), load_shard(path, LayerRange(L // 2, L))]
+    async with mesh(shards, weights_hash=file_hash(path), bundle=tok.to_bundle()) as peers:
+        _, ids, out = await generate_through(peers, tok, [{"role": "user", "content": "hello families"}],
+                                             max_tokens=12, max_tokens_total=60)
+    assert out.token_ids == greedy_generate(whole, ids, max_tokens=12).token_ids
 
 
 def test_unsupported_gguf_architecture_is_refused_naming_it_and_the_supported(tmp_path):
