@@ -2,7 +2,8 @@
 
 ``Shard`` (embedding, a range of blocks, final norm and head; single and batched passes) serves
 every family: it builds each layer with ``meshinfer.models.families.make_block``; the other
-families (``qwen3.py``, ``moe.py``) reuse this file's ``Attention``, ``MLP`` and ``Block``.
+families (``qwen3.py``, ``moe.py``, ``phi3.py``, ``gemma.py``) reuse this file's ``Attention``
+(hooks: ``project``, ``attend``), ``MLP`` and ``Block``.
 
 Module names follow the Hugging Face checkpoints (``layers.3.self_attn.q_proj.weight``),
 with layer indices global to the whole model, so a shard over ``[12, 24)`` holds
@@ -51,7 +52,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
                 cache: LayerCache | None, layer: int) -> torch.Tensor:
-        """``x`` ``(B, T, C)`` -> ``(B, T, C)``; ``cos/sin`` ``(T, D)``; ``start`` = first position."""
+        """``x`` ``(B, T, C)`` -> ``(B, T, C)``; ``cos/sin`` ``(T, R)``; ``start`` = first position."""
         B, T, _ = x.shape
         q, k, v = self.project(x)  # (B, H, T, D), (B, Hkv, T, D) x 2
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
