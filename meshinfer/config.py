@@ -16,12 +16,13 @@ from .errors import LayerRangeError
 
 #: Architectures meshinfer runs, and the one file under ``meshinfer/models/`` that implements each
 #: (``meshinfer.models.families``): Llama-style (``llama``, SmolLM2 and Mistral too; ``qwen2``),
-#: Qwen3 dense (``qwen3``: q/k RMSNorm), sparse mixture-of-experts (``qwen3moe``, ``mixtral``),
+#: Qwen3 dense (``qwen3``: q/k RMSNorm), sparse mixture-of-experts (``qwen3moe``, ``mixtral``,
+#: ``qwen2moe``: a gated shared expert too),
 #: Phi-3 (``phi3``: fused projections, LongRoPE, sliding window), Gemma 2 and 3 (``gemma2``,
 #: ``gemma3``: extra norms, soft-capping, sliding-window layers, Gemma 3's two RoPE bases).
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "phi3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "mixtral", "phi3", "gemma2", "gemma3")
 #: Architectures whose feed-forward is a sparse mixture of experts (``meshinfer.models.moe``).
-MOE_ARCHITECTURES = ("qwen3moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "mixtral")
 #: Compute precisions (``--dtype`` values and advertised identities); each is one kernel family,
 #: defined in ``meshinfer.models.quant``. Kept here, free of torch, for the CLI's choices.
 PRECISION_NAMES = ("f32", "bf16", "f16", "q8-bf16", "q4-g32-bf16", "q4-g64-bf16", "q4-g128-bf16")
@@ -52,6 +53,8 @@ class ModelConfig:
         moe_intermediate_size: width of one expert's SwiGLU MLP (Mixtral: ``intermediate_size``).
         norm_topk_prob: renormalise the top-k router probabilities to sum to 1 (Mixtral always;
             Qwen3-MoE when its config says so, as llama.cpp assumes).
+        shared_expert_intermediate_size: 0, or the width of a shared expert every token also
+            runs, scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE).
         partial_rotary_factor: share of D that RoPE rotates (Phi-4-mini: 0.75; 1.0 elsewhere).
         sliding_window: 0, or the keys a query sees, itself included (Phi-3: 2047).
         rope_short_factor, rope_long_factor: LongRoPE per-frequency divisors ``(R/2,)`` below
@@ -87,6 +90,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
     partial_rotary_factor: float = 1.0
     sliding_window: int = 0
     rope_short_factor: tuple[float, ...] = ()
@@ -153,8 +157,9 @@ class ModelConfig:
         attn += 2 * D * (self.architecture in ("qwen3", "qwen3moe", "gemma3"))  # q/k norms
         if self.is_moe:
             expert = 3 * C * self.moe_intermediate_size
-            resident = attn + self.num_experts * (C + expert)  # router row + expert, per expert
-            active = attn + self.num_experts * C + self.num_experts_per_tok * expert
+            shared = 3 * C * self.shared_expert_intermediate_size + C * bool(self.shared_expert_intermediate_size)
+            resident = attn + self.num_experts * (C + expert) + shared  # router row + expert, per expert
+            active = attn + self.num_experts * C + self.num_experts_per_tok * expert + shared
         else:
             resident = active = attn + 3 * C * self.intermediate_size
         ends = V * C * (layers.start == 0) + (C + V * C) * (layers.stop == self.num_hidden_layers)

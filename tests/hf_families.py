@@ -16,7 +16,7 @@ import torch
 from tiny import MERGED, SPECIALS, _permute, add_tokenizer_metadata
 
 VOCAB = 256 + len(MERGED) + len(SPECIALS)
-FAMILIES = ("qwen3", "qwen3moe", "mixtral", "phi3", "gemma2", "gemma3")
+FAMILIES = ("qwen3", "qwen3moe", "qwen2moe", "mixtral", "phi3", "gemma2", "gemma3")
 #: Phi-3's LongRoPE switches to the long factors past this many tokens (the tests cross it).
 PHI3_ORIGINAL_CONTEXT = 16
 #: Shared tiny widths: 4 layers, C=32, H=4, Hkv=2; Qwen3 families set D=16 apart from C/H=8.
@@ -38,6 +38,11 @@ def hf_model(family: str, seed: int = 0):
                                 num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
                                 mlp_only_layers=[], tie_word_embeddings=False)
         cls = tf.Qwen3MoeForCausalLM
+    elif family == "qwen2moe":  # q/k/v bias, 6 experts of width 16 (top 2, not renormalised), shared of 24
+        cfg = tf.Qwen2MoeConfig(**COMMON, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                num_experts=6, num_experts_per_tok=2, norm_topk_prob=False, qkv_bias=True,
+                                decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+        cls = tf.Qwen2MoeForCausalLM
     elif family == "mixtral":
         cfg = tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
         cls = tf.MixtralForCausalLM
@@ -112,7 +117,7 @@ def write_hf(model, path: Path) -> Path:
 
 
 def _gguf_arch(family: str) -> str:
-    return {"qwen3": "qwen3", "qwen3moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3", "gemma2": "gemma2",
+    return {"qwen3": "qwen3", "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "mixtral": "llama", "phi3": "phi3", "gemma2": "gemma2",
             "gemma3": "gemma3"}[family]
 
 
@@ -127,7 +132,11 @@ _NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernor
           "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
           "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
           "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
-          "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
+          "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
+          "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+          "self_attn.v_proj.bias": "attn_v.bias", "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+          "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+          "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight"}
 
 
 def _gguf_tensors(family: str, model) -> dict[str, np.ndarray]:
@@ -159,6 +168,8 @@ def _gguf_tensors(family: str, model) -> dict[str, np.ndarray]:
             out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = arr[:, :F], arr[:, F:]
         elif rest == "mlp.experts.down_proj":
             out[f"blk.{i}.ffn_down_exps.weight"] = arr
+        elif rest == "mlp.shared_expert_gate.weight":
+            out[f"blk.{i}.ffn_gate_inp_shexp.weight"] = arr.reshape(-1)  # llama.cpp: (C,)
         else:
             gemma = family in ("gemma2", "gemma3")
             out[f"blk.{i}.{(_GEMMA2_NAMES if gemma else {}).get(rest) or _NAMES[rest]}"] = arr
@@ -194,11 +205,13 @@ def write_gguf(model, family: str, path: Path) -> Path:
     if family in ("qwen3", "qwen3moe", "gemma2", "gemma3"):
         wr.add_key_length(cfg.head_dim)
         wr.add_value_length(cfg.head_dim)
-    if family in ("qwen3moe", "mixtral"):
+    if family in ("qwen3moe", "qwen2moe", "mixtral"):
         wr.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
         wr.add_expert_used_count(cfg.num_experts_per_tok)
-    if family == "qwen3moe":
+    if family in ("qwen3moe", "qwen2moe"):
         wr.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if family == "qwen2moe":
+        wr.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if family == "phi3":
         _add_phi3_metadata(wr, cfg)
     add_tokenizer_metadata(wr)

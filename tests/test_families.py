@@ -93,7 +93,7 @@ def test_batched_pass_equals_single_passes(family):
         assert rel(got, shard(x, cache.length, cache, logits="all")) < 1e-5
 
 
-@pytest.mark.parametrize("moe", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("moe", ["qwen3moe", "qwen2moe", "mixtral"])
 def test_batched_pass_equals_single_passes_and_runs_each_expert_once(moe, tmp_path):
     """Three sequences at different positions in one ``forward_batch``: same logits as one
     ``forward`` each, and each chosen expert runs once per layer for the whole batch."""
@@ -184,14 +184,15 @@ def test_unsupported_gguf_architecture_is_refused_naming_it_and_the_supported(tm
     wr.write_tensors_to_file()
     wr.close()
     with pytest.raises(WeightsError, match=r"architecture 'falcon' is not supported; supported: llama, qwen2, "
-                                           r"qwen3, qwen3moe, phi3, gemma2, gemma3 \(llama with experts: Mixtral\)"):
+                                           r"qwen3, qwen3moe, qwen2moe, phi3, gemma2, gemma3 \(llama with experts: "
+                                           r"Mixtral\)"):
         load_shard(tmp_path / "g.gguf")
 
 
 def test_unsupported_config_json_model_type_is_refused_naming_it_and_the_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon", "hidden_size": 32}))
     with pytest.raises(WeightsError, match=r"model_type 'falcon' is not supported; supported: gemma2, "
-                                           r"gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe"):
+                                           r"gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         load_shard(tmp_path)
 
 

@@ -7,6 +7,7 @@ architecture   file                         what differs
 ``qwen2``      ``models/llama.py``          q/k/v bias
 ``qwen3``      ``models/qwen3.py``          per-head q/k RMSNorm, explicit head_dim
 ``qwen3moe``   ``models/moe.py``            Qwen3 attention, sparse MoE feed-forward
+``qwen2moe``   ``models/moe.py``            Qwen2 attention, sparse MoE + gated shared expert
 ``mixtral``    ``models/moe.py``            Llama attention, sparse MoE feed-forward
 ``phi3``       ``models/phi3.py``           fused qkv and gate_up, LongRoPE, sliding window
 ``gemma2``     ``models/gemma.py``          (1 + w) norms around both sublayers, soft-caps,
@@ -35,6 +36,7 @@ BLOCKS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
     "qwen2": lambda cfg, layer: llama.Block(cfg),
     "qwen3": lambda cfg, layer: qwen3.make_block(cfg),
     "qwen3moe": lambda cfg, layer: moe.make_qwen3moe_block(cfg),
+    "qwen2moe": lambda cfg, layer: moe.make_qwen2moe_block(cfg),
     "mixtral": lambda cfg, layer: moe.make_mixtral_block(cfg),
     "phi3": lambda cfg, layer: phi3.make_block(cfg),
     "gemma2": gemma.make_block,

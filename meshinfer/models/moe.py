@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts decoders: Qwen3-MoE and Mixtral.
+"""Sparse mixture-of-experts decoders: Qwen3-MoE, Mixtral and Qwen2-MoE.
 
 Each layer's feed-forward is ``E`` SwiGLU experts and a linear router (Shazeer et al. 2017;
 Jiang et al. 2024, "Mixtral of Experts"): a token goes to the ``k`` experts with the highest
@@ -7,7 +7,8 @@ weighted by those probabilities, renormalised over the ``k`` when ``norm_topk_pr
 (Mixtral always; Qwen3-MoE per its config). Sources: HF ``modeling_qwen3_moe`` /
 ``modeling_mixtral`` (``TopKRouter``, ``Experts``), llama.cpp ``build_moe_ffn``.
 
-Attention is Qwen3's (q/k norms) for ``qwen3moe`` and Llama's for ``mixtral``. Module names
+Attention is Qwen3's (q/k norms) for ``qwen3moe``, Llama's for ``mixtral`` and Qwen2's (q/k/v bias)
+for ``qwen2moe``, which adds a shared expert every token runs, scaled by a sigmoid gate. Module names
 follow Qwen3-MoE's checkpoints (``mlp.gate.weight``, ``mlp.experts.3.up_proj.weight``); the
 readers map Mixtral's (``block_sparse_moe``, ``w1/w2/w3``) and GGUF's merged expert tensors
 onto them. Pure torch: nothing here logs, prints, awaits or touches files.
@@ -45,6 +46,19 @@ class Router(nn.Module):
         return weights, experts
 
 
+class SharedExpertGate(nn.Module):
+    """Qwen2-MoE's gate on the shared expert: ``sigmoid(x @ weight.T)``, ``weight`` ``(1, C)``;
+    like the router, not an ``nn.Linear``, so quantization leaves this one row alone."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, cfg.hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(N, C)`` -> ``(N, 1)`` in ``x``'s dtype."""
+        return torch.sigmoid(F.linear(x, self.weight))
+
+
 class SparseMoE(nn.Module):
     """``E`` SwiGLU experts of width ``moe_intermediate_size`` behind a :class:`Router`.
 
@@ -58,9 +72,21 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.gate = Router(cfg)
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        if cfg.shared_expert_intermediate_size:  # Qwen2-MoE
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = SharedExpertGate(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(B, T, C)`` -> ``(B, T, C)`` in ``x``'s dtype."""
+        y = self.routed(x)  # (B, T, C)
+        if hasattr(self, "shared_expert"):
+            flat = x.reshape(-1, x.shape[-1])  # (N, C)
+            shared = self.shared_expert_gate(flat) * self.shared_expert(flat)  # (N, C)
+            y = y + shared.view(x.shape)
+        return y
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' part: ``x`` ``(B, T, C)`` -> ``(B, T, C)``."""
         flat = x.reshape(-1, x.shape[-1])  # (N, C)
         weights, experts = self.gate(flat)  # (N, k) float32, (N, k) int64
         if flat.shape[0] == 1:  # one decode token: no grouping to do, k experts in a row
@@ -80,6 +106,12 @@ class SparseMoE(nn.Module):
 def make_qwen3moe_block(cfg: ModelConfig) -> nn.Module:
     """One Qwen3-MoE decoder layer (HF ``Qwen3MoeDecoderLayer``, every layer sparse)."""
     return Block(cfg, attention=Qwen3Attention, mlp=SparseMoE)
+
+
+def make_qwen2moe_block(cfg: ModelConfig) -> nn.Module:
+    """One Qwen2-MoE decoder layer (HF ``Qwen2MoeDecoderLayer``, every layer sparse): Qwen2
+    attention (q/k/v bias), routed experts plus the gated shared expert."""
+    return Block(cfg, attention=Attention, mlp=SparseMoE)
 
 
 def make_mixtral_block(cfg: ModelConfig) -> nn.Module:

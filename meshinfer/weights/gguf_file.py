@@ -57,7 +57,7 @@ SUPPORTED_TYPES = frozenset({
 
 #: ``general.architecture`` values read here (llama.cpp's names). A ``llama`` file with
 #: ``llama.expert_count`` > 0 is Mixtral (llama.cpp converts Mixtral as ``llama``).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "phi3", "gemma2", "gemma3")
 
 # GGUF tensor name (without the "blk.N." prefix) -> module name inside a block.
 _BLOCK_NAMES = {
@@ -78,6 +78,11 @@ _DENSE_FFN_NAMES = {
 }
 _QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
 _ROUTER_NAMES = {"ffn_gate_inp.weight": "mlp.gate.weight"}
+# Qwen2-MoE's shared expert and its gate.
+_SHARED_EXPERT_NAMES = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+                        "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                        "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                        "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
 # Merged expert tensors (E, out, in) -> the per-expert module name, ``{e}`` the expert index.
 _EXPERT_NAMES = {
     "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
@@ -111,6 +116,8 @@ def _block_names(cfg: ModelConfig) -> dict[str, str]:
     if cfg.architecture in ("qwen3", "qwen3moe"):
         names |= _QK_NORM_NAMES
     names |= _ROUTER_NAMES if cfg.is_moe else _DENSE_FFN_NAMES
+    if cfg.shared_expert_intermediate_size:
+        names |= _SHARED_EXPERT_NAMES
     return names
 
 # ---------------------------------------------------------------------------------------------
@@ -473,7 +480,9 @@ class GGUFFile:
             num_experts=experts,
             num_experts_per_tok=int(num("expert_used_count", 0)),
             moe_intermediate_size=int(num("expert_feed_forward_length", exps.dims[1] if exps else 0)),
-            norm_topk_prob=bool(self.field(f"{arch}.expert_weights_norm", True)),  # llama.cpp's default
+            # llama.cpp renormalises the top k for every MoE architecture read here but qwen2moe
+            norm_topk_prob=bool(self.field(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+            shared_expert_intermediate_size=int(num("expert_shared_feed_forward_length", 0)),
             **(self._phi3_fields(num) if arch == "phi3" else {}),
             **(self._gemma2_fields(num) if arch == "gemma2" else {}),
             **(self._gemma3_fields(num) if arch == "gemma3" else {}),
@@ -584,6 +593,8 @@ class GGUFFile:
                     arr = _reverse_llama_permute(arr, cfg.num_attention_heads)
                 elif ".attn_k." in gname:
                     arr = _reverse_llama_permute(arr, cfg.num_key_value_heads)
+            if module.endswith("shared_expert_gate.weight"):
+                arr = arr.reshape(1, cfg.hidden_size)  # llama.cpp stores this row as (C,)
             yield module, torch.from_numpy(arr)
             if cfg.is_moe and module.endswith(".mlp.gate.weight"):  # the experts follow their router
                 yield from self._iter_experts(gname.rsplit(".", 2)[0], module.rsplit(".", 3)[0])

@@ -18,7 +18,7 @@ from ..errors import WeightsError
 
 #: config.json ``model_type`` -> ``ModelConfig.architecture``.
 _ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama", "qwen3": "qwen3",
-                       "qwen3_moe": "qwen3moe", "mixtral": "mixtral", "phi3": "phi3", "gemma2": "gemma2",
+                       "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "mixtral", "phi3": "phi3", "gemma2": "gemma2",
                        "gemma3_text": "gemma3"}
 
 # Mixtral checkpoint names -> the module names of ``meshinfer.models.moe`` (Qwen3-MoE's).
@@ -42,7 +42,7 @@ def _moe_fields(raw: dict, arch: str, path: Path) -> dict:
         WeightsError: a Qwen3-MoE config with dense layers among the sparse ones
             (``mlp_only_layers``, ``decoder_sparse_step``), which meshinfer does not run.
     """
-    if arch not in ("qwen3moe", "mixtral"):
+    if arch not in ("qwen3moe", "qwen2moe", "mixtral"):
         return {}
     if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step") or 1) != 1:
         raise WeightsError(f"{path}/config.json: dense layers among the sparse ones (mlp_only_layers "
@@ -51,8 +51,9 @@ def _moe_fields(raw: dict, arch: str, path: Path) -> dict:
     return {"num_experts": int(raw.get("num_experts") or raw.get("num_local_experts") or 0),
             "num_experts_per_tok": int(raw.get("num_experts_per_tok") or 0),
             "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
-            # HF's Qwen3MoeConfig defaults norm_topk_prob to False; Mixtral always renormalises
-            "norm_topk_prob": arch == "mixtral" or bool(raw.get("norm_topk_prob", False))}
+            # HF's Qwen3MoeConfig and Qwen2MoeConfig default norm_topk_prob to False; Mixtral always renormalises
+            "norm_topk_prob": arch == "mixtral" or bool(raw.get("norm_topk_prob", False)),
+            "shared_expert_intermediate_size": int(raw.get("shared_expert_intermediate_size") or 0)}
 
 
 def _phi3_fields(raw: dict, path: Path) -> dict:
@@ -170,7 +171,8 @@ class SafetensorsDir:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=_rope_theta(raw),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-                attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
+                attention_bias=bool(raw.get("qkv_bias", True) if arch == "qwen2moe"
+                                    else raw.get("attention_bias", arch == "qwen2")),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 head_dim=int(raw.get("head_dim") or 0),
                 **_moe_fields(raw, arch, self.path),
