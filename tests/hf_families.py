@@ -117,8 +117,7 @@ def write_hf(model, path: Path) -> Path:
 
 
 def _gguf_arch(family: str) -> str:
-    return {"qwen3": "qwen3", "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "mixtral": "llama", "phi3": "phi3", "gemma2": "gemma2",
-            "gemma3": "gemma3"}[family]
+    return "llama" if family == "mixtral" else family  # llama.cpp converts Mixtral as llama
 
 
 _GEMMA2_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",

@@ -191,8 +191,8 @@ def test_unsupported_gguf_architecture_is_refused_naming_it_and_the_supported(tm
 
 def test_unsupported_config_json_model_type_is_refused_naming_it_and_the_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon", "hidden_size": 32}))
-    with pytest.raises(WeightsError, match=r"model_type 'falcon' is not supported; supported: gemma2, "
-                                           r"gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe"):
+    with pytest.raises(WeightsError, match=r"model_type 'falcon' is not supported; supported: gemma2, gemma3_text, "
+                                           r"llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         load_shard(tmp_path)
 
 

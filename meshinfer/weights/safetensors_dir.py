@@ -18,8 +18,8 @@ from ..errors import WeightsError
 
 #: config.json ``model_type`` -> ``ModelConfig.architecture``.
 _ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama", "qwen3": "qwen3",
-                       "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "mixtral", "phi3": "phi3", "gemma2": "gemma2",
-                       "gemma3_text": "gemma3"}
+                       "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "mixtral", "phi3": "phi3",
+                       "gemma2": "gemma2", "gemma3_text": "gemma3"}
 
 # Mixtral checkpoint names -> the module names of ``meshinfer.models.moe`` (Qwen3-MoE's).
 _MIXTRAL_RENAMES = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
