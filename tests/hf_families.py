@@ -175,8 +175,10 @@ def _gguf_tensors(family: str, model) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(model, family: str, path: Path) -> Path:
-    """An F32 GGUF of ``model`` with llama.cpp's names and metadata and the tiny tokenizer."""
+def write_gguf(model, family: str, path: Path, *, legacy_experts: bool = False) -> Path:
+    """An F32 GGUF of ``model`` with llama.cpp's names and metadata and the tiny tokenizer;
+    ``legacy_experts``: one tensor per expert (``ffn_gate.{e}.weight``), as llama.cpp wrote
+    Mixtral before it merged them."""
     import gguf
 
     cfg = model.config
@@ -215,6 +217,11 @@ def write_gguf(model, family: str, path: Path) -> Path:
         _add_phi3_metadata(wr, cfg)
     add_tokenizer_metadata(wr)
     for name, arr in _gguf_tensors(family, model).items():
+        if legacy_experts and name.endswith("_exps.weight"):
+            for e in range(arr.shape[0]):
+                wr.add_tensor(name.replace("_exps.weight", f".{e}.weight"),
+                              np.ascontiguousarray(arr[e], dtype=np.float32))
+            continue
         wr.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
     wr.write_header_to_file()
     wr.write_kv_data_to_file()

@@ -173,6 +173,14 @@ async def test_two_peers_split_mid_model_give_the_tokens_of_generate(family):
     assert out.token_ids == greedy_generate(whole, ids, max_tokens=12).token_ids
 
 
+def test_mixtral_gguf_with_one_tensor_per_expert_loads_the_same_model(tmp_path):
+    model = hff.hf_model("mixtral", seed=5)
+    merged = load_shard(hff.write_gguf(model, "mixtral", tmp_path / "merged.gguf"))
+    legacy = load_shard(hff.write_gguf(model, "mixtral", tmp_path / "legacy.gguf", legacy_experts=True))
+    assert legacy.cfg == merged.cfg
+    assert all(torch.equal(a, b) for a, b in zip(legacy.state_dict().values(), merged.state_dict().values()))
+
+
 def test_unsupported_gguf_architecture_is_refused_naming_it_and_the_supported(tmp_path):
     import gguf
 

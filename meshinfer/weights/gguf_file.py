@@ -462,7 +462,7 @@ class GGUFFile:
         vocab = int(num("vocab_size", embd.dims[1] if len(embd.dims) > 1 else 0))
         heads = int(num("attention.head_count"))
         experts = int(num("expert_count", 0))
-        exps = self._tensors.get("blk.0.ffn_gate_exps.weight")
+        exps = self._tensors.get("blk.0.ffn_gate_exps.weight") or self._tensors.get("blk.0.ffn_gate.0.weight")
         cfg = ModelConfig(
             architecture="mixtral" if arch == "llama" and experts else arch,
             vocab_size=vocab,
@@ -601,7 +601,9 @@ class GGUFFile:
 
     def _iter_experts(self, block: str, layer: str) -> Iterator[tuple[str, torch.Tensor]]:
         """Split block ``blk.N``'s merged ``ffn_*_exps`` tensors ``(E, out, in)`` into per-expert
-        ``(out, in)`` tensors named ``layers.N.mlp.experts.{e}.*_proj.weight``.
+        ``(out, in)`` tensors named ``layers.N.mlp.experts.{e}.*_proj.weight``. Files written
+        before llama.cpp merged experts hold one tensor per expert (``ffn_gate.{e}.weight``);
+        those are read as they are.
 
         Raises:
             WeightsError: a merged tensor is missing or has a number of experts other than E.
@@ -610,6 +612,12 @@ class GGUFFile:
 
         E = self.config.num_experts
         for suffix, module in _EXPERT_NAMES.items():
+            legacy = suffix.replace("_exps.weight", ".{e}.weight")  # ffn_gate.{e}.weight
+            if f"{block}.{suffix}" not in self._tensors and f"{block}.{legacy.format(e=0)}" in self._tensors:
+                for e in range(E):
+                    yield f"{layer}.{module.format(e=e)}", torch.from_numpy(self.dequantize(
+                        f"{block}.{legacy.format(e=e)}"))
+                continue
             arr = self.dequantize(f"{block}.{suffix}")  # (E, out, in)
             if arr.ndim != 3 or arr.shape[0] != E:
                 raise WeightsError(f"{self.path}: tensor '{block}.{suffix}' has shape {list(arr.shape)}; "
