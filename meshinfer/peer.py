@@ -262,6 +262,11 @@ class Peer:
         return kv + (0 if self.shard.is_last else 4 * self.cfg.hidden_size)
 
     @property
+    def param_counts(self) -> tuple[int, int]:
+        """(resident, active per token) weights of this peer's layers; see ``ModelConfig.parameter_counts``."""
+        return self.cfg.parameter_counts(self.shard.range)
+
+    @property
     def capacity_tokens(self) -> int:
         """Tokens of KV the budget holds in all."""
         return self.kv_budget_bytes // self.kv_bytes_per_token
@@ -285,7 +290,8 @@ class Peer:
             precision=self.precision, state=self.state, free_kv_tokens=self.free_kv_tokens,
             compute_ms_per_token=round(self.compute_ms_per_token, 3), rtts_ms=dict(self.rtts_ms),
             seq=self._seq, ttl_s=self.settings.advert_ttl_s, tls_fingerprint=self.tls_fingerprint,
-            tokenizer_sha256=self.tokenizer_sha256), self.key)
+            tokenizer_sha256=self.tokenizer_sha256,
+            params=self.param_counts[0], active_params=self.param_counts[1]), self.key)
 
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self, coro, name: str) -> asyncio.Task:
@@ -1238,7 +1244,8 @@ def free_memory_bytes(device: torch.device) -> int:
 
 def default_kv_budget(device: torch.device) -> int:
     """Default KV budget, bytes: half the device memory free now (:func:`free_memory_bytes`),
-    at least 64 MiB."""
+    at least 64 MiB. A peer asks after its shard is loaded, so the weights (every expert of a
+    mixture of experts) are already out of it."""
     return max(64 << 20, int(free_memory_bytes(device) * DEFAULT_KV_SHARE))
 
 

@@ -68,7 +68,7 @@ class PeerAdvert:
         addrs: websocket URLs the peer can be dialed at (may be empty behind NAT).
         protocol_version: the peer's :data:`PROTOCOL_VERSION`.
         weights_hash: sha256 hex of the weights (see ``meshinfer.weights.identity``).
-        architecture: ``"llama"`` or ``"qwen2"``.
+        architecture: one of ``meshinfer.config.SUPPORTED_ARCHITECTURES`` (``"qwen2"``, ``"qwen3moe"`` ...).
         num_layers: L, layers of the whole model.
         layers: the half-open layer range this peer holds.
         device: ``"cpu"``, ``"cuda:0"``, ``"mps"`` ...
@@ -90,6 +90,11 @@ class PeerAdvert:
             ``get_tokenizer`` (:func:`meshinfer.tokenizer.bundle_sha256`), or "" for a peer
             without one. Signed; a client takes the tokenizer only when it hashes to what most
             peers of its weights advertise. Sent only when set.
+        params: weights the peer holds for its layers, in elements, whatever the precision
+            (``ModelConfig.parameter_counts``); 0 from a peer that predates the field.
+        active_params: weights one token reads there: ``params`` for a dense model, the router
+            and ``k`` of ``E`` experts per layer for a mixture of experts. Both signed, sent
+            only when set.
     """
 
     peer_id: str
@@ -111,6 +116,8 @@ class PeerAdvert:
     sig: str = ""
     tls_fingerprint: str = ""
     tokenizer_sha256: str = ""
+    params: int = 0
+    active_params: int = 0
 
     @property
     def compat_key(self) -> tuple[str, str, int, int]:
@@ -130,6 +137,8 @@ class PeerAdvert:
             d["tls_fingerprint"] = self.tls_fingerprint
         if self.tokenizer_sha256:
             d["tokenizer_sha256"] = self.tokenizer_sha256
+        if self.params:
+            d["params"], d["active_params"] = self.params, self.active_params
         return d
 
     def signed_bytes(self) -> bytes:
@@ -169,7 +178,9 @@ class PeerAdvert:
                    rtts_ms={k: float(v) for k, v in rtts.items()}, seq=f.int("seq", lo=0, hi=1 << 62),
                    ttl_s=f.float("ttl_s", lo=0.0, hi=3600.0), public_key=f.str("public_key", ""),
                    sig=f.str("sig", ""), tls_fingerprint=f.str("tls_fingerprint", ""),
-                   tokenizer_sha256=_sha256_hex(f, "tokenizer_sha256"))
+                   tokenizer_sha256=_sha256_hex(f, "tokenizer_sha256"),
+                   params=f.int("params", lo=0, hi=1 << 50, default=0),
+                   active_params=f.int("active_params", lo=0, hi=1 << 50, default=0))
 
 
 def _sha256_hex(f: "Fields", name: str) -> str:

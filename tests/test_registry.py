@@ -217,13 +217,13 @@ def test_resolve_unknown_name_lists_known_models(tmp_path, monkeypatch):
         resolve_model("no-such-model")
     assert str(info.value) == (
         "model 'no-such-model' is not a known model name and the path 'no-such-model' "
-        "does not exist; known models: qwen2.5-coder-0.5b-instruct-q4_k_m, "
+        "does not exist; known models: gemma3-270m-q4_k_m, qwen2.5-coder-0.5b-instruct-q4_k_m, "
         "smollm2-135m-instruct-q4_1"
     )
 
 
 def test_pull_unknown_name_raises():
-    with pytest.raises(ModelNotFound, match=r"^unknown model 'x'; known models: qwen2\.5"):
+    with pytest.raises(ModelNotFound, match=r"^unknown model 'x'; known models: gemma3-270m-q4_k_m, qwen2\.5"):
         pull("x", progress=False)
 
 

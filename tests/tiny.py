@@ -106,15 +106,7 @@ def write_gguf(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -
     wr = gguf.GGUFWriter(str(path), cfg.architecture)
     add_model_metadata(wr, cfg)
     wr.add_rope_freq_base(cfg.rope_theta)
-    wr.add_tokenizer_model("gpt2")
-    wr.add_tokenizer_pre("qwen2")
-    wr.add_token_list(byte_tokens() + MERGED + SPECIALS)
-    wr.add_token_types([1] * (256 + len(MERGED)) + [3] * len(SPECIALS))
-    wr.add_token_merges(["h e"])
-    wr.add_bos_token_id(256 + len(MERGED) + 1)  # <|im_start|>
-    wr.add_eos_token_id(256 + len(MERGED) + 2)  # <|im_end|>
-    wr.add_add_bos_token(False)
-    wr.add_chat_template(CHATML)
+    add_tokenizer_metadata(wr)
     for name, t in weights.items():
         arr = t.numpy().astype(np.float32)
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -127,6 +119,19 @@ def write_gguf(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -
     wr.write_tensors_to_file()
     wr.close()
     return path
+
+
+def add_tokenizer_metadata(wr) -> None:
+    """The synthetic byte-level BPE tokenizer and ChatML template on a ``gguf.GGUFWriter``."""
+    wr.add_tokenizer_model("gpt2")
+    wr.add_tokenizer_pre("qwen2")
+    wr.add_token_list(byte_tokens() + MERGED + SPECIALS)
+    wr.add_token_types([1] * (256 + len(MERGED)) + [3] * len(SPECIALS))
+    wr.add_token_merges(["h e"])
+    wr.add_bos_token_id(256 + len(MERGED) + 1)  # <|im_start|>
+    wr.add_eos_token_id(256 + len(MERGED) + 2)  # <|im_end|>
+    wr.add_add_bos_token(False)
+    wr.add_chat_template(CHATML)
 
 
 def write_hf_dir(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, shards: int = 1) -> Path:

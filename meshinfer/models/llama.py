@@ -1,5 +1,10 @@
 """Llama-family decoder (Llama, SmolLM2, Qwen2) split into shards by layer range.
 
+``Shard`` (embedding, a range of blocks, final norm and head; single and batched passes) serves
+every family: it builds each layer with ``meshinfer.models.families.make_block``; the other
+families (``qwen3.py``, ``moe.py``, ``phi3.py``, ``gemma.py``) reuse this file's ``Attention``
+(hooks: ``project``, ``attend``), ``MLP`` and ``Block``.
+
 Module names follow the Hugging Face checkpoints (``layers.3.self_attn.q_proj.weight``),
 with layer indices global to the whole model, so a shard over ``[12, 24)`` holds
 ``layers.12`` .. ``layers.23``. The caller passes the KV cache in; the model never owns it.
@@ -9,7 +14,7 @@ Pure torch: nothing here logs, prints, awaits or touches files.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -17,7 +22,7 @@ from torch.nn import functional as F
 
 from ..config import LayerRange, ModelConfig
 from ..errors import InvalidInput, PositionError, WeightsError
-from .common import LayerCache, RMSNorm, apply_rope, causal_attention, rope_cos_sin
+from .common import LayerCache, RMSNorm, apply_rope, causal_attention, rope_tables
 from .quant import Precision, quantize_modules
 
 
@@ -27,23 +32,33 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         C, H, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = H, Hkv, D
+        self.n_heads, self.n_kv_heads, self.head_dim, self.window = H, Hkv, D, cfg.sliding_window
         self.q_proj = nn.Linear(C, H * D, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * D, C, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
-                cache: LayerCache | None, layer: int) -> torch.Tensor:
-        """``x`` ``(B, T, C)`` -> ``(B, T, C)``; ``cos/sin`` ``(T, D)``; ``start`` = first position."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``(B, T, C)`` -> q ``(B, H, T, D)``, k and v ``(B, Hkv, T, D)``, before RoPE."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """Causal attention of q ``(B, H, T, D)`` over k, v ``(B, Hkv, S, D)`` -> ``(B, H, T, D)``."""
+        return causal_attention(q, k, v, start, window=self.window)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+                cache: LayerCache | None, layer: int) -> torch.Tensor:
+        """``x`` ``(B, T, C)`` -> ``(B, T, C)``; ``cos/sin`` ``(T, R)``; ``start`` = first position."""
+        B, T, _ = x.shape
+        q, k, v = self.project(x)  # (B, H, T, D), (B, Hkv, T, D) x 2
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, Hkv, S, D)
-        y = causal_attention(q, k, v, start)  # (B, H, T, D)
+        y = self.attend(q, k, v, start)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def forward_ragged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -55,41 +70,48 @@ class Attention(nn.Module):
         never sees another's keys. ``cos/sin`` ``(N, D)`` hold each row's own position.
         """
         _, N, _ = x.shape
-        q = self.q_proj(x).view(1, N, self.n_heads, self.head_dim).transpose(1, 2)  # (1, H, N, D)
-        k = self.k_proj(x).view(1, N, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (1, Hkv, N, D)
-        v = self.v_proj(x).view(1, N, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (1, Hkv, N, D)
+        q, k, v = self.project(x)  # (1, H, N, D), (1, Hkv, N, D) x 2
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         ys = []
         for seg in segments:
             rows = slice(seg.offset, seg.offset + seg.length)
             k_all, v_all = seg.cache.update(layer, k[:, :, rows], v[:, :, rows])  # (1, Hkv, S_i, D)
-            ys.append(causal_attention(q[:, :, rows], k_all, v_all, seg.start))  # (1, H, T_i, D)
+            ys.append(self.attend(q[:, :, rows], k_all, v_all, seg.start))  # (1, H, T_i, D)
         y = torch.cat(ys, dim=2) if len(ys) > 1 else ys[0]  # (1, H, N, D)
         return self.o_proj(y.transpose(1, 2).reshape(1, N, -1))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``intermediate_size`` defaults to the config's (one MoE expert passes its own width).
+    """
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C)
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer: ``x + attn(norm(x))`` then ``h + mlp(norm(h))``."""
+    """One pre-norm decoder layer: ``x + attn(norm(x))`` then ``h + mlp(norm(h))``.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    Other families reuse it with their own attention (Qwen3: q/k norms) or feed-forward
+    (a sparse mixture of experts): ``attention`` and ``mlp`` build those from the config.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, attention: Callable[[ModelConfig], nn.Module] = Attention,
+                 mlp: Callable[[ModelConfig], nn.Module] = MLP) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp(cfg)
 
     def forward(self, x, cos, sin, start, cache, layer):  # (B, T, C) -> (B, T, C)
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, start, cache, layer)
@@ -130,8 +152,10 @@ class Shard(nn.Module):
         self.is_first = layers.start == 0
         self.is_last = layers.stop == cfg.num_hidden_layers
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(layers.start, layers.stop)})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
+        from .families import make_block, make_final_norm  # the families import this module's classes
+
+        self.layers = nn.ModuleDict({str(i): make_block(cfg, i) for i in range(layers.start, layers.stop)})
+        self.norm = make_final_norm(cfg) if self.is_last else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last else None
 
     @property
@@ -254,9 +278,9 @@ class Shard(nn.Module):
         if cache is not None:
             cache.reserve(T)
         x = x.to(self.device)  # inputs may come from anywhere (the wire, a warm-up) on the CPU
-        h = self.embed_tokens(x) if run.start == 0 else x.to(self.dtype)  # (B, T, C)
+        h = self._embed(x) if run.start == 0 else x.to(self.dtype)  # (B, T, C)
         positions = torch.arange(start, start + T, device=h.device)  # (T,)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        cos, sin = rope_tables(self.cfg, positions, start + T, h.dtype)  # (T, R)
         for i in range(run.start, run.stop):
             h = self.layers[str(i)](h, cos, sin, start, cache, i)
         if cache is not None:
@@ -265,7 +289,30 @@ class Shard(nn.Module):
             return h
         if logits == "last":
             h = h[:, -1:]  # (B, 1, C)
-        return self.lm_head(self.norm(h)).float()  # (B, T|1, V)
+        return self._head(h)  # (B, T|1, V)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(B, T)`` -> embeddings ``(B, T, C)``, times ``cfg.embed_scale`` (Gemma)."""
+        h = self.embed_tokens(ids)  # (B, T, C)
+        if self.cfg.embed_scale != 1.0:
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)  # HF rounds the scale to the dtype
+        return h
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``(B, T, C)`` -> float32 logits ``(B, T, V)``, soft-capped when the config says."""
+        out = self.lm_head(self.norm(h)).float()  # (B, T, V)
+        cap = self.cfg.final_logit_softcapping
+        return torch.tanh(out / cap) * cap if cap else out
+
+    def _packed_rope(self, segments: Sequence[Segment], dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``(N, R)`` for the packed rows: each row at its own position; under LongRoPE,
+        with the factors its own sequence's length picks."""
+        spans = [torch.arange(s.start, s.start + s.length, device=device) for s in segments]
+        if not self.cfg.rope_long_factor:
+            return rope_tables(self.cfg, torch.cat(spans), 0, dtype)  # (N, R)
+        tables = [rope_tables(self.cfg, p, s.start + s.length, dtype) for p, s in zip(spans, segments)]
+        return torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])  # (N, R) x 2
 
     @torch.inference_mode()
     def forward_batch(self, xs: Sequence[torch.Tensor], starts: Sequence[int], caches: Sequence[LayerCache], *,
@@ -321,11 +368,10 @@ class Shard(nn.Module):
             offset += x.shape[1]
         device = self.device
         if run.start == 0:
-            h = self.embed_tokens(torch.cat([x.to(device) for x in xs], dim=1))  # (1, N, C)
+            h = self._embed(torch.cat([x.to(device) for x in xs], dim=1))  # (1, N, C)
         else:
             h = torch.cat([x.to(device=device, dtype=self.dtype) for x in xs], dim=1)  # (1, N, C)
-        positions = torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in segments])  # (N,)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)  # (N, D)
+        cos, sin = self._packed_rope(segments, h.dtype, device)  # (N, R)
         for i in range(run.start, run.stop):
             h = self.layers[str(i)].forward_ragged(h, cos, sin, segments, i)
         for seg in segments:
@@ -338,5 +384,5 @@ class Shard(nn.Module):
             spans.append((len(rows), len(rows) + seg.offset + seg.length - first))
             rows.extend(range(first, seg.offset + seg.length))
         picked = h if len(rows) == h.shape[1] else h[:, torch.tensor(rows, device=device)]  # (1, R, C)
-        out = self.lm_head(self.norm(picked)).float()  # (1, R, V)
+        out = self._head(picked)  # (1, R, V)
         return [out[:, a:b] for a, b in spans]  # B x (1, 1 or T_i, V)

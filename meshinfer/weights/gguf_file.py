@@ -55,6 +55,10 @@ SUPPORTED_TYPES = frozenset({
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 })
 
+#: ``general.architecture`` values read here (llama.cpp's names). A ``llama`` file with
+#: ``llama.expert_count`` > 0 is Mixtral (llama.cpp converts Mixtral as ``llama``).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "phi3", "gemma2", "gemma3")
+
 # GGUF tensor name (without the "blk.N." prefix) -> module name inside a block.
 _BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -66,10 +70,55 @@ _BLOCK_NAMES = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_DENSE_FFN_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_ROUTER_NAMES = {"ffn_gate_inp.weight": "mlp.gate.weight"}
+# Qwen2-MoE's shared expert and its gate.
+_SHARED_EXPERT_NAMES = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+                        "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                        "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                        "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
+# Merged expert tensors (E, out, in) -> the per-expert module name, ``{e}`` the expert index.
+_EXPERT_NAMES = {
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+}
+
+
+# Phi-3: q, k, v in one tensor; llama.cpp's ``ffn_up`` holds gate and up fused (2F rows).
+_PHI3_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn_qkv.weight": "self_attn.qkv_proj.weight",
+               "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+               "ffn_up.weight": "mlp.gate_up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+
+
+# Gemma 2: a norm after each sublayer; ``ffn_norm`` is the one before the MLP. Norm weights are
+# stored as ``1 + w`` (llama.cpp's converter adds the 1), which is what ``GemmaRMSNorm`` holds.
+_GEMMA2_NORM_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                      "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                      "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+
+
+def _block_names(cfg: ModelConfig) -> dict[str, str]:
+    """GGUF suffix -> module name for one block of ``cfg``'s family (experts excluded)."""
+    if cfg.architecture == "phi3":
+        return dict(_PHI3_NAMES)
+    if cfg.architecture == "gemma2":
+        return _BLOCK_NAMES | _GEMMA2_NORM_NAMES | _DENSE_FFN_NAMES
+    if cfg.architecture == "gemma3":
+        return _BLOCK_NAMES | _GEMMA2_NORM_NAMES | _QK_NORM_NAMES | _DENSE_FFN_NAMES
+    names = dict(_BLOCK_NAMES)
+    if cfg.architecture in ("qwen3", "qwen3moe"):
+        names |= _QK_NORM_NAMES
+    names |= _ROUTER_NAMES if cfg.is_moe else _DENSE_FFN_NAMES
+    if cfg.shared_expert_intermediate_size:
+        names |= _SHARED_EXPERT_NAMES
+    return names
 
 # ---------------------------------------------------------------------------------------------
 # Header parsing (ggml docs/gguf.md), little-endian.
@@ -397,6 +446,9 @@ class GGUFFile:
         arch = self.field("general.architecture")
         if not isinstance(arch, str):
             raise WeightsError(f"{self.path}: metadata field 'general.architecture' is not a string")
+        if arch not in GGUF_ARCHITECTURES:
+            raise WeightsError(f"{self.path}: architecture {arch!r} is not supported; supported: "
+                               f"{', '.join(GGUF_ARCHITECTURES)} (llama with experts: Mixtral)")
 
         def num(key: str, default: object = ...) -> object:
             value = self.field(f"{arch}.{key}", default)
@@ -409,8 +461,10 @@ class GGUFFile:
             raise WeightsError(f"{self.path}: tensor 'token_embd.weight' is missing")
         vocab = int(num("vocab_size", embd.dims[1] if len(embd.dims) > 1 else 0))
         heads = int(num("attention.head_count"))
+        experts = int(num("expert_count", 0))
+        exps = self._tensors.get("blk.0.ffn_gate_exps.weight") or self._tensors.get("blk.0.ffn_gate.0.weight")
         cfg = ModelConfig(
-            architecture=arch,
+            architecture="mixtral" if arch == "llama" and experts else arch,
             vocab_size=vocab,
             hidden_size=int(num("embedding_length")),
             intermediate_size=int(num("feed_forward_length")),
@@ -422,11 +476,58 @@ class GGUFFile:
             max_position_embeddings=int(num("context_length")),
             attention_bias="blk.0.attn_q.bias" in self._tensors,
             tie_word_embeddings="output.weight" not in self._tensors,
+            head_dim=int(num("attention.key_length", 0)),
+            num_experts=experts,
+            num_experts_per_tok=int(num("expert_used_count", 0)),
+            moe_intermediate_size=int(num("expert_feed_forward_length", exps.dims[1] if exps else 0)),
+            # llama.cpp renormalises the top k for every MoE architecture read here but qwen2moe
+            norm_topk_prob=bool(self.field(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+            shared_expert_intermediate_size=int(num("expert_shared_feed_forward_length", 0)),
+            **(self._phi3_fields(num) if arch == "phi3" else {}),
+            **(self._gemma2_fields(num) if arch == "gemma2" else {}),
+            **(self._gemma3_fields(num) if arch == "gemma3" else {}),
         )
         try:
             return cfg.validate()
         except ValueError as exc:
             raise WeightsError(f"{self.path}: {exc}") from exc
+
+    def _phi3_fields(self, num: Callable[..., object]) -> dict[str, object]:
+        """Phi-3's partial rotary, sliding window and LongRoPE (``rope_factors_long/short``
+        tensors, ``rope.scaling.*``), as llama.cpp's converter writes them."""
+        heads = int(num("attention.head_count"))
+        head_dim = int(num("attention.key_length", 0)) or int(num("embedding_length")) // heads
+        fields: dict[str, object] = {
+            "partial_rotary_factor": int(num("rope.dimension_count", head_dim)) / head_dim,
+            "sliding_window": int(num("attention.sliding_window", 0))}
+        if "rope_factors_long.weight" in self._tensors:
+            fields |= {"rope_long_factor": tuple(self.dequantize("rope_factors_long.weight").tolist()),
+                       "rope_short_factor": tuple(self.dequantize("rope_factors_short.weight").tolist()),
+                       "original_max_position_embeddings": int(num("rope.scaling.original_context_length")),
+                       "rope_attention_factor": float(num("rope.scaling.attn_factor", 0.0))}
+        return fields
+
+    def _gemma2_fields(self, num: Callable[..., object]) -> dict[str, object]:
+        """Gemma 2's window, soft-caps and alternating layers (llama.cpp: sliding on even layers;
+        scales scores by ``key_length ** -0.5``; the 27B model's ``query_pre_attn_scalar`` is C/H
+        instead, which a GGUF does not record)."""
+        layers, heads = int(num("block_count")), int(num("attention.head_count"))
+        head_dim = int(num("attention.key_length", 0)) or int(num("embedding_length")) // heads
+        return {"sliding_window": int(num("attention.sliding_window", 0)), "query_pre_attn_scalar": float(head_dim),
+                "attn_logit_softcapping": float(num("attn_logit_softcapping", 0.0)),
+                "final_logit_softcapping": float(num("final_logit_softcapping", 0.0)),
+                "layer_types": tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))}
+
+    def _gemma3_fields(self, num: Callable[..., object]) -> dict[str, object]:
+        """Gemma 3's window, five sliding layers to one full, RoPE bases (sliding:
+        ``rope.freq_base_swa``, else llama.cpp's 10,000) and linear scaling of the full layers."""
+        fields = self._gemma2_fields(num) | {"attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0}
+        fields["layer_types"] = tuple("sliding_attention" if (i + 1) % 6 else "full_attention"
+                                      for i in range(len(fields["layer_types"])))
+        fields["rope_local_theta"] = float(num("rope.freq_base_swa", 10000.0))
+        if self.field("gemma3.rope.scaling.type", "none") == "linear":
+            fields["rope_linear_factor"] = float(num("rope.scaling.factor"))
+        return fields
 
     # ------------------------------------------------------------------ tensors
     def tensor_names(self) -> list[str]:
@@ -475,8 +576,9 @@ class GGUFFile:
         wanted: list[tuple[str, str]] = []
         if layers.start == 0:
             wanted.append(("token_embd.weight", "embed_tokens.weight"))
+        names = _block_names(cfg)
         for i in range(layers.start, layers.stop):
-            for suffix, module in _BLOCK_NAMES.items():
+            for suffix, module in names.items():
                 gname = f"blk.{i}.{suffix}"
                 if gname in self._tensors or not suffix.endswith(".bias"):
                     wanted.append((gname, f"layers.{i}.{module}"))
@@ -486,9 +588,39 @@ class GGUFFile:
             wanted.append((head, "lm_head.weight"))
         for gname, module in wanted:
             arr = self.dequantize(gname)
-            if cfg.architecture == "llama":
+            if cfg.architecture in ("llama", "mixtral"):
                 if ".attn_q." in gname:
                     arr = _reverse_llama_permute(arr, cfg.num_attention_heads)
                 elif ".attn_k." in gname:
                     arr = _reverse_llama_permute(arr, cfg.num_key_value_heads)
+            if module.endswith("shared_expert_gate.weight"):
+                arr = arr.reshape(1, cfg.hidden_size)  # llama.cpp stores this row as (C,)
             yield module, torch.from_numpy(arr)
+            if cfg.is_moe and module.endswith(".mlp.gate.weight"):  # the experts follow their router
+                yield from self._iter_experts(gname.rsplit(".", 2)[0], module.rsplit(".", 3)[0])
+
+    def _iter_experts(self, block: str, layer: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """Split block ``blk.N``'s merged ``ffn_*_exps`` tensors ``(E, out, in)`` into per-expert
+        ``(out, in)`` tensors named ``layers.N.mlp.experts.{e}.*_proj.weight``. Files written
+        before llama.cpp merged experts hold one tensor per expert (``ffn_gate.{e}.weight``);
+        those are read as they are.
+
+        Raises:
+            WeightsError: a merged tensor is missing or has a number of experts other than E.
+        """
+        import torch
+
+        E = self.config.num_experts
+        for suffix, module in _EXPERT_NAMES.items():
+            legacy = suffix.replace("_exps.weight", ".{e}.weight")  # ffn_gate.{e}.weight
+            if f"{block}.{suffix}" not in self._tensors and f"{block}.{legacy.format(e=0)}" in self._tensors:
+                for e in range(E):
+                    yield f"{layer}.{module.format(e=e)}", torch.from_numpy(self.dequantize(
+                        f"{block}.{legacy.format(e=e)}"))
+                continue
+            arr = self.dequantize(f"{block}.{suffix}")  # (E, out, in)
+            if arr.ndim != 3 or arr.shape[0] != E:
+                raise WeightsError(f"{self.path}: tensor '{block}.{suffix}' has shape {list(arr.shape)}; "
+                                   f"expected ({E}, out, in) for {E} experts")
+            for e in range(E):
+                yield f"{layer}.{module.format(e=e)}", torch.from_numpy(arr[e])

