@@ -106,3 +106,34 @@ async def generate_through(peers: Sequence[Peer], tok, messages: list, *, max_to
         finally:
             await conv.close()
     return route, ids, out
+
+
+async def generate_through_a_middle_crash(path: Path, digest: str, bundle: dict, ids: list[int], n_tokens: int,
+                                          bounds: Sequence[int] = (0, 1, 3, 4)):
+    """Generate ``n_tokens`` greedily over hops ``bounds`` (plus a standby for the middle range)
+    while the middle hop crashes after 10 tokens; (result, the crashed peer). The deadline floor
+    is generous, so only the crash, never a slow step on a loaded machine, causes a failover."""
+    from meshinfer.generate import load_shard
+    from meshinfer.session import MeshClient
+
+    a, b, c, d = bounds
+    first = await start_peer(load_shard(path, LayerRange(a, b)), weights_hash=digest, bundle=bundle)
+    rest = [await start_peer(load_shard(path, r), weights_hash=digest, bootstrap=first.addrs)
+            for r in (LayerRange(b, c), LayerRange(b, c), LayerRange(c, d))]
+    try:
+        await wait_for_tables([first, *rest])
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan()
+            mid = next(p for p in rest[:2] if p.peer_id == route.hops[1].peer_id)
+            conv = client.conversation(route, max_tokens_total=len(ids) + n_tokens, deadline_floor_s=10.0)
+
+            def on_token(_):
+                if len(conv.cached) - len(ids) >= 9 and not mid._closing:
+                    asyncio.ensure_future(crash(mid))
+
+            out = await conv.generate(ids, max_tokens=n_tokens, eos_ids=(), on_token=on_token)
+            await conv.close()
+    finally:
+        for p in (first, *rest):
+            await p.close()
+    return out, mid

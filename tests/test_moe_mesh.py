@@ -6,11 +6,10 @@ failover are unchanged. Last, the same through the command line: two ``join`` pr
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
-from meshkit import crash, file_hash, generate_through, mesh, split, start_peer, wait_for_tables
+from meshkit import file_hash, generate_through, generate_through_a_middle_crash, mesh, split
 from meshinfer import protocol
 from meshinfer.config import LayerRange
 from meshinfer.discovery import verify_advert
@@ -87,27 +86,8 @@ async def test_speculative_decoding_equals_plain_greedy(moe):
 async def test_failover_of_the_middle_hop_replays_and_matches_generate(moe):
     path, digest, tok, whole = moe
     ids = tok.encode_chat(STORY)
-    expected = greedy_generate(whole, ids, max_tokens=30).token_ids
-    first = await start_peer(load_shard(path, LayerRange(0, 1)), weights_hash=digest, bundle=tok.to_bundle())
-    rest = [await start_peer(load_shard(path, r), weights_hash=digest, bootstrap=first.addrs)
-            for r in (LayerRange(1, 3), LayerRange(1, 3), LayerRange(3, 4))]
-    try:
-        await wait_for_tables([first, *rest])
-        async with MeshClient(list(first.addrs)) as client:
-            route = await client.plan()
-            mid = next(p for p in rest[:2] if p.peer_id == route.hops[1].peer_id)
-            conv = client.conversation(route, max_tokens_total=len(ids) + 30, deadline_floor_s=10.0)
-
-            def on_token(_):
-                if len(conv.cached) - len(ids) >= 9 and not mid._closing:
-                    asyncio.ensure_future(crash(mid))
-
-            out = await conv.generate(ids, max_tokens=30, eos_ids=(), on_token=on_token)
-            await conv.close()
-    finally:
-        for p in (first, *rest):
-            await p.close()
-    assert out.token_ids == expected
+    out, mid = await generate_through_a_middle_crash(path, digest, tok.to_bundle(), ids, 30)
+    assert out.token_ids == greedy_generate(whole, ids, max_tokens=30).token_ids
     assert [f["failed"] for f in out.failovers] == [[mid.peer_id]]
 
 

@@ -8,11 +8,10 @@ failover.
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
-from meshkit import crash, mesh, split, start_peer, tiny_model, wait_for_tables
+from meshkit import generate_through_a_middle_crash, mesh, split, tiny_model
 from test_hostile import Raw, last_token, serving
 from meshinfer import protocol, speculative
 from meshinfer.bench import CODE_EDIT_MESSAGES
@@ -231,27 +230,8 @@ def test_draft_tokens_out_of_range_is_refused_with_the_limit():
 async def test_failover_with_speculation_replays_and_matches_plain_greedy(tiny):
     path, digest, tok, whole = tiny
     ids = tok.encode_chat(REPEAT)
-    expected = greedy_generate(whole, ids, max_tokens=50).token_ids
-    first = await start_peer(load_shard(path, LayerRange(0, 1)), weights_hash=digest, bundle=tok.to_bundle())
-    rest = [await start_peer(load_shard(path, r), weights_hash=digest, bootstrap=first.addrs)
-            for r in (LayerRange(1, 3), LayerRange(1, 3), LayerRange(3, 4))]
-    try:
-        await wait_for_tables([first, *rest])
-        async with MeshClient(list(first.addrs)) as client:
-            route = await client.plan()
-            mid = next(p for p in rest[:2] if p.peer_id == route.hops[1].peer_id)
-            conv = client.conversation(route, max_tokens_total=len(ids) + 50, deadline_floor_s=1.0)
-
-            def on_token(_):
-                if len(conv.cached) - len(ids) >= 9 and not mid._closing:
-                    asyncio.ensure_future(crash(mid))
-
-            out = await conv.generate(ids, max_tokens=50, eos_ids=(), on_token=on_token)
-            await conv.close()
-    finally:
-        for p in (first, *rest):
-            await p.close()
-    assert out.token_ids == expected
+    out, mid = await generate_through_a_middle_crash(path, digest, tok.to_bundle(), ids, 50)
+    assert out.token_ids == greedy_generate(whole, ids, max_tokens=50).token_ids
     assert [f["failed"] for f in out.failovers] == [[mid.peer_id]]
     assert out.speculative["accepted"] > 0
 
