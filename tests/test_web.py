@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -229,6 +230,70 @@ def test_code_fences_render_as_code_and_html_stays_text(live, tiny, browser, tmp
     assert browser.execute_script("return document.querySelector('.msg.user .content').textContent") == hostile
     assert browser.execute_script("return [document.querySelectorAll('#messages img').length, window.pwned]") == [0, None]
     browser.save_screenshot(str(tmp_path / "chat.png"))
+
+
+def test_mesh_provided_strings_stay_text(live, tiny, browser):
+    peers = tiny_mesh(live, tiny)
+    server = live.enter(serving(peers[0].addrs))
+    open_page(browser, server)
+    hostile = '<img src=x onerror="window.pwned=1">'
+    got = browser.execute_script("""
+        const h = arguments[0];
+        renderMesh({peers: [], groups: [], events: [], last_reply: {model: h, time: 0, finish_reason: h, completion_tokens: 1, route: [
+            {peer_id: h, address: h, layers: h, device: h, compute_ms_per_token: 1, network_ms_per_token: 1}]}});
+        const route = document.getElementById('last-route').textContent;
+        renderMesh({peers: [{peer_id: h, address: h, model: h, layers: h, device: h, precision: h,
+                             weights_hash: h, state: h, rtt_ms: null, free_kv_tokens: h}],
+                    groups: [{model: h, precision: h, num_layers: 1, usable: 0, coverage: [0], route: null,
+                              missing_layers: [h]}], last_reply: null,
+                    events: [{kind: "detection", time: 0, peer: h, layers: h, reason: h},
+                             {kind: "failover", time: 0, failed: [h], reason: h}]});
+        return [document.querySelectorAll('img').length, window.pwned, document.getElementById('events').textContent,
+                document.querySelector('#peers td.address').textContent,
+                document.querySelector('#peers tbody tr').dataset.state, route];""", hostile)
+    assert got[:2] == [0, None]
+    assert f"lying peer <img src=x o [{hostile}] excluded: {hostile}" in got[2]
+    assert f"failover from <img src=x o: {hostile}" in got[2]
+    assert got[3:5] == [hostile, "other"] and got[5].count(hostile) == 5
+
+
+def test_stop_regenerate_and_new_conversation(live, tiny, browser, tmp_path, monkeypatch):
+    peers = tiny_mesh(live, tiny)
+    server = live.enter(serving(peers[0].addrs))
+    finish, steps = peers[-1]._finish_step, []
+
+    def slow(conv, start, *rest):  # 50 ms a step: the reply is still running when Stop is clicked
+        steps.append(start)
+        time.sleep(0.05)
+        return finish(conv, start, *rest)
+
+    monkeypatch.setattr(peers[-1], "_finish_step", slow)
+    open_page(browser, server)
+    wait_for(browser, "document.getElementById('model').value !== ''", what="a model")
+    browser.find_element("id", "max-tokens").send_keys("220")
+    browser.find_element("id", "prompt").send_keys("count\n")  # greedy on the tiny model: 220 tokens, no end
+    wait_for(browser, "document.querySelector('.msg.assistant .content').textContent.length > 0", what="streaming")
+    browser.find_element("id", "stop").click()
+    wait_for(browser, "document.querySelector('.msg.assistant').dataset.finish === 'stopped'", what="the stop")
+    stopped = browser.execute_script("return document.querySelector('.msg.assistant .content').textContent")
+    live.run(wait_idle(peers))  # the server closed the conversation on every hop
+    assert len(steps) < 200
+    box = browser.find_element("id", "max-tokens")
+    box.clear()
+    box.send_keys("3")
+    browser.find_element("id", "regenerate").click()
+    wait_for(browser, "document.querySelector('.msg.assistant')?.dataset.finish === 'length'", what="the new reply")
+    texts = browser.execute_script("return [...document.querySelectorAll('.msg')].map(m => m.className)")
+    assert texts == ["msg user", "msg assistant"] and stopped
+    browser.save_screenshot(str(tmp_path / "regenerated.png"))
+    browser.find_element("id", "new-chat").click()
+    assert browser.execute_script("return document.querySelectorAll('.msg').length") == 0
+
+
+async def wait_idle(peers, timeout_s: float = 30.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while any(p.convs for p in peers):
+            await asyncio.sleep(0.05)
 
 
 def test_killed_peer_shows_as_gone_with_the_gap_and_the_page_recovers(live, tiny, browser, tmp_path):
