@@ -219,11 +219,17 @@ def test_code_fences_render_as_code_and_html_stays_text(live, tiny, browser, tmp
     open_page(browser, server)
     got = browser.execute_script("""
         const d = document.createElement('div');
-        renderText(d, "a <b>bold</b>\\n```python\\nprint('<script>alert(1)</script>')\\n```\\nafter");
-        return [d.querySelectorAll('pre > code').length, d.querySelector('code').textContent,
-                d.querySelector('code').className, d.querySelectorAll('b, script').length, d.textContent];""")
-    assert got == [1, "print('<script>alert(1)</script>')\n", "language-python", 0,
-                   "a <b>bold</b>\nprint('<script>alert(1)</script>')\n\nafter"]
+        renderText(d, "a <b>bold</b>\\n```python\\nprint('<script>alert(1)</script>')\\n```\\nafter `x<i>`, `y");
+        return [d.querySelectorAll('pre > code').length, d.querySelector('pre code').textContent,
+                d.querySelector('pre code').className, d.querySelectorAll('b, i, script').length,
+                [...d.querySelectorAll('.text code')].map(c => c.textContent), d.textContent];""")
+    assert got == [1, "print('<script>alert(1)</script>')", "language-python", 0, [],
+                   "a <b>bold</b>print('<script>alert(1)</script>')after `x<i>`, `y"]
+    got = browser.execute_script("""
+        const d = document.createElement('div');
+        renderText(d, "use `a<b>` and `c`.");
+        return [[...d.querySelectorAll('.text code')].map(c => c.textContent), d.textContent];""")
+    assert got == [["a<b>", "c"], "use a<b> and c."]
     hostile = '<img src=x onerror="window.pwned=1">'
     reply = ask(browser, hostile, max_tokens=3)
     assert reply["finish"] == "length" and reply["error"] is None and "tok/s" in reply["stats"]
@@ -395,7 +401,7 @@ def test_typed_prompt_streams_the_same_text_as_meshinfer_chat(real_served, brows
     wait_for(browser, "document.getElementById('model').value !== ''", what="a model")
     reply = ask(browser, PROMPT, max_tokens=16)
     browser.save_screenshot(str(tmp_path / "chat.png"))
-    assert "```" not in chat["text"] and chat["text"]
+    assert chat["text"] and "`" not in chat["text"]  # the page renders backticks as code
     assert reply["text"] == chat["text"] and reply["error"] is None
     assert reply["finish"] == chat["finish_reason"]
     assert "tok/s" in reply["stats"] and "TTFT" in reply["stats"] and "2 hop(s)" in reply["stats"]

@@ -69,20 +69,31 @@ async function errorOf(resp) {
 }
 
 // ------------------------------------------------------------------ chat
-/** Render text into container: ``` fences become <pre><code>, the rest stays plain text. */
+/** Render text into container: ``` fences become <pre><code>, `spans` become <code>, the rest
+ * stays plain text (newlines around a fence are dropped: the block already breaks the line). */
 function renderText(container, text) {
   container.replaceChildren();
-  text.split("```").forEach((part, i) => {
+  const parts = text.split("```");
+  parts.forEach((part, i) => {
     if (i % 2 === 0) {
-      if (part) container.append(el("div", { class: "text" }, part));
+      if (i > 0) part = part.replace(/^\n+/, "");
+      if (i < parts.length - 1) part = part.replace(/\n+$/, "");
+      if (part) container.append(el("div", { class: "text" }, ...inlineCode(part)));
       return;
     }
     const nl = part.indexOf("\n");
     const lang = nl < 0 ? "" : part.slice(0, nl).trim();
-    const code = el("code", {}, nl < 0 ? part : part.slice(nl + 1));
+    const code = el("code", {}, (nl < 0 ? part : part.slice(nl + 1)).replace(/\n$/, ""));
     if (/^[A-Za-z0-9_+-]{1,20}$/.test(lang)) code.className = "language-" + lang;
     container.append(el("pre", {}, code));
   });
+}
+
+/** Text and <code> nodes for `inline code` (an unpaired backtick stays text). */
+function inlineCode(text) {
+  const pieces = text.split("`");
+  if (pieces.length % 2 === 0) return [text];
+  return pieces.map((p, i) => (i % 2 === 1 ? el("code", {}, p) : p)).filter((p) => p !== "");
 }
 
 function addMessage(role, text) {
