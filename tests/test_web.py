@@ -212,6 +212,19 @@ def test_completion_carries_timings_and_route_and_the_mesh_endpoint_shows_them(l
     assert group["coverage"] == [1, 1, 1, 1] and group["missing_layers"] == [] and len(group["route"]) == 2
 
 
+def test_every_page_file_is_package_data_so_a_wheel_ships_it():
+    import fnmatch
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    section = (root / "pyproject.toml").read_text().split("[tool.setuptools.package-data]", 1)[1]
+    patterns = json.loads(re.search(r"^meshinfer = (\[.*\])$", section, re.M).group(1))  # no tomllib on 3.10
+    files = sorted(p.relative_to(root / "meshinfer").as_posix() for p in (root / "meshinfer" / "web").iterdir())
+    assert files == ["web/app.js", "web/index.html", "web/style.css"]
+    assert all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files)
+
+
 # --------------------------------------------------------------------------- tiny model, in Chromium
 def test_code_fences_render_as_code_and_html_stays_text(live, tiny, browser, tmp_path):
     peers = tiny_mesh(live, tiny)
