@@ -170,6 +170,10 @@ def _messages(value: Any) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ApiError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}",
                            param=f"messages[{i}].role")
+        for key in ("tool_calls", "function_call"):  # refused, never silently dropped (issue 15, part 6)
+            if m.get(key):
+                raise ApiError(400, f"messages[{i}].{key}: tool calls are not supported by meshinfer yet "
+                                    f"(see docs/api.md)", param=f"messages[{i}].{key}", code="unsupported_parameter")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": _content(m, i)})
     return out
