@@ -582,6 +582,7 @@ async def _serve(args) -> int:
             print(f"warning: {exc}; answering 503 until a peer does", file=sys.stderr)
             models = "none yet"
         _announce(args, f"ready: OpenAI-compatible API at {server.url} (models: {models})")
+        _announce(args, f"page: open http://{server.host}:{server.port}/ in a browser (chat and a live map of the mesh)")
         stop = _stop_on_signals()
         await stop.wait()
         _announce(args, "shutting down")
