@@ -95,6 +95,7 @@ meshinfer status --peers "ws://127.0.0.1:$BASE_PORT" >&2 || true
 
 if [ "$KEEP" = 1 ]; then
   echo "peers are running; chat with: meshinfer chat --peers ws://127.0.0.1:$BASE_PORT" >&2
+  echo "or serve the API and its page: meshinfer serve --peers ws://127.0.0.1:$BASE_PORT, then open http://127.0.0.1:8000/" >&2
   echo "stop them with: kill ${PIDS[*]}" >&2
   exit 0
 fi

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP API over the mesh (aiohttp): what ``meshinfer serve`` runs.
 
 Endpoints (see docs/api.md): ``POST /v1/chat/completions`` (JSON or server-sent events),
-``GET /v1/models`` and ``GET /v1/models/{id}``. Each completion is one conversation on a
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /v1/mesh`` (peers, coverage, routes: the
+page's mesh view, :mod:`meshinfer.meshview`) and the page itself at ``/`` (``meshinfer/web/``). Each completion is one conversation on a
 route planned through :mod:`meshinfer.reply`, the same path as ``meshinfer chat``; it is
 closed on every hop when the reply ends, fails, or its HTTP client goes away.
 
@@ -23,12 +24,14 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 from aiohttp import web
 
 from .errors import (CacheFull, ContextOverflow, IncompatiblePeer, InvalidInput, MeshError, NoRoute,
                      PeerUnavailable, RateLimited, Unauthenticated)
+from .meshview import MeshView
 from .reply import plan_for, reply
 from .routing import Route, complete_routes_summary
 from .sampling import SEED_MODULUS, SamplingParams
@@ -53,6 +56,15 @@ MAX_BODY_BYTES = 4 << 20
 MAX_STOP_SEQUENCES = 4
 #: Roles a message may have; ``developer`` (OpenAI's newer name for ``system``) is sent as ``system``.
 ROLES = ("system", "user", "assistant", "developer")
+#: The page's files (``meshinfer/web/``, shipped as package data) by URL path, with their types.
+PAGE_FILES = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascript"),
+              "/style.css": ("style.css", "text/css")}
+#: Headers of the page's files: nothing but this server's own scripts, styles and requests runs
+#: (a reply or a peer address that slipped past escaping still cannot run script), no framing.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                                           "img-src 'self' data:; connect-src 'self'; base-uri 'none'; "
+                                           "form-action 'none'; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
 
 
 class ApiError(Exception):
@@ -158,6 +170,10 @@ def _messages(value: Any) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ApiError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}",
                            param=f"messages[{i}].role")
+        for key in ("tool_calls", "function_call"):  # refused, never silently dropped (issue 15, part 6)
+            if m.get(key):
+                raise ApiError(400, f"messages[{i}].{key}: tool calls are not supported by meshinfer yet "
+                                    f"(see docs/api.md)", param=f"messages[{i}].{key}", code="unsupported_parameter")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": _content(m, i)})
     return out
@@ -307,12 +323,16 @@ class MeshModels:
                             f"the models it serves", param="model", code="model_not_found")
 
     async def route(self, weights_hash: str) -> tuple[Route, Tokenizer]:
-        """A recent route to ``weights_hash`` and its tokenizer, planned when none is fresh.
+        """A recent route to ``weights_hash`` and its tokenizer, planned when none is fresh or
+        one of its hops has left the peer table or stopped answering pings since.
 
         Raises:
             NoRoute, PeerUnavailable, IncompatiblePeer: see :func:`meshinfer.reply.plan_for`.
         """
         cached = self._routes.get(weights_hash)
+        if cached is not None and not all(p in self.client.table and p in self.client.rtts_ms
+                                          for p in cached[1].peer_ids):
+            cached = None  # a later refresh (the page's GET /v1/mesh) saw a hop leave or stop answering
         if cached is None or time.monotonic() - cached[0] > self.route_ttl_s:
             cached = await self._once(weights_hash, lambda: self._plan(weights_hash))
         return cached[1], cached[2]
@@ -325,14 +345,6 @@ class MeshModels:
 # --------------------------------------------------------------------------- server
 def _completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
-
-
-def _trust(result) -> dict:
-    """The ``meshinfer`` extension of a completion: lying peers excluded while answering
-    (``detections``) and hops of the final route that no spot-check verified (``unverified``:
-    peer, layers, reason). See docs/security.md."""
-    return {"detections": [{"peer": d["peer"], "reason": d["reason"]} for d in result.detections],
-            "unverified": list(result.unverified)}
 
 
 def _usage(result) -> dict:
@@ -386,9 +398,12 @@ class ApiServer:
         self.max_requests_per_client = max_requests_per_client
         self._in_flight: dict[str, int] = {}  # client address -> chat requests running
         self.models = MeshModels(client, route_ttl_s=route_ttl_s)
+        self.mesh = MeshView(client, model_id=model_id)
+        self._page: dict[str, bytes] = {}  # URL path -> file bytes, read on first request
         self.app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
         self.app.add_routes([web.post("/v1/chat/completions", self._chat), web.get("/v1/models", self._list),
-                             web.get("/v1/models/{id}", self._model)])
+                             web.get("/v1/models/{id}", self._model), web.get("/v1/mesh", self._mesh_view)]
+                            + [web.get(path, self._page_file) for path in PAGE_FILES])
         self._runner: web.AppRunner | None = None
 
     @property
@@ -426,6 +441,27 @@ class ApiServer:
     async def _model(self, request: web.Request) -> web.Response:
         self._check_key(request)
         return web.json_response(await self.models.find(request.match_info["id"]))
+
+    async def _mesh_view(self, request: web.Request) -> web.Response:
+        """``GET /v1/mesh``: the peer table, coverage, routes and events (see :class:`MeshView`)."""
+        self._check_key(request)
+        return web.json_response(await self.mesh.snapshot(), dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+    async def _page_file(self, request: web.Request) -> web.Response:
+        """The page (``/``) and its script and style, without a key: the page asks for it.
+
+        Raises:
+            ApiError: 500 when the installed package lacks the files.
+        """
+        name, content_type = PAGE_FILES[request.path]
+        if request.path not in self._page:
+            try:
+                self._page[request.path] = resources.files(__package__).joinpath("web", name).read_bytes()
+            except OSError as exc:
+                raise ApiError(500, f"the page's file {name} is missing from the installed meshinfer package "
+                                    f"({exc.strerror or exc}); reinstall it", type="server_error") from exc
+        return web.Response(body=self._page[request.path], content_type=content_type, charset="utf-8",
+                            headers=PAGE_HEADERS)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self._check_key(request)
@@ -475,7 +511,8 @@ class ApiServer:
             await conv.close()  # also when cancelled: the client went away
         return web.json_response(dict(head, object="chat.completion", choices=[{
             "index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
-            "finish_reason": result.finish_reason}], usage=_usage(result), meshinfer=_trust(result)))
+            "finish_reason": result.finish_reason}], usage=_usage(result),
+            meshinfer=self.mesh.record_reply(model["id"], result)))
 
     async def _open(self, conv: Conversation, n_prompt: int, max_tokens: int) -> None:
         """Open ``conv`` on every hop (reserving prompt + ``max_tokens`` of KV cache).
@@ -498,7 +535,8 @@ class ApiServer:
 
     async def _stream(self, request: web.Request, req: ChatRequest, head: dict, conv: Conversation, tok: Tokenizer,
                       prompt_ids: list[int], run: dict) -> web.StreamResponse:
-        """Server-sent events: a role chunk, content chunks, a finish chunk, usage, ``[DONE]``.
+        """Server-sent events: a role chunk, content chunks, a finish chunk (with the ``meshinfer``
+        field of :func:`meshinfer.meshview.reply_json`), usage, ``[DONE]``.
 
         Cancelled (the client went away) or not, generation stops; the caller closes ``conv``.
         """
@@ -531,7 +569,7 @@ class ApiServer:
                 log.exception("completion %s failed", head["id"])
                 await send(ApiError(500, "internal server error (see the server log)", type="server_error").body())
             else:
-                await send(dict(chunk({}, result.finish_reason), meshinfer=_trust(result)))
+                await send(dict(chunk({}, result.finish_reason), meshinfer=self.mesh.record_reply(head["model"], result)))
                 if req.include_usage:
                     await send(dict(head, object="chat.completion.chunk", choices=[], usage=_usage(result)))
             await send("[DONE]")

@@ -584,6 +584,7 @@ async def _serve(args) -> int:
             print(f"warning: {exc}; answering 503 until a peer does", file=sys.stderr)
             models = "none yet"
         _announce(args, f"ready: OpenAI-compatible API at {server.url} (models: {models})")
+        _announce(args, f"page: open http://{server.host}:{server.port}/ in a browser (chat and a live map of the mesh)")
         stop = _stop_on_signals()
         await stop.wait()
         _announce(args, "shutting down")
@@ -613,6 +614,7 @@ def cmd_id(args) -> int:
 
 # --------------------------------------------------------------------------- status
 async def _status(args) -> int:
+    from .meshview import group_json
     from .routing import complete_routes_summary
     from .session import MeshClient
 
@@ -626,7 +628,7 @@ async def _status(args) -> int:
         if args.json:
             print(json.dumps({"peers": [dict(p.to_wire(), layers_inclusive=p.layers.cli(), rtt_ms=rtts.get(p.peer_id))
                                         for p in peers],
-                              "routes": [_group_json(g, peers) for g in groups]}))
+                              "routes": [group_json(g, peers) for g in groups]}))
             return code
         rows = [("PEER", "ADDRESS", "LAYERS", "DEVICE", "PREC", "WEIGHTS", "STATE", "RTT ms", "FREE KV")]
         for p in sorted(peers, key=lambda p: (p.layers.start, p.peer_id)):
@@ -653,16 +655,6 @@ def _coverage_line(peers, g) -> str:
     L = g.compat_key[3]
     strip = coverage_strip(coverage([p for p in peers if p.compat_key == g.compat_key], L))
     return f"layers 0-{L - 1} |{strip}| (peers per layer; . = none)"
-
-
-def _group_json(g, peers) -> dict:
-    from .coverage import coverage
-
-    return {"identity": g.identity, "peers": g.num_peers, "usable": g.num_usable,
-            "coverage": coverage([p for p in peers if p.compat_key == g.compat_key], g.compat_key[3]),
-            "route": [{"peer_id": h.peer_id, "layers": h.layers.cli()} for h in g.route.hops] if g.route else None,
-            "estimated_ms_per_token": g.route.estimated_ms_per_token if g.route else None,
-            "missing_layers": [r.cli() for r in g.missing]}
 
 
 def _group_line(g) -> str:
