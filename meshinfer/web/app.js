@@ -199,6 +199,7 @@ function statsLine(reply) {
       (info.route || []).length + " hop(s)");
     if ((info.failovers || []).length) parts.push(info.failovers.length + " failover(s)");
     if ((info.detections || []).length) parts.push(info.detections.length + " lying peer(s) caught");
+    if ((info.unverified || []).length) parts.push("UNVERIFIED: " + info.unverified.length + " hop(s) nobody checked");
   } else if (reply.ttftMs !== null) {
     parts.push("first text after " + fmt(reply.ttftMs, 0) + " ms");
   }
