@@ -418,6 +418,7 @@ def test_typed_prompt_streams_the_same_text_as_meshinfer_chat(real_served, brows
     assert reply["text"] == chat["text"] and reply["error"] is None
     assert reply["finish"] == chat["finish_reason"]
     assert "tok/s" in reply["stats"] and "TTFT" in reply["stats"] and "2 hop(s)" in reply["stats"]
+    assert "UNVERIFIED: 2 hop(s) nobody checked" in reply["stats"]  # no peer serves either hop's layers twice
 
 
 @pytest.mark.realmodel
