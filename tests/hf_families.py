@@ -3,7 +3,7 @@ Hugging Face directory (``save_pretrained``) and as a GGUF the way llama.cpp's c
 writes them (tensor names, metadata, Llama's q/k permutation, merged expert tensors).
 
 transformers is a test-only dependency (docs/dependencies.md), imported only by the functions
-that build models; tests that need it skip without it.
+that build models (it is in the test extra, so a missing one fails the tests that need it).
 """
 
 from __future__ import annotations

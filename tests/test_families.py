@@ -17,9 +17,8 @@ from meshinfer.config import SUPPORTED_ARCHITECTURES, LayerRange
 from meshinfer.errors import WeightsError
 from meshinfer.generate import greedy_generate, load_shard, new_cache
 
-pytest.importorskip("transformers")
-import hf_families as hff  # noqa: E402  (needs transformers)
-from hf_families import rel, run_chain  # noqa: E402
+import hf_families as hff  # needs transformers (the test extra)
+from hf_families import rel, run_chain
 
 PROMPT = [5, 17, 200, 33, 104, 101, 7, 128, 259]  # ends with a special token
 FOLLOW = [44, 99, 3, 250, 101]  # teacher-forced continuation, fed one token per step
@@ -204,11 +203,9 @@ def test_unsupported_config_json_model_type_is_refused_naming_it_and_the_support
         load_shard(tmp_path)
 
 
-def test_qwen3_moe_with_dense_layers_among_the_sparse_is_refused(family, tmp_path):
-    name, paths, _ = family
-    if name != "qwen3moe":
-        pytest.skip("a Qwen3-MoE config field")
-    raw = json.loads((paths["hf"] / "config.json").read_text())
+def test_qwen3_moe_with_dense_layers_among_the_sparse_is_refused(tmp_path):
+    hff.write_hf(hff.hf_model("qwen3moe"), tmp_path / "hf")  # a Qwen3-MoE config field
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(raw | {"mlp_only_layers": [1]}))
     with pytest.raises(WeightsError, match=r"mlp_only_layers \[1\].*every layer must be sparse"):
         load_shard(tmp_path)

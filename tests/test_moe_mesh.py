@@ -17,7 +17,6 @@ from meshinfer.generate import greedy_generate, load_shard
 from meshinfer.session import MeshClient
 from meshinfer.tokenizer import Tokenizer
 
-pytest.importorskip("transformers")
 import hf_families as hff  # noqa: E402  (needs transformers)
 from test_batching import PROMPTS, UNLIMITED, alone_then_together  # noqa: E402
 
