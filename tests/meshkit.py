@@ -57,6 +57,20 @@ async def mesh(shards: Sequence[Shard], *, weights_hash: str, bundle: dict | Non
             await p.close()
 
 
+class AlwaysDraft:
+    """A draft policy (``Conversation.policy``) that drafts all it may each step. Tests of exact
+    verification use it: on a tiny model over loopback the real policy
+    (:class:`meshinfer.speculative.DraftPolicy`) may rightly find that drafting does not pay."""
+
+    def choose(self, limit: int) -> int:
+        return limit
+
+    def record_step(self, *args) -> None:
+        pass
+
+    record_drafts = record_draft_cost = record_step
+
+
 def split(shard_factory, bounds: Sequence[int]) -> list[Shard]:
     """Shards over consecutive ``bounds`` (e.g. ``[0, 2, 4]``) built by ``shard_factory(LayerRange)``."""
     return [shard_factory(LayerRange(a, b)) for a, b in zip(bounds, bounds[1:])]
