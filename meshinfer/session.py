@@ -708,6 +708,8 @@ class Conversation:
             return await self._timed_step(history[-1:], result)
         room = min(remaining - 1, self.max_tokens_total - len(self.cached) - 1, self.max_step_tokens - 1)
         k = self.policy.choose(min(self.draft_tokens, room))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("conversation %s: %d drafts (%s)", self.conv_id[:12], k, self.policy.describe())
         t0 = time.perf_counter()
         drafts = (await self.drafter.propose(history, k))[:k] if k > 0 else []
         self.policy.record_draft_cost(len(drafts), (time.perf_counter() - t0) * 1e3)

@@ -217,6 +217,12 @@ class DraftPolicy:
         base, slope = self.step_line()
         return expected_tokens(self.acceptance, k) / (k * self._draft_ms[0] + base + slope * k)
 
+    def describe(self) -> str:
+        """The estimates, for logs: acceptance, step line and draft cost."""
+        base, slope = self.step_line()
+        return (f"acceptance {self.acceptance:.2f}, step {base:.0f} + {slope:.1f} ms per extra position, "
+                f"draft {self._draft_ms[0]:.1f} ms per token")
+
     def choose(self, limit: int) -> int:
         """The draft length, 0 to ``limit``, of the next step: the best :meth:`rate`, or 0 when no
         ``k`` beats plain decoding by :data:`MIN_GAIN`."""

@@ -221,3 +221,36 @@ async def test_a_conversation_cancelled_while_drafting_frees_its_draft_cache(tin
                 await task
             await conv.close()
             assert (model.cache_bytes, len(model.live)) == (0, 0)
+
+
+# --------------------------------------------------------------------------- real models
+@pytest.mark.realmodel
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct-q4_k_m", "smollm2-135m-instruct-q4_1"])
+async def test_draft_model_output_equals_plain_on_the_real_models_over_2_peers(name):
+    """Each model drafts for itself at q8-bf16 (no smaller same-vocabulary sibling is here),
+    for an f32 mesh of 2 peers: a general chat and an arithmetic one."""
+    from conftest import model_path
+    from meshkit import file_hash
+    from meshinfer.bench import GENERAL_PROMPTS
+    from meshinfer.tokenizer import Tokenizer
+    from realmodels import full_tensors, shard_of
+
+    path = model_path(name)
+    tok = Tokenizer.from_gguf(path)
+    n_layers = full_tensors(name)[0].num_hidden_layers
+    shards = [shard_of(name, 0, n_layers // 2), shard_of(name, n_layers // 2, n_layers)]
+    draft = load_draft_model(path, dtype="q8-bf16")
+    try:
+        async with mesh(shards, weights_hash=file_hash(path), bundle=tok.to_bundle()) as peers:
+            async with MeshClient(list(peers[0].addrs), draft_model=draft) as client:
+                route, _ = await plan_for(client)
+                for messages in (GENERAL_PROMPTS[0], GENERAL_PROMPTS[1]):
+                    ids = tok.encode_chat(messages)
+                    plain = await _generate(client, route, ids, max_tokens=32, speculate=False)
+                    drafted = await _generate(client, route, ids, max_tokens=32)
+                    assert drafted.token_ids == plain.token_ids, (messages, tok.decode(plain.token_ids))
+                    assert drafted.speculative["drafter"] == f"model:{name}"
+                    assert drafted.speculative["acceptance"] > 0.5, drafted.speculative
+                    assert drafted.speculative["steps"] < 20
+    finally:
+        draft.close()
