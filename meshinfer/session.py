@@ -112,6 +112,7 @@ class MeshClient:
         self._convs: dict[str, "Conversation"] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
         self._failed: dict[str, tuple[float, int]] = {}  # peer id -> (excluded until, failures)
+        self._policies: dict[tuple, DraftPolicy] = {}  # (route's peers, drafter) -> its draft policy
 
     async def __aenter__(self) -> "MeshClient":
         return self
@@ -314,6 +315,15 @@ class MeshClient:
         if self.draft_model is not None:
             self.draft_model.check_vocabulary(self._tokenizers[weights_hash])
         return self._tokenizers[weights_hash]
+
+    def draft_policy(self, route: Route, drafter: Drafter) -> DraftPolicy:
+        """The draft-length policy of ``drafter``'s kind on ``route``, shared by this client's
+        conversations: step times and draft costs belong to the route and the machine, and
+        acceptance to the drafter, so a new conversation starts from what earlier ones measured."""
+        key = (route.peer_ids, drafter.name)
+        if key not in self._policies:
+            self._policies[key] = DraftPolicy.for_route(route, prior_acceptance=drafter.prior_acceptance)
+        return self._policies[key]
 
     def conversation(self, route: Route, *, max_tokens_total: int, **options) -> "Conversation":
         """A new conversation over ``route`` holding at most ``max_tokens_total`` tokens.
@@ -689,7 +699,7 @@ class Conversation:
         if self.drafter is None:
             self.drafter = self.draft_model.drafter() if self.draft_model is not None else PromptLookup()
         if self.policy is None:
-            self.policy = DraftPolicy.for_route(self.route, prior_acceptance=self.drafter.prior_acceptance)
+            self.policy = self.client.draft_policy(self.route, self.drafter)
         return SpecStats(draft_tokens=self.draft_tokens, drafter=self.drafter.name)
 
     async def _decode_step(self, result: ChatResult, history: list[int], remaining: int,

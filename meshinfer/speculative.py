@@ -158,6 +158,7 @@ class DraftPolicy:
         self._hits = self._trials = 0.0
         self._steps: dict[int, list[float]] = {}  # T -> [mean ms, weight]
         self._draft_ms: list[float] = [0.0, 0.0]  # [mean ms per drafted token, weight]
+        self.steps_recorded = 0  # decode steps measured so far
 
     @classmethod
     def for_route(cls, route, *, prior_acceptance: float = PRIOR_ACCEPTANCE) -> "DraftPolicy":
@@ -172,6 +173,7 @@ class DraftPolicy:
     def record_step(self, n_positions: int, ms: float) -> None:
         """A decode step of ``n_positions`` positions (1 + drafts) took ``ms`` of wall time.
         Every step also ages the older measurements by :data:`DECAY`."""
+        self.steps_recorded += 1
         self._hits, self._trials = self._hits * DECAY, self._trials * DECAY
         for entry in self._steps.values():
             entry[1] *= DECAY

@@ -223,6 +223,28 @@ async def test_a_conversation_cancelled_while_drafting_frees_its_draft_cache(tin
             assert (model.cache_bytes, len(model.live)) == (0, 0)
 
 
+async def test_conversations_on_a_route_share_the_draft_policy_of_their_drafter(tiny, drafts):
+    """A new conversation starts from the step times, draft cost and acceptance earlier ones
+    measured on the same route with the same kind of drafter; another drafter has its own."""
+    path, digest, tok, whole = tiny
+    ids = tok.encode_chat(STORY)
+    async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest,
+                    bundle=tok.to_bundle()) as peers:
+        async with MeshClient(list(peers[0].addrs), draft_model=drafts["same"]) as client:
+            route = await client.plan()
+            convs = [client.conversation(route, max_tokens_total=len(ids) + 8, **opts)
+                     for opts in ({}, {}, {"draft_model": None})]
+            steps = []  # decode steps of each conversation
+            for conv in convs:
+                out = await conv.generate(ids, max_tokens=8, eos_ids=())
+                await conv.close()
+                assert out.token_ids == greedy_generate(whole, ids, max_tokens=8).token_ids
+                steps.append(out.speculative["steps"] + out.speculative["plain_steps"])
+    assert convs[0].policy is convs[1].policy is client.draft_policy(route, ModelDrafter(drafts["same"]))
+    assert convs[2].policy is not convs[0].policy and convs[2].policy.prior_acceptance == 0.5
+    assert convs[0].policy.steps_recorded == steps[0] + steps[1] and convs[2].policy.steps_recorded == steps[2]
+
+
 # --------------------------------------------------------------------------- real models
 @pytest.mark.realmodel
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct-q4_k_m", "smollm2-135m-instruct-q4_1"])
