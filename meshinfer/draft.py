@@ -50,10 +50,15 @@ class Drafter(Protocol):
     Attributes:
         name: what drafts, for the conversation's counters (``"prompt-lookup"``, ``"model:NAME"``).
         prior_acceptance: the acceptance the draft-length policy assumes before measuring.
+        prior_draft_ms: the ms per drafted token it assumes before timing drafts.
+        last_cost_ms: what the last :meth:`propose` spent drafting, ms, not counting the catch-up
+            of a run of tokens the drafter had not seen (a one-off cost, not a per-draft one).
     """
 
     name: str
     prior_acceptance: float
+    prior_draft_ms: float
+    last_cost_ms: float
 
     async def prefill(self, history: Sequence[int]) -> None:
         """Get ready to draft after ``history`` (run while the mesh prefills the same prompt)."""
@@ -70,6 +75,7 @@ class PromptLookup:
 
     name = "prompt-lookup"
     prior_acceptance = PRIOR_ACCEPTANCE
+    prior_draft_ms = last_cost_ms = 0.0  # a search in the last 4,096 tokens: well under a ms
 
     async def prefill(self, history: Sequence[int]) -> None:
         return None
@@ -95,6 +101,8 @@ class DraftModel:
 
     Attributes:
         live: the drafters whose caches are not freed yet.
+        ms_per_token: the median wall ms of a one-token pass, timed by :meth:`time_pass`
+            (0 until then): the draft cost the policy assumes before it times real drafts.
     """
 
     def __init__(self, shard: Shard, tokenizer: Tokenizer, *, name: str, executor: DeviceExecutor) -> None:
@@ -102,6 +110,7 @@ class DraftModel:
             raise InvalidInput(f"a draft model needs every layer; this shard holds {shard.range.cli()}")
         self.shard, self.tokenizer, self.name, self.executor = shard, tokenizer, name, executor
         self.live: set[ModelDrafter] = set()
+        self.ms_per_token = 0.0
         self._checked: set[str] = set()  # fingerprints of mesh tokenizers found compatible
 
     def check_vocabulary(self, target: Tokenizer) -> None:
@@ -125,6 +134,24 @@ class DraftModel:
                 f"they differ from id {diff} on ({_piece(mine, diff)} against {_piece(theirs, diff)}): a draft "
                 f"model must use the mesh model's tokenizer (a smaller model of the same family)")
         self._checked.add(key)
+
+    def time_pass(self, *, passes: int = 3) -> float:
+        """Time ``passes`` one-token passes after a short prompt (which also warms the kernels up);
+        set and return :attr:`ms_per_token`, their median. Runs in the calling thread."""
+        import statistics
+
+        cache = new_cache(self.shard)
+        try:
+            self.shard(torch.zeros(1, 8, dtype=torch.int64), 0, cache)  # (1, 8) ids
+            times = []
+            for _ in range(passes):
+                t0 = time.perf_counter()
+                self.shard(torch.zeros(1, 1, dtype=torch.int64), cache.length, cache)
+                times.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            cache.free()
+        self.ms_per_token = statistics.median(times)
+        return self.ms_per_token
 
     def drafter(self) -> "ModelDrafter":
         """A drafter with its own (empty) KV cache, for one conversation."""
@@ -160,6 +187,8 @@ class ModelDrafter:
         self.model = model
         self.name = f"model:{model.name}"
         self.prior_acceptance = DRAFT_MODEL_PRIOR_ACCEPTANCE
+        self.prior_draft_ms = model.ms_per_token
+        self.last_cost_ms = 0.0
         self.cache: KVCache | None = None
         self.tokens: list[int] = []  # ids whose keys and values the cache holds, in order
 
@@ -189,17 +218,22 @@ class ModelDrafter:
         if k <= 0:
             return []
         vocab = self.model.tokenizer.vocab_size  # ids past it are the embedding's padding rows
-        logits = self._feed(history)  # (1, 1, V) float32
+        t0 = time.perf_counter()
+        logits, fed = self._feed(history)  # (1, 1, V) float32
+        # a pass over a run of unseen tokens (after plain steps) is charged as one draft pass
+        cost = (time.perf_counter() - t0) * 1e3 if fed <= 2 else self.model.ms_per_token
         drafts = [int(logits[0, -1, :vocab].argmax())]
+        t0 = time.perf_counter()
         while len(drafts) < k:
-            logits = self._feed(history + drafts)
+            logits, _ = self._feed(history + drafts)
             drafts.append(int(logits[0, -1, :vocab].argmax()))
+        self.last_cost_ms = cost + (time.perf_counter() - t0) * 1e3
         return drafts
 
-    def _feed(self, history: list[int]) -> torch.Tensor:
+    def _feed(self, history: list[int]) -> tuple[torch.Tensor, int]:
         """Make the cache hold ``history`` (``(S,)`` ids): keep the longest prefix it shares with
         what it holds (dropping rejected drafts), but never all of ``history``, and run the rest
-        in chunks. Returns the last position's logits ``(1, 1, V)`` float32."""
+        in chunks. Returns the last position's logits ``(1, 1, V)`` float32 and the tokens run."""
         if self.cache is None:
             self.cache = new_cache(self.model.shard)
         limit = min(len(self.tokens), len(history) - 1)  # feed at least one token: its logits
@@ -213,7 +247,7 @@ class ModelDrafter:
             chunk = torch.tensor([feed[s:s + PREFILL_CHUNK]], dtype=torch.int64)  # (1, T)
             logits = self.model.shard(chunk, self.cache.length, self.cache)  # (1, 1, V)
         self.tokens.extend(feed)
-        return logits
+        return logits, len(feed)
 
     async def close(self) -> None:
         """Free the KV cache (after any pass still running on the thread). Safe to call twice."""
@@ -262,5 +296,8 @@ def load_draft_model(spec: str | os.PathLike, *, device: str = "cpu", dtype: str
             raise InvalidInput(f"draft model: {exc}") from exc
         raise WeightsError(f"draft model {path}: cannot load it: {exc}") from exc
     name = Path(path).name.removesuffix(".gguf")
-    log.info("draft model %s loaded at %s on %s in %.1f s", name, dtype, dev, time.perf_counter() - t0)
-    return DraftModel(shard, tok, name=name, executor=DeviceExecutor(dev, threads=threads))
+    model = DraftModel(shard, tok, name=name, executor=DeviceExecutor(dev, threads=threads))
+    ms = model.time_pass()
+    log.info("draft model %s loaded at %s on %s in %.1f s; %.1f ms per drafted token", name, dtype, dev,
+             time.perf_counter() - t0, ms)
+    return model

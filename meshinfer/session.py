@@ -322,7 +322,8 @@ class MeshClient:
         acceptance to the drafter, so a new conversation starts from what earlier ones measured."""
         key = (route.peer_ids, drafter.name)
         if key not in self._policies:
-            self._policies[key] = DraftPolicy.for_route(route, prior_acceptance=drafter.prior_acceptance)
+            self._policies[key] = DraftPolicy.for_route(route, prior_acceptance=drafter.prior_acceptance,
+                                                        prior_draft_ms=drafter.prior_draft_ms)
         return self._policies[key]
 
     def conversation(self, route: Route, *, max_tokens_total: int, **options) -> "Conversation":
@@ -671,9 +672,9 @@ class Conversation:
                 await asyncio.gather(warm, return_exceptions=True)  # the mesh's error is the one to see
             raise
         result.ttft_ms = (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()  # the draft prefill's wait, if any, counts as decode time
         if warm is not None:
             await warm
-        t1 = time.perf_counter()
         taken = 0  # chosen ids seen by accept: the prefill's one, then one per plain decode step
 
         def take(token: int) -> bool:
@@ -711,8 +712,8 @@ class Conversation:
         decoding would choose. Drafts are clipped to the ``remaining`` tokens of the budget and to
         the conversation's reserved context, so a step never asks a hop for positions it did not
         reserve. Positions of rejected drafts stay on the hops until the next step rolls them back
-        (``rollback: true``): no extra round trip. The draft time, the step's wall time and its
-        acceptance go back to the policy.
+        (``rollback: true``): no extra round trip. The drafter's cost, the step's wall time and
+        its acceptance go back to the policy.
         """
         if spec is None or not self.speculate:
             return await self._timed_step(history[-1:], result)
@@ -720,9 +721,8 @@ class Conversation:
         k = self.policy.choose(min(self.draft_tokens, room))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("conversation %s: %d drafts (%s)", self.conv_id[:12], k, self.policy.describe())
-        t0 = time.perf_counter()
         drafts = (await self.drafter.propose(history, k))[:k] if k > 0 else []
-        self.policy.record_draft_cost(len(drafts), (time.perf_counter() - t0) * 1e3)
+        self.policy.record_draft_cost(len(drafts), self.drafter.last_cost_ms)
         if not drafts:
             spec.plain_steps += 1
             return await self._timed_step(history[-1:], result)

@@ -121,6 +121,12 @@ PRIOR_SLOPE_SHARE = 0.25
 #: A draft length is chosen only when it promises this many times plain decoding's tokens per
 #: second: measurement noise alone must not turn drafting on.
 MIN_GAIN = 1.03
+#: A step length whose measurements have faded below this weight (about 30 steps ago) is
+#: forgotten: an old point would otherwise still set the slope of a two-point line on its own.
+FORGET_WEIGHT = 0.05
+#: Most drafts while no step longer than one position has been measured: the cost of extra
+#: positions is a guess until then, and a wrong guess should cost little.
+FIRST_PROBE_DRAFTS = 2
 
 
 class DraftPolicy:
@@ -149,25 +155,30 @@ class DraftPolicy:
             estimate per token).
         prior_slope_ms: expected extra ms per extra position in a step.
         prior_acceptance: acceptance assumed before drafts are verified.
+        prior_draft_ms: expected ms per drafted token before drafting is timed.
+
+    Until a step of more than one position has been measured, at most :data:`FIRST_PROBE_DRAFTS`
+    drafts are chosen.
     """
 
     def __init__(self, *, prior_base_ms: float, prior_slope_ms: float,
-                 prior_acceptance: float = PRIOR_ACCEPTANCE) -> None:
+                 prior_acceptance: float = PRIOR_ACCEPTANCE, prior_draft_ms: float = 0.0) -> None:
         self.prior_base_ms, self.prior_slope_ms = max(prior_base_ms, 1e-3), max(prior_slope_ms, 0.0)
         self.prior_acceptance = prior_acceptance
         self._hits = self._trials = 0.0
         self._steps: dict[int, list[float]] = {}  # T -> [mean ms, weight]
-        self._draft_ms: list[float] = [0.0, 0.0]  # [mean ms per drafted token, weight]
+        self._draft_ms: list[float] = [max(prior_draft_ms, 0.0), 1.0]  # [mean ms per drafted token, weight]
         self.steps_recorded = 0  # decode steps measured so far
 
     @classmethod
-    def for_route(cls, route, *, prior_acceptance: float = PRIOR_ACCEPTANCE) -> "DraftPolicy":
+    def for_route(cls, route, *, prior_acceptance: float = PRIOR_ACCEPTANCE,
+                  prior_draft_ms: float = 0.0) -> "DraftPolicy":
         """A policy whose priors come from ``route``'s planner estimate: ``base`` is its ms per
         token, the slope :data:`PRIOR_SLOPE_SHARE` of its hops' compute ms per token."""
         compute = sum(h.peer.compute_ms_per_token * len(h.layers) / max(1, len(h.peer.layers))
                       for h in route.hops)
         return cls(prior_base_ms=route.estimated_ms_per_token, prior_slope_ms=PRIOR_SLOPE_SHARE * compute,
-                   prior_acceptance=prior_acceptance)
+                   prior_acceptance=prior_acceptance, prior_draft_ms=prior_draft_ms)
 
     # -- measurements --------------------------------------------------------------------------
     def record_step(self, n_positions: int, ms: float) -> None:
@@ -175,8 +186,10 @@ class DraftPolicy:
         Every step also ages the older measurements by :data:`DECAY`."""
         self.steps_recorded += 1
         self._hits, self._trials = self._hits * DECAY, self._trials * DECAY
-        for entry in self._steps.values():
-            entry[1] *= DECAY
+        for t in list(self._steps):
+            self._steps[t][1] *= DECAY
+            if self._steps[t][1] < FORGET_WEIGHT:  # measured too long ago (maybe at another RTT)
+                del self._steps[t]
         mean, weight = self._steps.get(n_positions, (0.0, 0.0))
         self._steps[n_positions] = [(mean * weight + ms) / (weight + 1.0), weight + 1.0]
 
@@ -228,6 +241,8 @@ class DraftPolicy:
     def choose(self, limit: int) -> int:
         """The draft length, 0 to ``limit``, of the next step: the best :meth:`rate`, or 0 when no
         ``k`` beats plain decoding by :data:`MIN_GAIN`."""
+        if not any(t > 1 for t in self._steps):
+            limit = min(limit, FIRST_PROBE_DRAFTS)
         best_k, best = 0, self.rate(0) * MIN_GAIN
         for k in range(1, max(0, limit) + 1):
             r = self.rate(k)

@@ -62,7 +62,7 @@ def test_expected_tokens_follows_the_geometric_formula():
 def _policy(step_ms: dict, *, accepted: int, proposed: int, steps: int = 6, draft_ms: float = 0.0) -> DraftPolicy:
     """A policy that measured ``steps`` rounds of each step length in ``step_ms`` and
     ``accepted`` of ``proposed`` drafts in runs of 4."""
-    p = DraftPolicy(prior_base_ms=100.0, prior_slope_ms=10.0)
+    p = DraftPolicy(prior_base_ms=100.0, prior_slope_ms=10.0, prior_draft_ms=draft_ms)
     for _ in range(steps):
         for t, ms in step_ms.items():
             p.record_step(t, ms)
@@ -98,14 +98,18 @@ def test_policy_weighs_draft_cost_against_the_round_trip():
 def test_policy_forgets_old_acceptance_so_it_tries_drafting_again():
     p = _policy({1: 100.0, 3: 150.0}, accepted=0, proposed=12)
     assert p.choose(8) == 0
-    for _ in range(40):  # plain steps only: the estimate drifts back to the prior
+    for _ in range(60):  # plain steps only: the estimate drifts back to the prior
         p.record_step(1, 100.0)
     assert p.acceptance > 0.45 and p.choose(8) > 0
+    # the 3-position steps are forgotten too: the prior slope is back, and so is the probe limit
+    assert p.step_line() == pytest.approx((100.0, 10.0)) and p.choose(8) == speculative.FIRST_PROBE_DRAFTS
 
 
 def test_policy_starts_from_the_priors():
     p = DraftPolicy(prior_base_ms=300.0, prior_slope_ms=0.0, prior_acceptance=0.5)
     assert p.step_line() == (300.0, 0.0) and p.acceptance == 0.5
+    assert p.choose(8) == speculative.FIRST_PROBE_DRAFTS == 2  # until a longer step is timed
+    p.record_step(3, 300.0)
     assert p.choose(8) == 8  # a free extra position: any acceptance pays
     with pytest.raises(ValueError, match="accepted 5 of 4 drafts"):
         p.record_drafts(4, 5)
