@@ -396,6 +396,7 @@ class Conversation:
         self.draft_model = draft_model
         self.drafter: Drafter | None = None  # made on the first speculative generate
         self.policy: DraftPolicy | None = None  # chooses each step's draft length
+        self._warm: asyncio.Future | None = None  # the drafter's prefill of a generate() in progress
         self.max_step_tokens = 512
         self.failovers: list[dict] = []
         self._seq = 0
@@ -664,17 +665,26 @@ class Conversation:
         t0 = time.perf_counter()
         eos = set(eos_ids)  # speculation verifies greedy choices: sampled generation decodes plainly
         spec = self._start_speculation() if self.speculate and self.sampling is None else None
-        warm = asyncio.ensure_future(self.drafter.prefill(prompt_ids)) if spec else None  # while the mesh prefills
+        # the drafter reads the prompt while the mesh does, and while plain steps run if it is slower
+        self._warm = asyncio.ensure_future(self.drafter.prefill(prompt_ids)) if spec else None
         try:
             ids, _ = await self._audited_step(prompt_ids[keep:], result, prefill=True)
-        except BaseException:
-            if warm is not None:
-                await asyncio.gather(warm, return_exceptions=True)  # the mesh's error is the one to see
-            raise
-        result.ttft_ms = (time.perf_counter() - t0) * 1e3
-        t1 = time.perf_counter()  # the draft prefill's wait, if any, counts as decode time
-        if warm is not None:
-            await warm
+            result.ttft_ms = (time.perf_counter() - t0) * 1e3
+            await self._decode_all(result, prompt_ids, ids, budget=budget, eos=eos, on_token=on_token, spec=spec)
+        finally:
+            if self._warm is not None:  # a failed step's error is the one to see
+                await asyncio.gather(self._warm, return_exceptions=True)
+                self._warm = None
+        result.route = self.hop_stats()
+        result.failovers = list(self.failovers)
+        result.detections = list(self.detections)
+        result.speculative = spec.to_dict() if spec else {}
+        return result
+
+    async def _decode_all(self, result: ChatResult, prompt_ids: list[int], ids: list[int], *, budget: int,
+                          eos: set[int], on_token, spec: SpecStats | None) -> None:
+        """Decode steps after the prefill's ``ids`` until a token ends generation; sets the decode rate."""
+        t1 = time.perf_counter()
         taken = 0  # chosen ids seen by accept: the prefill's one, then one per plain decode step
 
         def take(token: int) -> bool:
@@ -689,11 +699,6 @@ class Conversation:
                                                  budget - len(result.token_ids), spec)
             self._record(trace, (time.perf_counter() - ts) * 1e3, len(ids))
         result.set_decode_rate(taken - 1, time.perf_counter() - t1)
-        result.route = self.hop_stats()
-        result.failovers = list(self.failovers)
-        result.detections = list(self.detections)
-        result.speculative = spec.to_dict() if spec else {}
-        return result
 
     def _start_speculation(self) -> SpecStats:
         """Counters for one generation; the drafter and policy are made once per conversation."""
@@ -717,8 +722,12 @@ class Conversation:
         """
         if spec is None or not self.speculate:
             return await self._timed_step(history[-1:], result)
+        if self._warm is not None and self._warm.done():
+            self._warm, warm = None, self._warm
+            warm.result()  # the draft prefill's error, if any
         room = min(remaining - 1, self.max_tokens_total - len(self.cached) - 1, self.max_step_tokens - 1)
-        k = self.policy.choose(min(self.draft_tokens, room))
+        # no drafts while the drafter still reads the prompt (plain steps need not wait for it)
+        k = 0 if self._warm is not None else self.policy.choose(min(self.draft_tokens, room))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("conversation %s: %d drafts (%s)", self.conv_id[:12], k, self.policy.describe())
         drafts = (await self.drafter.propose(history, k))[:k] if k > 0 else []

@@ -245,6 +245,38 @@ async def test_conversations_on_a_route_share_the_draft_policy_of_their_drafter(
     assert convs[0].policy.steps_recorded == steps[0] + steps[1] and convs[2].policy.steps_recorded == steps[2]
 
 
+async def test_decode_steps_do_not_wait_for_the_drafters_prefill(tiny):
+    """Plain steps run while the drafter still reads the prompt; drafting starts once it has."""
+    from meshinfer.draft import PromptLookup
+
+    class SlowLookup(PromptLookup):
+        def __init__(self) -> None:
+            self.gate = asyncio.Event()
+
+        async def prefill(self, history) -> None:
+            await self.gate.wait()
+
+    path, digest, tok, whole = tiny
+    ids = tok.encode_chat([{"role": "user", "content": "abc abc abc abc abc abc abc abc"}])
+    async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest,
+                    bundle=tok.to_bundle()) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            conv = client.conversation(await client.plan(), max_tokens_total=len(ids) + N_TOKENS)
+            conv.drafter, conv.policy = SlowLookup(), AlwaysDraft()
+            seen: list[int] = []
+
+            def on_token(token):
+                seen.append(token)
+                if len(seen) == 10:
+                    conv.drafter.gate.set()
+
+            async with asyncio.timeout(60):  # a decode that waited for the prefill would never end
+                out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=(), on_token=on_token)
+            await conv.close()
+    assert out.token_ids == greedy_generate(whole, ids, max_tokens=N_TOKENS).token_ids
+    assert out.speculative["plain_steps"] >= 9 and out.speculative["steps"] > 0, out.speculative
+
+
 # --------------------------------------------------------------------------- real models
 @pytest.mark.realmodel
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct-q4_k_m", "smollm2-135m-instruct-q4_1"])
