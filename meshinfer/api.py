@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .errors import (CacheFull, ContextOverflow, IncompatiblePeer, InvalidInput, MeshError, NoRoute,
+from .errors import (CacheFull, ContextOverflow, IncompatibleDraft, IncompatiblePeer, InvalidInput, MeshError, NoRoute,
                      PeerUnavailable, RateLimited, Unauthenticated)
 from .meshview import MeshView
 from .reply import plan_for, reply
@@ -98,6 +98,8 @@ def mesh_error(exc: MeshError) -> ApiError:
     """The HTTP error for a mesh failure: 400 for the request's fault, 429, 503 or 502 otherwise."""
     if isinstance(exc, ContextOverflow):
         return ApiError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, IncompatibleDraft):  # the server's --draft-model, not the request, is at fault
+        return ApiError(500, str(exc), type="server_error", code=exc.code)
     if isinstance(exc, InvalidInput):
         return ApiError(400, str(exc), param="messages", code=exc.code)
     if isinstance(exc, RateLimited):

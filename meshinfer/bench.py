@@ -6,11 +6,12 @@ until they are ready and gossiped, and drives them through :class:`~meshinfer.se
 - ``splits`` (:func:`run_bench`): a single peer against 2- and 3-peer splits: median TTFT for a
   ~30-token prompt and median decode tokens/s (plain decoding, so the numbers measure the
   split, not the prompt's repetitiveness), after one warm-up conversation.
-- ``speculative`` (:func:`run_spec_bench`): plain against speculative decoding on a code-editing
-  prompt (:data:`CODE_EDIT_MESSAGES`) over a 2-peer split, with a ``meshinfer netsim`` proxy in
-  front of every peer (so client -> hop 1, hop 1 -> hop 2 and hop 2 -> client each cross one)
-  at each RTT asked for: tokens/s of both, their ratio, the draft acceptance rate, and whether
-  the outputs are identical.
+- ``speculative`` (:func:`run_spec_bench`): plain decoding against prompt lookup and (with a
+  draft model) draft-model speculation, on general chats (:data:`GENERAL_PROMPTS` or
+  ``--prompts FILE``) and on a code edit (:data:`CODE_EDIT_MESSAGES`), over a 2-peer split with
+  a ``meshinfer netsim`` proxy in front of every peer (so client -> hop 1, hop 1 -> hop 2 and
+  hop 2 -> client each cross one) at each RTT asked for: decode tokens/s of each mode, its ratio
+  to plain, the draft acceptance rate, decode steps, and whether the outputs are identical.
 - ``ttft`` (:func:`run_ttft_bench`): per setup (1 and 2 peers), the time from ``join`` start to
   ready, the TTFT of the first conversation after ready (cold) against later ones (steady),
   and the TTFT of a ~1,000-token prompt (pipelined chunked prefill on a split).
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 BENCH_MESSAGES = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
 
@@ -319,94 +321,199 @@ def markdown_table(results: list[dict]) -> str:
 
 
 # --------------------------------------------------------------------------- speculative
-async def _spec_measure(base_port: int, proxy_ports: list[int], rtts_ms: list[float], *, max_tokens: int,
-                        repeats: int, draft_tokens: int, context: int, progress) -> list[dict]:
+#: Ordinary chats for the speculative suite (issue 12): explanations, arithmetic, translation, a
+#: script, a haiku... Answers that do not repeat their prompt, unlike :data:`CODE_EDIT_MESSAGES`.
+GENERAL_PROMPTS = [[{"role": "user", "content": text}] for text in (
+    "Explain in a short paragraph why the sky is blue.",
+    "What is 17 multiplied by 23? Show the steps.",
+    "Translate into French: 'The train leaves at eight tomorrow morning, so we should pack tonight.'",
+    "Write a bash script that counts the lines of every .txt file in a directory.",
+    "Write a haiku about autumn rain.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Give three tips for a good night's sleep.",
+    "Summarize the plot of Romeo and Juliet in three sentences.",
+)]
+#: Decoding modes of the speculative suite, in the order each prompt runs them.
+SPEC_MODES = ("plain", "lookup", "draft")
+
+
+def load_prompts(path: str | os.PathLike) -> list[list[dict]]:
+    """A ``--prompts`` file: a JSON list of OpenAI-style message lists.
+
+    Raises:
+        ValueError: unreadable, not JSON, or not a non-empty list of non-empty lists of
+            ``{"role": str, "content": str}``; the message names the first bad entry.
+    """
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--prompts {path}: {exc}") from exc
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"--prompts {path}: expected a non-empty JSON list of message lists")
+    for i, msgs in enumerate(data):
+        ok = isinstance(msgs, list) and msgs and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs)
+        if not ok:
+            raise ValueError(f"--prompts {path}: entry {i} is not a non-empty list of {{role, content}} messages")
+    return data
+
+
+def _decode_s(out) -> float:
+    """Wall seconds of a generation's decode steps (tokens after the first over their rate)."""
+    n = len(out.token_ids) - 1 + (out.finish_reason == "stop")  # an EOS was decoded, not kept
+    return n / out.decode_tokens_per_s if out.decode_tokens_per_s else 0.0
+
+
+async def _spec_run(client, route, tok, prompts: list, *, max_tokens: int, context: int, draft_tokens: int,
+                    modes: Sequence[str], draft) -> dict:
+    """Every prompt once in each mode (modes alternate per prompt); {mode: [ChatResult, ...]}."""
+    opts = {"plain": dict(speculate=False, draft_model=None), "lookup": dict(draft_model=None),
+            "draft": dict(draft_model=draft)}
+    runs: dict = {m: [] for m in modes}
+    for messages in prompts:
+        ids = tok.encode_chat(messages)
+        ids = ids[max(0, len(ids) - (context - max_tokens - 1)):]  # cut to fit only tiny test models
+        for mode in modes:
+            conv = client.conversation(route, max_tokens_total=len(ids) + max_tokens, draft_tokens=draft_tokens,
+                                       **opts[mode])
+            try:
+                runs[mode].append(await conv.generate(ids, max_tokens=max_tokens, eos_ids=tok.eos_ids))
+            finally:
+                await conv.close()
+    return runs
+
+
+def _spec_rows(rtt: float, prompt_set: str, route, runs: dict) -> list[dict]:
+    """One row per mode: aggregate decode tokens/s over the set, its ratio to plain, acceptance,
+    decode steps, and whether every prompt's tokens equal plain decoding's."""
+    def rate(outs) -> float:
+        secs = sum(_decode_s(o) for o in outs)
+        return sum(len(o.token_ids) - 1 + (o.finish_reason == "stop") for o in outs) / secs if secs else 0.0
+
+    plain = rate(runs["plain"])
+    rows = []
+    for mode, outs in runs.items():
+        proposed = sum(o.speculative.get("proposed", 0) for o in outs)
+        accepted = sum(o.speculative.get("accepted", 0) for o in outs)
+        steps = sum(o.speculative.get("steps", 0) + o.speculative.get("plain_steps", 0) if o.speculative
+                    else len(o.token_ids) - 1 + (o.finish_reason == "stop") for o in outs)
+        rows.append({"rtt_ms": rtt, "prompts": prompt_set, "mode": mode, "route": route.describe(),
+                     "conversations": len(outs), "new_tokens": sum(len(o.token_ids) for o in outs),
+                     "tokens_per_s": rate(outs), "vs_plain": rate(outs) / plain if plain else 0.0,
+                     "acceptance": accepted / proposed if proposed else 0.0, "proposed": proposed,
+                     "verify_steps": sum(o.speculative.get("steps", 0) for o in outs), "decode_steps": steps,
+                     "identical": all(a.token_ids == b.token_ids for a, b in zip(runs["plain"], outs))})
+    return rows
+
+
+async def _spec_measure(base_port: int, proxy_ports: list[int], rtts_ms: list[float], *, prompt_sets: dict,
+                        max_tokens: int, repeats: int, draft_tokens: int, context: int, draft, progress) -> list[dict]:
     from .netsim import NetSim
     from .session import MeshClient
 
+    modes = [m for m in SPEC_MODES if m != "draft" or draft is not None]
     proxies = [await NetSim("127.0.0.1", base_port + i, port=p).start() for i, p in enumerate(proxy_ports)]
     try:
-        async with MeshClient([f"ws://127.0.0.1:{proxy_ports[0]}"]) as client:
+        async with MeshClient([f"ws://127.0.0.1:{proxy_ports[0]}"], draft_model=draft) as client:
             route = await _route(client, len(proxy_ports))
             tok = await client.tokenizer(route)
-            ids = tok.encode_chat(CODE_EDIT_MESSAGES)
-            ids = ids[max(0, len(ids) - (context - max_tokens - 1)):]  # cut to fit only tiny test models
             rows = []
             for rtt in rtts_ms:
                 for proxy in proxies:
                     proxy.one_way_s = rtt / 2e3
-                runs = {False: [], True: []}
-                for i in range(repeats + 1):
-                    for spec in (False, True):
-                        conv = client.conversation(route, max_tokens_total=len(ids) + max_tokens, speculate=spec,
-                                                   draft_tokens=draft_tokens)
-                        out = await conv.generate(ids, max_tokens=max_tokens, eos_ids=tok.eos_ids)
-                        await conv.close()
-                        if i:  # the first round is a warm-up
-                            runs[spec].append(out)
-                rows.append(_spec_row(rtt, route, ids, runs))
-                if progress:
-                    progress(f"RTT {rtt:g} ms: plain {rows[-1]['plain_tokens_per_s']:.2f} tok/s, speculative "
-                             f"{rows[-1]['speculative_tokens_per_s']:.2f} tok/s (x{rows[-1]['speedup']:.2f})")
+                await _spec_run(client, route, tok, [BENCH_MESSAGES], max_tokens=4, context=context,  # warm-up
+                                draft_tokens=draft_tokens, modes=modes, draft=draft)
+                for name, prompts in prompt_sets.items():
+                    runs: dict = {m: [] for m in modes}
+                    for _ in range(repeats):
+                        got = await _spec_run(client, route, tok, prompts, max_tokens=max_tokens, context=context,
+                                              draft_tokens=draft_tokens, modes=modes, draft=draft)
+                        for m in modes:
+                            runs[m] += got[m]
+                    rows += _spec_rows(rtt, name, route, runs)
+                    if progress:
+                        progress(f"RTT {rtt:g} ms, {name}: " + ", ".join(
+                            f"{r['mode']} {r['tokens_per_s']:.2f} tok/s (x{r['vs_plain']:.2f})"
+                            for r in rows[-len(modes):]))
             return rows
     finally:
         for proxy in proxies:
             await proxy.close()
 
 
-def _spec_row(rtt: float, route, ids: list[int], runs: dict) -> dict:
-    """One RTT's result: median decode tokens/s (tokens after the first over their wall time) of both modes."""
-    plain = statistics.median(r.decode_tokens_per_s for r in runs[False])
-    spec = statistics.median(r.decode_tokens_per_s for r in runs[True])
-    proposed = sum(r.speculative.get("proposed", 0) for r in runs[True])
-    accepted = sum(r.speculative.get("accepted", 0) for r in runs[True])
-    return {"rtt_ms": rtt, "route": route.describe(), "prompt_tokens": len(ids),
-            "new_tokens": len(runs[True][-1].token_ids), "plain_tokens_per_s": plain,
-            "speculative_tokens_per_s": spec, "speedup": spec / plain if plain else 0.0,
-            "acceptance": accepted / proposed if proposed else 0.0,
-            "steps": runs[True][-1].speculative.get("steps", 0),
-            "identical": all(a.token_ids == b.token_ids for a, b in zip(runs[False], runs[True]))}
-
-
 def run_spec_bench(*, model: str, rtts_ms: list[float], max_tokens: int, repeats: int, dtype: str, base_port: int,
-                   draft_tokens: int, peers: int = 2, progress=None) -> tuple[str, list[dict]]:
-    """Plain against speculative decoding on a code edit, through netsim proxies (module docstring).
+                   draft_tokens: int, peers: int = 2, prompts: list | None = None, draft_model: str | None = None,
+                   draft_dtype: str = "q8-bf16", draft_device: str = "cpu",
+                   progress=None) -> tuple[str, list[dict]]:
+    """Plain, prompt-lookup and draft-model decoding through netsim proxies (module docstring).
+
+    Each RTT runs a warm-up, then ``repeats`` passes over the general prompts (``prompts``, default
+    :data:`GENERAL_PROMPTS`) and over the code edit, each prompt in every mode in turn.
 
     Returns:
-        ``(header, rows)``: one row per RTT with both tokens/s, their ratio and the acceptance rate.
+        ``(header, rows)``: one row per (RTT, prompt set, mode), see :func:`spec_table`.
 
     Raises:
-        RuntimeError: a peer failed to start.
+        RuntimeError: a peer failed to start. ModelNotFound, WeightsError, IncompatibleDraft: the
+        draft model (loaded before any peer starts).
     """
     from .weights import open_weights
-    from .weights.registry import resolve_model
+    from .weights.registry import meshinfer_home, resolve_model
 
     path = resolve_model(model)
     cfg = open_weights(path).config
-    num_layers = cfg.num_hidden_layers
+    draft = None
+    if draft_model is not None:
+        from .draft import load_draft_model
+
+        draft = load_draft_model(draft_model, device=draft_device, dtype=draft_dtype,
+                                 cache_dir=meshinfer_home() / "converted")
+    prompt_sets = {"general": prompts or GENERAL_PROMPTS, "code edit": [CODE_EDIT_MESSAGES]}
     proxy_ports = [base_port + 50 + i for i in range(peers)]
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = _start_peers(str(path), even_splits(num_layers, peers), base_port, dtype, Path(tmp),
-                             public_ports=proxy_ports)
-        try:
-            rows = asyncio.run(_spec_measure(base_port, proxy_ports, rtts_ms, max_tokens=max_tokens,
-                                             repeats=repeats, draft_tokens=draft_tokens,
-                                             context=cfg.max_position_embeddings, progress=progress))
-        finally:
-            _stop(procs)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = _start_peers(str(path), even_splits(cfg.num_hidden_layers, peers), base_port, dtype, Path(tmp),
+                                 public_ports=proxy_ports)
+            try:
+                rows = asyncio.run(_spec_measure(base_port, proxy_ports, rtts_ms, prompt_sets=prompt_sets,
+                                                 max_tokens=max_tokens, repeats=repeats, draft_tokens=draft_tokens,
+                                                 context=cfg.max_position_embeddings, draft=draft, progress=progress))
+            finally:
+                _stop(procs)
+    finally:
+        if draft is not None:
+            draft.close()
+    drafting = f"draft model {draft.name} at {draft_dtype} on {draft_device}" if draft else "no draft model"
     header = (f"speculative decoding: model {path.name}, {dtype}, {peers} peers on loopback, a netsim proxy in "
-              f"front of each peer, code-edit prompt, {max_tokens} new tokens, --draft-tokens {draft_tokens}, "
-              f"median of {repeats} runs after a warm-up")
+              f"front of each peer; {len(prompt_sets['general'])} general prompts and the code edit, {max_tokens} "
+              f"new tokens each, --draft-tokens {draft_tokens}, {drafting}, {repeats} pass(es) after a warm-up; "
+              f"CPU {_cpu_model()}, {os.cpu_count()} cores")
     return header, rows
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (``lscpu``'s), or the platform's guess."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def spec_table(rows: list[dict]) -> str:
-    """The rows of :func:`run_spec_bench` as a markdown table."""
-    lines = ["| RTT ms | plain tok/s | speculative tok/s | speedup | acceptance | steps | identical |",
-             "|---:|---:|---:|---:|---:|---:|---|"]
+    """The rows of :func:`run_spec_bench` as a markdown table: decode tokens/s over each prompt
+    set, the ratio to plain decoding at the same RTT, draft acceptance, decode steps (verification
+    steps in brackets), and whether every prompt's tokens equal plain decoding's."""
+    lines = ["| RTT ms | prompts | mode | tok/s | vs plain | acceptance | steps (verify) | identical |",
+             "|---:|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['rtt_ms']:g} | {r['plain_tokens_per_s']:.2f} | {r['speculative_tokens_per_s']:.2f} | "
-                     f"{r['speedup']:.2f} | {r['acceptance']:.2f} | {r['steps']} | {r['identical']} |")
+        acc = f"{r['acceptance']:.2f}" if r["proposed"] else "-"
+        lines.append(f"| {r['rtt_ms']:g} | {r['prompts']} | {r['mode']} | {r['tokens_per_s']:.2f} | "
+                     f"{r['vs_plain']:.2f} | {acc} | {r['decode_steps']} ({r['verify_steps']}) | {r['identical']} |")
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -22,6 +23,9 @@ from pathlib import Path
 from .config import PRECISION_NAMES
 from .errors import MeshError
 from .speculative import DEFAULT_DRAFT_TOKENS
+
+#: ``--draft-dtype`` default (meshinfer.draft.DEFAULT_DRAFT_DTYPE; kept here so --help needs no torch).
+DEFAULT_DRAFT_DTYPE = "q8-bf16"
 
 #: ``--dtype`` help: every precision is one kernel family (docs/performance.md).
 DTYPE_HELP = ("compute precision: f32, bf16, f16 (float weights), q8-bf16 (int8 weights), "
@@ -39,7 +43,8 @@ EXAMPLES = {
             "  meshinfer join --listen 0.0.0.0:7700 --insecure   # plain ws://, trusted network only",
     "chat": "examples:\n  meshinfer chat --peers ws://127.0.0.1:7700\n"
             "  meshinfer chat --peers wss://10.0.0.5:7700\n"
-            "  meshinfer chat -p 'Explain RoPE in one paragraph' --json",
+            "  meshinfer chat -p 'Explain RoPE in one paragraph' --json\n"
+            "  meshinfer chat --draft-model qwen2.5-0.5b-instruct-q4_k_m.gguf   # a small sibling drafts for a 7B mesh",
     "serve": "examples:\n  meshinfer serve --peers ws://127.0.0.1:7700\n"
              "  meshinfer serve --peers wss://10.0.0.5:7700 --host 0.0.0.0 --port 8000 --api-key-file api.key\n"
              "  # then: OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='unused')",
@@ -50,6 +55,8 @@ EXAMPLES = {
     "bench": "examples:\n  meshinfer bench\n  meshinfer bench --splits 1,2 --max-tokens 64 --out docs/bench.json\n"
              "  meshinfer bench --single --dtypes f32,q8-bf16,q4-g32-bf16 --threads 2\n"
              "  meshinfer bench --suite speculative --rtts 0,100 --max-tokens 64\n"
+             "  meshinfer bench --suite speculative --rtts 0,100,370 --max-tokens 48 --repeats 1 "
+             "--draft-model qwen2.5-coder-0.5b-instruct-q4_k_m --draft-dtype q4-g32-bf16\n"
              "  meshinfer bench --suite ttft --splits 1,2\n"
              "  meshinfer bench --splits 1,2 --concurrency 1,4,16,32 --max-tokens 32",
 }
@@ -370,19 +377,26 @@ def _sampling(args):
 
 
 async def _chat(args) -> int:
-    from .reply import one_reply, plan_for
-    from .session import MeshClient
-
     interactive = args.prompt is None and args.messages is None
     messages = [] if interactive else _messages(args)  # bad input fails before the mesh is contacted
     if args.context < 2:
         raise ValueError("--context must be at least 2 tokens")
     args.sampling = _sampling(args)
     _spec(args)  # bad speculation options fail before the mesh is contacted
+    _peers(args.peers)
+    with _draft_model(args) as draft:  # a missing or corrupt draft model too
+        return await _chat_with(args, messages, interactive, draft)
+
+
+async def _chat_with(args, messages: list[dict], interactive: bool, draft) -> int:
+    from .reply import one_reply, plan_for
+    from .session import MeshClient
+
     _warn_plain(_peers(args.peers), args.insecure)
     async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
-                          tls_ca=args.tls_ca, allow_ids=_allow_ids(args), **_audit_options(args)) as client:
-        route, tok = await plan_for(client)
+                          tls_ca=args.tls_ca, allow_ids=_allow_ids(args), draft_model=draft,
+                          **_audit_options(args)) as client:
+        route, tok = await plan_for(client)  # refuses a draft model with another vocabulary
         if not args.json:
             print(f"route: {route.describe()}", file=sys.stderr)
         if not interactive:
@@ -395,6 +409,30 @@ async def _chat(args) -> int:
             return 0
         await _repl(client, route, tok, args)
     return 0
+
+
+@contextlib.contextmanager
+def _draft_model(args):
+    """The :class:`~meshinfer.draft.DraftModel` of ``--draft-model`` (None without one), loaded
+    before any peer is contacted and closed after.
+
+    Raises:
+        ModelNotFound, WeightsError, InvalidInput, DeviceError: see :func:`meshinfer.draft.load_draft_model`.
+    """
+    if not getattr(args, "draft_model", None):
+        yield None
+        return
+    from .draft import load_draft_model
+    from .weights.registry import meshinfer_home
+
+    if not getattr(args, "json", False):
+        print(f"loading draft model {args.draft_model} ({args.draft_dtype}, {args.draft_device})", file=sys.stderr)
+    draft = load_draft_model(args.draft_model, device=args.draft_device, dtype=args.draft_dtype,
+                             cache_dir=meshinfer_home() / "converted")
+    try:
+        yield draft
+    finally:
+        draft.close()
 
 
 def _spec(args) -> dict:
@@ -546,9 +584,6 @@ def cmd_chat(args) -> int:
 
 # --------------------------------------------------------------------------- serve
 async def _serve(args) -> int:
-    from .api import ApiServer
-    from .errors import PeerUnavailable
-    from .session import MeshClient
     from .tls import is_loopback
 
     if not 0 <= args.port <= 65535:
@@ -569,8 +604,18 @@ async def _serve(args) -> int:
     if not is_loopback(args.host) and api_key is None:
         print(f"warning: serving on {args.host} without --api-key-file: anyone who reaches it can use the mesh",
               file=sys.stderr)
+    with _draft_model(args) as draft:
+        return await _serve_with(args, api_key, draft)
+
+
+async def _serve_with(args, api_key: str | None, draft) -> int:
+    from .api import ApiServer
+    from .errors import PeerUnavailable
+    from .session import MeshClient
+
     async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
-                          tls_ca=args.tls_ca, allow_ids=_allow_ids(args), **_audit_options(args)) as client:
+                          tls_ca=args.tls_ca, allow_ids=_allow_ids(args), draft_model=draft,
+                          **_audit_options(args)) as client:
         server = ApiServer(client, host=args.host, port=args.port, api_key=api_key,
                            default_max_tokens=args.default_max_tokens,
                            max_requests_per_client=args.max_requests_per_client)
@@ -739,7 +784,10 @@ def cmd_bench(args) -> int:
             table = bench.markdown_table(rows)
         elif suite == "speculative":
             header, rows = bench.run_spec_bench(rtts_ms=[float(x) for x in args.rtts.split(",")],
-                                                max_tokens=args.max_tokens, draft_tokens=args.draft_tokens, **common)
+                                                max_tokens=args.max_tokens, draft_tokens=args.draft_tokens,
+                                                prompts=bench.load_prompts(args.prompts) if args.prompts else None,
+                                                draft_model=args.draft_model, draft_dtype=args.draft_dtype,
+                                                draft_device=args.draft_device, **common)
             table = bench.spec_table(rows)
         else:
             header, rows = bench.run_ttft_bench(splits=[n for n in splits if n <= 2] or [1],
@@ -761,6 +809,19 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
             text += " (default: %(default)s)"
         return text
+
+
+def _add_draft_flags(s: argparse.ArgumentParser) -> None:
+    """``--draft-model``, ``--draft-device``, ``--draft-dtype`` (chat, serve, bench)."""
+    s.add_argument("--draft-model", default=_env("MESHINFER_DRAFT_MODEL"),
+                   help="draft each decode step's tokens with this whole model (path or known name) at the "
+                        "client, instead of prompt lookup; it must share the mesh model's vocabulary; output "
+                        "is unchanged [$MESHINFER_DRAFT_MODEL]")
+    s.add_argument("--draft-device", default=_env("MESHINFER_DRAFT_DEVICE", "cpu"),
+                   help="device of the draft model: cpu, cuda, cuda:N or mps [$MESHINFER_DRAFT_DEVICE]")
+    s.add_argument("--draft-dtype", default=_env("MESHINFER_DRAFT_DTYPE", DEFAULT_DRAFT_DTYPE),
+                   choices=PRECISION_NAMES, help="precision of the draft model (quantized ones: CPU only) "
+                                                 "[$MESHINFER_DRAFT_DTYPE]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -882,6 +943,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--spot-check-rate", type=float, default=None,
                    help="share of decode steps re-run on a second peer with the same layers, besides one "
                         "check of every hop after each prompt; 0: none (default: 0.05, see docs/security.md)")
+    _add_draft_flags(s)
     s.set_defaults(func=cmd_chat)
 
     s = add("serve", "Serve an OpenAI-compatible HTTP API (chat completions, models) over the mesh.")
@@ -908,6 +970,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--spot-check-rate", type=float, default=None,
                    help="share of decode steps re-run on a second peer with the same layers, besides one "
                         "check of every hop after each prompt; 0: none (default: 0.05, see docs/security.md)")
+    _add_draft_flags(s)
     s.set_defaults(func=cmd_serve)
 
     s = add("status", "Show the peer table and which complete routes exist.")
@@ -942,7 +1005,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of: splits (1/2/3 peers), speculative (plain vs speculative through netsim), "
                         "ttft (join to ready, cold vs steady TTFT, long-prompt TTFT for 1 and 2 peers)")
     s.add_argument("--rtts", default="0,100", help="speculative suite: RTTs to simulate, ms")
-    s.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, help="speculative suite: drafts per step")
+    s.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS,
+                   help="speculative suite: most drafts per step (each step's length is chosen within it)")
+    s.add_argument("--prompts", help="speculative suite: JSON file with a list of OpenAI-style message lists "
+                                     "(default: 8 built-in general chats); the code edit always runs too")
+    _add_draft_flags(s)
     s.add_argument("--long-prompt-tokens", type=int, default=1000, help="ttft suite: tokens of the long prompt")
     s.add_argument("--concurrency", help="instead: aggregate tok/s of N conversations at once on one route, "
                                          "for each N listed, e.g. 1,4,16,32")
@@ -962,12 +1029,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshinfer`` console script."""
     args = build_parser().parse_args(argv)
-    if args.command in ("join", "generate"):
+    if args.command in ("join", "generate") or getattr(args, "draft_model", None) or args.command == "bench":
         # Several peers often share one machine (a local mesh, a test, a bench), and a machine
         # often runs other work. OpenMP threads that spin after each op steal the cores another
         # process computes on (a user measured generate at 0.6 tok/s spinning against 5.5 tok/s
         # sleeping on a busy 2-core machine); sleeping threads cost ~1 ms per token on an idle one.
-        # Must be set before torch loads its OpenMP runtime.
+        # The same holds for a client's draft model (chat, serve) and the bench's client, which
+        # share the machine with peers. Must be set before torch loads its OpenMP runtime.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     _setup_logging(args.verbose + (1 if args.command == "join" else 0), getattr(args, "log_format", "text"))
     if getattr(args, "max_tokens", None) is not None and args.max_tokens < 1:

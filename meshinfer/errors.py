@@ -126,6 +126,12 @@ class IncompatiblePeer(MeshError):
     code = "incompatible_peer"
 
 
+class IncompatibleDraft(InvalidInput):
+    """A draft model whose vocabulary differs from the mesh model's (drafts would be other ids)."""
+
+    code = "incompatible_draft"
+
+
 class NoRoute(MeshError):
     """No chain of compatible ready peers covers every layer; the message says what is missing."""
 

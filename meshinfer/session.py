@@ -19,11 +19,12 @@ from typing import Callable, Sequence
 from . import audit, discovery
 from .errors import (CacheFull, IncompatiblePeer, InvalidInput, LyingPeer, MeshError, NoRoute, PeerUnavailable,
                      ProtocolError, Unauthenticated)
+from .draft import DraftModel, Drafter, PromptLookup
 from .generate import Generation, check_context
 from .protocol import MAX_VERIFY_TOKENS, PeerAdvert
 from .routing import Route, plan_route
 from .sampling import SamplingParams
-from .speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SpecStats, accept, next_draft_length, propose
+from .speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, DraftPolicy, SpecStats, accept
 from .tokenizer import Tokenizer, bundle_sha256
 from .transport import Link, dial, first_success, remote_error
 
@@ -96,12 +97,16 @@ class MeshClient:
             (``--spot-check-rate``; see :class:`Conversation`).
         dial_timeout_s: how long one address may take to accept and answer the hello, seconds
             (:data:`DIAL_TIMEOUT_S`, at most ``request_timeout_s``).
+        draft_model: a :class:`~meshinfer.draft.DraftModel` the conversations draft with
+            (``--draft-model``) instead of prompt lookup, or None. Every route's tokenizer is
+            checked against it (:meth:`tokenizer`) before a conversation opens on the route.
     """
 
     def __init__(self, bootstrap: Sequence[str], *, request_timeout_s: float = 10.0,
                  mesh_key: bytes | None = None, insecure: bool = False, tls_ca: str | None = None,
                  allow_ids: frozenset[str] | None = None,
-                 spot_check_rate: float = audit.DEFAULT_SPOT_CHECK_RATE, dial_timeout_s: float = DIAL_TIMEOUT_S) -> None:
+                 spot_check_rate: float = audit.DEFAULT_SPOT_CHECK_RATE, dial_timeout_s: float = DIAL_TIMEOUT_S,
+                 draft_model: DraftModel | None = None) -> None:
         if not bootstrap:
             raise InvalidInput("no peers to contact: pass --peers ws://HOST:PORT")
         self.bootstrap = list(bootstrap)
@@ -112,12 +117,14 @@ class MeshClient:
         self.allow_ids = allow_ids
         self.not_allowed: frozenset[str] = frozenset()  # signed adverts left out by allow_ids, last refresh
         self.spot_check_rate = spot_check_rate
+        self.draft_model = draft_model
         self.table: dict[str, PeerAdvert] = {}
         self.rtts_ms: dict[str, float] = {}
         self._links: dict[str, Link] = {}
         self._convs: dict[str, "Conversation"] = {}
         self._tokenizers: dict[tuple[str, str], Tokenizer] = {}  # (weights hash, tokenizer hash) ->
         self._failed: dict[str, tuple[float, int]] = {}  # peer id -> (excluded until, failures)
+        self._policies: dict[tuple, DraftPolicy] = {}  # (route's peers, drafter) -> its draft policy
 
     async def __aenter__(self) -> "MeshClient":
         return self
@@ -324,6 +331,7 @@ class MeshClient:
         Raises:
             IncompatiblePeer: the peers of these weights disagree with no majority, or no peer
                 sent a bundle of the agreed hash (or of these weights).
+            IncompatibleDraft: this client's draft model has another vocabulary.
         """
         weights_hash = route.compat_key[0]
         agreed = self._agreed_tokenizer(weights_hash)
@@ -334,6 +342,8 @@ class MeshClient:
                                         and p.tokenizer_sha256 == agreed and p.peer_id != first.peer_id),
                                        key=lambda p: self.rtts_ms.get(p.peer_id, math.inf))
             self._tokenizers[key] = await self._fetch_tokenizer(sources[:TOKENIZER_SOURCES], weights_hash, agreed)
+        if self.draft_model is not None:
+            self.draft_model.check_vocabulary(self._tokenizers[key])
         return self._tokenizers[key]
 
     def _agreed_tokenizer(self, weights_hash: str) -> str:
@@ -383,13 +393,25 @@ class MeshClient:
         raise IncompatiblePeer(f"no peer sent a trustworthy tokenizer for weights {weights_hash[:12]}: "
                                + "; ".join(reasons))
 
+    def draft_policy(self, route: Route, drafter: Drafter) -> DraftPolicy:
+        """The draft-length policy of ``drafter``'s kind on ``route``, shared by this client's
+        conversations: step times and draft costs belong to the route and the machine, and
+        acceptance to the drafter, so a new conversation starts from what earlier ones measured."""
+        key = (route.peer_ids, drafter.name)
+        if key not in self._policies:
+            self._policies[key] = DraftPolicy.for_route(route, prior_acceptance=drafter.prior_acceptance,
+                                                        prior_draft_ms=drafter.prior_draft_ms)
+        return self._policies[key]
+
     def conversation(self, route: Route, *, max_tokens_total: int, **options) -> "Conversation":
         """A new conversation over ``route`` holding at most ``max_tokens_total`` tokens.
 
         ``options`` go to :class:`Conversation` (``deadline_floor_s``, ``spot_check_rate``
-        (default: this client's), ``spot_check_seed``, ``speculate``, ``draft_tokens``).
+        (default: this client's), ``spot_check_seed``, ``speculate``, ``draft_tokens``,
+        ``draft_model`` (default: this client's)).
         """
         options.setdefault("spot_check_rate", self.spot_check_rate)
+        options.setdefault("draft_model", self.draft_model)
         return Conversation(self, route, max_tokens_total=max_tokens_total, **options)
 
 
@@ -405,9 +427,14 @@ class Conversation:
             top of a check of every hop after each prefill (0: no spot-checks); see
             :mod:`meshinfer.audit`.
         spot_check_seed: seed of the random choice of checked steps and hops (None: random).
-        speculate: verify prompt-lookup drafts with each decode step (exact under greedy decoding;
-            see :mod:`meshinfer.speculative`).
-        draft_tokens: most drafts per step, 1 to :data:`~meshinfer.speculative.MAX_DRAFT_TOKENS`.
+        speculate: verify drafts with decode steps when it pays (exact under greedy decoding;
+            see :mod:`meshinfer.speculative`). Sampled generation (temperature > 0) never drafts.
+        draft_tokens: most drafts per step, 1 to :data:`~meshinfer.speculative.MAX_DRAFT_TOKENS`;
+            each step's draft length is chosen within it by a
+            :class:`~meshinfer.speculative.DraftPolicy`.
+        draft_model: draft with this :class:`~meshinfer.draft.DraftModel` (a per-conversation
+            KV cache, freed by :meth:`close`) instead of prompt lookup; its vocabulary is checked
+            against the route's before the conversation opens.
 
     Raises:
         InvalidInput: ``draft_tokens`` out of range.
@@ -428,7 +455,7 @@ class Conversation:
                  deadline_floor_s: float = DEADLINE_FLOOR_S,
                  spot_check_rate: float = audit.DEFAULT_SPOT_CHECK_RATE,
                  spot_check_seed: int | None = None, speculate: bool = True,
-                 draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> None:
+                 draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_model: DraftModel | None = None) -> None:
         import uuid
 
         if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
@@ -443,7 +470,10 @@ class Conversation:
         self.cached: list[int] = []  # token ids sent to the route, in order
         self.confirmed = 0  # tokens every hop is known to hold (a token came back after them)
         self._held = 0  # positions the hops may hold: more than cached after rejected drafts
-        self._k = draft_tokens  # drafts of the next step (adapts; see speculative.next_draft_length)
+        self.draft_model = draft_model
+        self.drafter: Drafter | None = None  # made on the first speculative generate
+        self.policy: DraftPolicy | None = None  # chooses each step's draft length
+        self._warm: asyncio.Future | None = None  # the drafter's prefill of a generate() in progress
         self.max_step_tokens = 512
         self.failovers: list[dict] = []
         self._seq = 0
@@ -485,6 +515,8 @@ class Conversation:
             CacheFull: a hop has no room; PeerUnavailable: a hop is unreachable.
         """
         self.client._convs[self.conv_id] = self
+        if self.draft_model is not None:  # refuse another vocabulary before any hop reserves room
+            await self.client.tokenizer(self.route)
         full: set[str] = set()
         try:
             for attempt in range(MAX_FAILOVERS + 1):
@@ -520,9 +552,12 @@ class Conversation:
             raise CacheFull(f"peer {peer_id[:12]} is full: {exc}; no other route has room ({no_route})") from no_route
 
     async def close(self) -> None:
-        """Free the conversation on every hop. Safe to call twice."""
+        """Free the conversation on every hop, and the draft model's cache. Safe to call twice."""
         self.client._convs.pop(self.conv_id, None)
         self._open = False
+        drafter, self.drafter = self.drafter, None
+        if drafter is not None:
+            await drafter.close()
         await self._close_on(self.route.hops)
 
     async def _close_on(self, hops) -> None:
@@ -729,10 +764,28 @@ class Conversation:
                 self.confirmed = min(self.confirmed, keep)
                 await self._failover(exc, in_flight=keep)
         t0 = time.perf_counter()
-        ids, _ = await self._audited_step(prompt_ids[keep:], result, prefill=True)
-        result.ttft_ms = (time.perf_counter() - t0) * 1e3
         eos = set(eos_ids)  # speculation verifies greedy choices: sampled generation decodes plainly
-        spec = SpecStats(draft_tokens=self.draft_tokens) if self.speculate and self.sampling is None else None
+        spec = self._start_speculation() if self.speculate and self.sampling is None else None
+        # the drafter reads the prompt while the mesh does, and while plain steps run if it is slower
+        self._warm = asyncio.ensure_future(self.drafter.prefill(prompt_ids)) if spec else None
+        try:
+            ids, _ = await self._audited_step(prompt_ids[keep:], result, prefill=True)
+            result.ttft_ms = (time.perf_counter() - t0) * 1e3
+            await self._decode_all(result, prompt_ids, ids, budget=budget, eos=eos, on_token=on_token, spec=spec)
+        finally:
+            if self._warm is not None:  # a failed step's error is the one to see
+                await asyncio.gather(self._warm, return_exceptions=True)
+                self._warm = None
+        result.route = self.hop_stats()
+        result.failovers = list(self.failovers)
+        result.detections = list(self.detections)
+        result.unverified = self.unverified_hops()
+        result.speculative = spec.to_dict() if spec else {}
+        return result
+
+    async def _decode_all(self, result: ChatResult, prompt_ids: list[int], ids: list[int], *, budget: int,
+                          eos: set[int], on_token, spec: SpecStats | None) -> None:
+        """Decode steps after the prefill's ``ids`` until a token ends generation; sets the decode rate."""
         t1 = time.perf_counter()
         taken = 0  # chosen ids seen by accept: the prefill's one, then one per plain decode step
 
@@ -748,12 +801,14 @@ class Conversation:
                                                  budget - len(result.token_ids), spec)
             self._record(trace, (time.perf_counter() - ts) * 1e3, len(ids))
         result.set_decode_rate(taken - 1, time.perf_counter() - t1)
-        result.route = self.hop_stats()
-        result.failovers = list(self.failovers)
-        result.detections = list(self.detections)
-        result.unverified = self.unverified_hops()
-        result.speculative = spec.to_dict() if spec else {}
-        return result
+
+    def _start_speculation(self) -> SpecStats:
+        """Counters for one generation; the drafter and policy are made once per conversation."""
+        if self.drafter is None:
+            self.drafter = self.draft_model.drafter() if self.draft_model is not None else PromptLookup()
+        if self.policy is None:
+            self.policy = self.client.draft_policy(self.route, self.drafter)
+        return SpecStats(draft_tokens=self.draft_tokens, drafter=self.drafter.name)
 
     def unverified_hops(self) -> list[dict]:
         """Hops of the current route whose output no spot-check has verified, each with why:
@@ -782,29 +837,54 @@ class Conversation:
                            spec: SpecStats | None) -> tuple[list[int], list]:
         """One decode step after ``history`` (whose last token is not sent yet): 1 to k + 1 new ids.
 
-        With speculation, prompt-lookup drafts ride along and :func:`~meshinfer.speculative.accept`
-        keeps what plain greedy decoding would choose. Drafts are clipped to the ``remaining``
-        tokens of the budget and to the conversation's reserved context, so a step never asks
-        a hop for positions it did not reserve. Positions of rejected drafts stay on the hops
-        until the next step rolls them back (``rollback: true``): no extra round trip.
+        With speculation, the policy chooses the draft length k (0: a plain step), the drafter
+        proposes up to k ids, and :func:`~meshinfer.speculative.accept` keeps what plain greedy
+        decoding would choose. Drafts are clipped to the ``remaining`` tokens of the budget and to
+        the conversation's reserved context, so a step never asks a hop for positions it did not
+        reserve. Positions of rejected drafts stay on the hops until the next step rolls them back
+        (``rollback: true``): no extra round trip. The drafter's cost, the step's wall time and
+        its acceptance go back to the policy.
         """
+        if spec is None or not self.speculate:
+            return await self._timed_step(history[-1:], result)
+        if self._warm is not None and self._warm.done():
+            self._warm, warm = None, self._warm
+            warm.result()  # the draft prefill's error, if any
         room = min(remaining - 1, self.max_tokens_total - len(self.cached) - 1, self.max_step_tokens - 1)
-        drafts = propose(history, min(self._k, room)) if spec is not None and self.speculate else []
+        # no drafts while the drafter still reads the prompt (plain steps need not wait for it)
+        k = 0 if self._warm is not None else self.policy.choose(min(self.draft_tokens, room))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("conversation %s: %d drafts (%s)", self.conv_id[:12], k, self.policy.describe())
+        drafts = (await self.drafter.propose(history, k))[:k] if k > 0 else []
+        self.policy.record_draft_cost(len(drafts), self.drafter.last_cost_ms)
         if not drafts:
-            return await self._audited_step(history[-1:], result)
+            spec.plain_steps += 1
+            return await self._timed_step(history[-1:], result)
         try:
-            out, trace = await self._audited_step([history[-1], *drafts], result, drafts=drafts)
+            out, trace = await self._timed_step([history[-1], *drafts], result, drafts=drafts)
         except ProtocolError as exc:  # a hop that predates speculative decoding: go on without it
             if "want" not in str(exc):
                 raise
             log.warning("conversation %s: a hop does not verify drafts (%s); speculation off", self.conv_id[:12], exc)
             self.speculate = False
-            return await self._audited_step(history[-1:], result)
+            return await self._timed_step(history[-1:], result)
         spec.steps += 1
         spec.proposed += len(drafts)
         spec.accepted += len(out) - 1
-        self._k = next_draft_length(self._k, len(out) - 1, len(drafts), limit=self.draft_tokens)
+        self.policy.record_drafts(len(drafts), len(out) - 1)
         return out, trace
+
+    async def _timed_step(self, tokens: list[int], result: ChatResult, *,
+                          drafts: Sequence[int] | None = None) -> tuple[list[int], list]:
+        """:meth:`_audited_step`, its wall time recorded by the draft policy (when there is one)
+        unless a failover or a detection made it unlike an ordinary step."""
+        before = (len(self.failovers), len(self.detections))
+        t0 = time.perf_counter()
+        out = await self._audited_step(tokens, result, drafts=drafts)
+        if self.policy is not None and before == (len(self.failovers), len(self.detections)):
+            self.policy.record_step(len(tokens), (time.perf_counter() - t0) * 1e3)
+        return out
+
     # ------------------------------------------------------------------ lying hops
     async def _audited_step(self, tokens: Sequence[int], result: ChatResult, *, prefill: bool = False,
                             drafts: Sequence[int] | None = None) -> tuple[list[int], list]:

@@ -390,6 +390,15 @@ class Tokenizer:
         """Number of token ids, added tokens included (V)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def pieces(self) -> list[str | None]:
+        """The piece (vocabulary string) of every id, ``pieces()[i]`` for id ``i``; None for an
+        id without one. Two tokenizers with equal pieces map text to the same ids."""
+        out: list[str | None] = [None] * self.vocab_size
+        for piece, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if 0 <= i < len(out):
+                out[i] = piece
+        return out
+
     def encode(self, text: str) -> list[int]:
         """Token ids of plain ``text``; control-token strings in it are encoded as text.
 

@@ -58,6 +58,20 @@ async def mesh(shards: Sequence[Shard], *, weights_hash: str, bundle: dict | Non
             await p.close()
 
 
+class AlwaysDraft:
+    """A draft policy (``Conversation.policy``) that drafts all it may each step. Tests of exact
+    verification use it: on a tiny model over loopback the real policy
+    (:class:`meshinfer.speculative.DraftPolicy`) may rightly find that drafting does not pay."""
+
+    def choose(self, limit: int) -> int:
+        return limit
+
+    def record_step(self, *args) -> None:
+        pass
+
+    record_drafts = record_draft_cost = record_step
+
+
 def split(shard_factory, bounds: Sequence[int]) -> list[Shard]:
     """Shards over consecutive ``bounds`` (e.g. ``[0, 2, 4]``) built by ``shard_factory(LayerRange)``."""
     return [shard_factory(LayerRange(a, b)) for a, b in zip(bounds, bounds[1:])]
@@ -109,10 +123,11 @@ async def generate_through(peers: Sequence[Peer], tok, messages: list, *, max_to
 
 
 async def generate_through_a_middle_crash(path: Path, digest: str, bundle: dict, ids: list[int], n_tokens: int,
-                                          bounds: Sequence[int] = (0, 1, 3, 4)):
+                                          bounds: Sequence[int] = (0, 1, 3, 4), policy=None):
     """Generate ``n_tokens`` greedily over hops ``bounds`` (plus a standby for the middle range)
     while the middle hop crashes after 10 tokens; (result, the crashed peer). The deadline floor
-    is generous, so only the crash, never a slow step on a loaded machine, causes a failover."""
+    is generous, so only the crash, never a slow step on a loaded machine, causes a failover.
+    ``policy``: the conversation's draft policy (e.g. :class:`AlwaysDraft`), None for the client's."""
     from meshinfer.generate import load_shard
     from meshinfer.session import MeshClient
 
@@ -126,6 +141,8 @@ async def generate_through_a_middle_crash(path: Path, digest: str, bundle: dict,
             route = await client.plan()
             mid = next(p for p in rest[:2] if p.peer_id == route.hops[1].peer_id)
             conv = client.conversation(route, max_tokens_total=len(ids) + n_tokens, deadline_floor_s=10.0)
+            if policy is not None:
+                conv.policy = policy
 
             def on_token(_):
                 if len(conv.cached) - len(ids) >= 9 and not mid._closing:

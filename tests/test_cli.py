@@ -97,6 +97,16 @@ def test_user_mistakes_give_one_line_errors(tiny_gguf, args, message):
     assert "Traceback" not in out.stderr
 
 
+def test_a_bad_draft_model_is_refused_before_any_peer_is_contacted(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    for path, message in ((tmp_path / "missing.gguf", "error: draft model: model "),
+                          (bad, f"error: draft model {bad}: cannot load it: ")):
+        # port 1: nothing listens there, so contacting a peer would fail with another error
+        out = meshinfer("chat", "--peers", "ws://127.0.0.1:1", "-p", "hi", "--json", "--draft-model", str(path))
+        assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(message), out.stderr
+
+
 def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
     env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(tiny_gguf),
@@ -132,6 +142,11 @@ def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
                           env=env)
         assert plain.returncode == 0, plain.stderr
         assert (json.loads(plain.stdout)["token_ids"], json.loads(plain.stdout)["speculative"]) == (d["token_ids"], {})
+        drafted = meshinfer("chat", "--peers", url, "-p", "hello", "--max-tokens", "6", "--json", "--draft-model",
+                            str(tiny_gguf), "--draft-dtype", "f32", env=env)
+        assert drafted.returncode == 0, drafted.stderr
+        d2 = json.loads(drafted.stdout)
+        assert (d2["token_ids"], d2["speculative"]["drafter"]) == (d["token_ids"], "model:tiny")
         bad = meshinfer("chat", "--peers", url, "-p", "hello", env=env | {"MESHINFER_SPECULATE": "maybe"})
         assert bad.returncode == 2 and "$MESHINFER_SPECULATE='maybe' is not one of" in bad.stderr
         proc.send_signal(signal.SIGTERM)
@@ -278,15 +293,22 @@ def test_bench_measures_single_peer_and_split(tiny_gguf, tmp_path):
 
 
 def test_bench_speculative_and_ttft_suites_run(tiny_gguf, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[{"role": "user", "content": "hello"}], [{"role": "user", "content": "a haiku"}]]))
     out = meshinfer("bench", "--model", str(tiny_gguf), "--suite", "speculative,ttft", "--splits", "1,2",
                     "--rtts", "0,20", "--max-tokens", "6", "--repeats", "1", "--long-prompt-tokens", "100",
+                    "--prompts", str(prompts), "--draft-model", str(tiny_gguf), "--draft-dtype", "f32",
                     "--base-port", str(free_port_base(60)), "--out", str(tmp_path / "b.json"), timeout=400)
     assert out.returncode == 0, out.stderr
-    assert "| RTT ms | plain tok/s | speculative tok/s |" in out.stdout and "| peers | join to ready s |" in out.stdout
+    assert "| RTT ms | prompts | mode | tok/s | vs plain |" in out.stdout and "| peers | join to ready s |" in out.stdout
     result = json.loads((tmp_path / "b.json").read_text())
     spec, ttft = result["speculative"], result["ttft"]
-    assert [r["rtt_ms"] for r in spec] == [0, 20] and all(r["identical"] for r in spec)
-    assert all(r["plain_tokens_per_s"] > 0 and r["speculative_tokens_per_s"] > 0 for r in spec)
+    assert [(r["rtt_ms"], r["prompts"], r["mode"]) for r in spec] == [
+        (rtt, p, m) for rtt in (0, 20) for p in ("general", "code edit") for m in ("plain", "lookup", "draft")]
+    assert all(r["identical"] and r["tokens_per_s"] > 0 for r in spec)
+    assert [r["conversations"] for r in spec[:3]] == [2, 2, 2]
+    bad_prompts = meshinfer("bench", "--model", str(tiny_gguf), "--suite", "speculative", "--prompts", str(tiny_gguf))
+    assert bad_prompts.returncode == 2 and f"--prompts {tiny_gguf}:" in bad_prompts.stderr
     assert [r["peers"] for r in ttft] == [1, 2]
     assert all(r["long_prompt_tokens"] == 100 and r["long_ttft_ms"] > 0 and r["cold_ttft_ms"] > 0
                and r["join_to_ready_s"] > 0 for r in ttft)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshkit import generate_through_a_middle_crash, mesh, split, tiny_model
+from meshkit import AlwaysDraft, generate_through_a_middle_crash, mesh, split, tiny_model
 from test_hostile import Raw, last_token, serving
 from meshinfer import protocol, speculative
 from meshinfer.bench import CODE_EDIT_MESSAGES
@@ -19,7 +19,7 @@ from meshinfer.config import LayerRange
 from meshinfer.errors import InvalidInput, ProtocolError
 from meshinfer.generate import greedy_generate, load_shard
 from meshinfer.session import MeshClient
-from meshinfer.speculative import accept, next_draft_length, propose
+from meshinfer.speculative import DraftPolicy, accept, expected_tokens, propose
 
 REPEAT = [{"role": "user", "content": "abc abc abc abc abc abc abc abc"}]
 PLAIN = [{"role": "user", "content": "hello there, tiny model"}]
@@ -50,11 +50,68 @@ def test_accept_keeps_the_matching_prefix_and_one_greedy_token():
         accept([1, 2], [1, 2])
 
 
-def test_draft_length_adapts_within_its_limit():
-    assert next_draft_length(4, accepted=4, proposed=4, limit=8) == 8
-    assert next_draft_length(8, accepted=8, proposed=8, limit=8) == 8
-    assert next_draft_length(8, accepted=2, proposed=8, limit=8) == 3
-    assert next_draft_length(8, accepted=0, proposed=8, limit=8) == 1
+def test_expected_tokens_follows_the_geometric_formula():
+    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    assert expected_tokens(0.9, 0) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="got acceptance 1.5, k 2"):
+        expected_tokens(1.5, 2)
+
+
+def _policy(step_ms: dict, *, accepted: int, proposed: int, steps: int = 6, draft_ms: float = 0.0) -> DraftPolicy:
+    """A policy that measured ``steps`` rounds of each step length in ``step_ms`` and
+    ``accepted`` of ``proposed`` drafts in runs of 4."""
+    p = DraftPolicy(prior_base_ms=100.0, prior_slope_ms=10.0, prior_draft_ms=draft_ms)
+    for _ in range(steps):
+        for t, ms in step_ms.items():
+            p.record_step(t, ms)
+    for i in range(0, proposed, 4):
+        p.record_drafts(min(4, proposed - i), min(4, max(0, accepted - i)))
+    p.record_draft_cost(4, 4 * draft_ms)
+    return p
+
+
+def test_policy_drafts_long_when_drafts_are_accepted_and_the_round_trip_is_long():
+    # a WAN step: 400 ms whatever its length (+2 ms per position); nearly every draft accepted
+    p = _policy({1: 400.0, 5: 408.0}, accepted=39, proposed=40)
+    assert p.step_line() == pytest.approx((400.0, 2.0))
+    assert p.acceptance > 0.9 and p.choose(8) == 8
+    assert p.choose(3) == 3  # never past the limit
+
+
+def test_policy_chooses_plain_steps_when_nothing_pays():
+    # loopback: each extra position costs half a step, drafts mostly rejected
+    p = _policy({1: 100.0, 3: 200.0}, accepted=1, proposed=20)
+    assert p.choose(8) == 0
+    # drafting that costs more than the step it saves
+    p = _policy({1: 100.0, 5: 104.0}, accepted=40, proposed=40, draft_ms=150.0)
+    assert p.choose(8) == 0
+
+
+def test_policy_weighs_draft_cost_against_the_round_trip():
+    cheap = _policy({1: 300.0, 5: 320.0}, accepted=36, proposed=40, draft_ms=5.0)
+    dear = _policy({1: 300.0, 5: 320.0}, accepted=36, proposed=40, draft_ms=60.0)
+    assert cheap.choose(16) > dear.choose(16) > 0
+
+
+def test_policy_forgets_old_acceptance_so_it_tries_drafting_again():
+    p = _policy({1: 100.0, 3: 150.0}, accepted=0, proposed=12)
+    assert p.choose(8) == 0
+    for _ in range(60):  # plain steps only: the estimate drifts back to the prior
+        p.record_step(1, 100.0)
+    assert p.acceptance > 0.45 and p.choose(8) > 0
+    # the 3-position steps are forgotten too: the prior slope is back, and so is the probe limit
+    assert p.step_line() == pytest.approx((100.0, 10.0)) and p.choose(8) == speculative.FIRST_PROBE_DRAFTS
+
+
+def test_policy_starts_from_the_priors():
+    p = DraftPolicy(prior_base_ms=300.0, prior_slope_ms=0.0, prior_acceptance=0.5)
+    assert p.step_line() == (300.0, 0.0) and p.acceptance == 0.5
+    assert p.choose(8) == speculative.FIRST_PROBE_DRAFTS == 2  # until a longer step is timed
+    p.record_step(3, 300.0)
+    assert p.choose(8) == 8  # a free extra position: any acceptance pays
+    with pytest.raises(ValueError, match="accepted 5 of 4 drafts"):
+        p.record_drafts(4, 5)
 
 
 def test_draft_limit_fits_the_verification_limit_of_a_step():
@@ -84,6 +141,7 @@ def _watch_steps(conv) -> list[list[int]]:
 
 async def _generate(client, route, ids, *, max_tokens, eos_ids=(), **options):
     conv = client.conversation(route, max_tokens_total=len(ids) + max_tokens, **options)
+    conv.policy = AlwaysDraft()  # these tests check exact verification, not when drafting pays
     steps = _watch_steps(conv)
     try:
         return await conv.generate(ids, max_tokens=max_tokens, eos_ids=eos_ids), steps
@@ -120,6 +178,7 @@ async def test_spot_checks_of_verification_steps_find_no_liar(tiny):
             route = await client.plan(exclude=frozenset({peers[2].peer_id}))
             ids = tok.encode_chat(REPEAT)
             conv = client.conversation(route, max_tokens_total=len(ids) + 50, spot_check_rate=1.0, spot_check_seed=3)
+            conv.policy = AlwaysDraft()
             out = await conv.generate(ids, max_tokens=50)
             await conv.close()
     assert out.token_ids == greedy_generate(whole, ids, max_tokens=50).token_ids
@@ -230,7 +289,7 @@ def test_draft_tokens_out_of_range_is_refused_with_the_limit():
 async def test_failover_with_speculation_replays_and_matches_plain_greedy(tiny):
     path, digest, tok, whole = tiny
     ids = tok.encode_chat(REPEAT)
-    out, mid = await generate_through_a_middle_crash(path, digest, tok.to_bundle(), ids, 50)
+    out, mid = await generate_through_a_middle_crash(path, digest, tok.to_bundle(), ids, 50, policy=AlwaysDraft())
     assert out.token_ids == greedy_generate(whole, ids, max_tokens=50).token_ids
     assert [f["failed"] for f in out.failovers] == [[mid.peer_id]]
     assert out.speculative["accepted"] > 0

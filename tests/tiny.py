@@ -99,14 +99,18 @@ def add_model_metadata(wr, cfg: ModelConfig) -> None:
     wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
 
 
-def write_gguf(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> Path:
-    """Write ``weights`` as an F32 GGUF with tokenizer metadata, the way llama.cpp would."""
+def write_gguf(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor], *,
+               merged: tuple[str, str] = ("h", "e")) -> Path:
+    """Write ``weights`` as an F32 GGUF with tokenizer metadata, the way llama.cpp would.
+
+    ``merged``: the one BPE merge, whose token takes id 256 (another one gives a vocabulary of the
+    same size that maps id 256 to another piece)."""
     import gguf
 
     wr = gguf.GGUFWriter(str(path), cfg.architecture)
     add_model_metadata(wr, cfg)
     wr.add_rope_freq_base(cfg.rope_theta)
-    add_tokenizer_metadata(wr)
+    add_tokenizer_metadata(wr, merged)
     for name, t in weights.items():
         arr = t.numpy().astype(np.float32)
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -121,13 +125,14 @@ def write_gguf(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -
     return path
 
 
-def add_tokenizer_metadata(wr) -> None:
-    """The synthetic byte-level BPE tokenizer and ChatML template on a ``gguf.GGUFWriter``."""
+def add_tokenizer_metadata(wr, merged: tuple[str, str] = ("h", "e")) -> None:
+    """The synthetic byte-level BPE tokenizer and ChatML template on a ``gguf.GGUFWriter``
+    (``merged``: its one BPE merge, see :func:`write_gguf`)."""
     wr.add_tokenizer_model("gpt2")
     wr.add_tokenizer_pre("qwen2")
-    wr.add_token_list(byte_tokens() + MERGED + SPECIALS)
+    wr.add_token_list(byte_tokens() + ["".join(merged)] + SPECIALS)
     wr.add_token_types([1] * (256 + len(MERGED)) + [3] * len(SPECIALS))
-    wr.add_token_merges(["h e"])
+    wr.add_token_merges([" ".join(merged)])
     wr.add_bos_token_id(256 + len(MERGED) + 1)  # <|im_start|>
     wr.add_eos_token_id(256 + len(MERGED) + 2)  # <|im_end|>
     wr.add_add_bos_token(False)
