@@ -153,13 +153,13 @@ async def test_spot_checks_of_draft_verification_steps_catch_a_lying_hop(tiny, d
     expected = greedy_generate(whole, ids, max_tokens=N_TOKENS).token_ids
     first = await start_peer(load_shard(path, LayerRange(0, 1)), weights_hash=digest, bundle=tok.to_bundle())
     peers = [first] + [await start_peer(load_shard(path, LayerRange(a, b)), weights_hash=digest,
-                                        bootstrap=first.addrs) for a, b in ((1, 3), (1, 3), (3, 4))]
-    twin, liar = peers[1], peers[2]
+                                        bootstrap=first.addrs) for a, b in ((1, 3), (1, 3), (1, 3), (3, 4))]
+    twins, liar = peers[1:3], peers[3]  # two honest twins: a dispute needs a third opinion
     liar.shard = LyingShard(liar.shard, noise(1.0, from_position=len(ids) + 3))
     try:
         await wait_for_tables(peers)
         async with MeshClient(list(first.addrs), draft_model=drafts["same"]) as client:
-            route = await client.plan(exclude=frozenset({twin.peer_id}))
+            route = await client.plan(exclude=frozenset(t.peer_id for t in twins))
             conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, spot_check_rate=1.0,
                                        spot_check_seed=3)
             conv.policy = AlwaysDraft()
