@@ -373,7 +373,7 @@ async def test_rogue_peer_cannot_grow_the_peer_table_beyond_its_cap(tiny):
     async with serving(tiny) as peers:
         peer = peers[0]
         digest = peer.weights_hash
-        raw = await Raw.connect(peer, role="peer", advert=rogue_advert(digest))
+        raw = await Raw.connect(peer, role="peer", advert=rogue_advert(digest, ttl_s=60.0))  # lives through a slow run
         try:
             for batch in range(8):  # 150 signed adverts (about 90 KB) fit one frame
                 await raw.send("gossip", adverts=[rogue_advert(digest, key=new_key(), ttl_s=60.0)

@@ -69,9 +69,13 @@ def test_int4_linear_matches_dequantize_then_matmul(group):
 
 @pytest.mark.parametrize("n, k", [(64, 32), (128, 896), (896, 256), (320, 64)])
 def test_unpack_int4_reads_the_kernel_layout(n, k):
+    """torch keeps its packed int4 layout private and it differs between CPUs (it reads as
+    written on the Intel hosts this was measured on, not on an AMD EPYC): where
+    ``int4_layout_known()`` says yes, ``unpack_int4`` reads every shape exactly, and where it says
+    no, it indeed does not, and int4 projections keep to the kernel (no dense prefill path)."""
     q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(n + k))
-    assert int4_layout_known()
-    assert torch.equal(unpack_int4(torch._convert_weight_to_int4pack_for_cpu(q, 1), n, k).to(torch.int32), q)
+    unpacked = unpack_int4(torch._convert_weight_to_int4pack_for_cpu(q, 1), n, k).to(torch.int32)
+    assert torch.equal(unpacked, q) == int4_layout_known()
 
 
 @pytest.mark.parametrize("make", [lambda: Int8Linear(256, 128, True), lambda: Int4Linear(256, 128, False, 32),
@@ -95,8 +99,8 @@ def test_many_rows_take_the_dense_path_and_agree_with_the_kernel(make, monkeypat
     assert len(kernels) == 2
     kernels.clear()
     again = m(x)
-    odd = isinstance(m, Int4Linear) and m.out_features % 64
-    assert kernels == (["_weight_int4pack_mm_for_cpu"] if odd else [])
+    kernel_only = isinstance(m, Int4Linear) and (m.out_features % 64 or not int4_layout_known())
+    assert kernels == (["_weight_int4pack_mm_for_cpu"] if kernel_only else [])
     assert torch.equal(again, dense)
     ref = reference_matmul(m, x)
     for y in (dense, small):
@@ -119,7 +123,8 @@ def test_the_dense_path_dequantizes_a_large_weight_in_row_chunks(make, monkeypat
     real = m.dense_weight
     monkeypatch.setattr(m, "dense_weight", lambda a, b: spans.append((a, b)) or real(a, b))
     chunked = m(x)
-    assert spans == [(0, 128), (128, 256), (256, 320)]
+    dense = not isinstance(m, Int4Linear) or int4_layout_known()  # else the kernel runs (CPU-specific layout)
+    assert spans == ([(0, 128), (128, 256), (256, 320)] if dense else [])
     assert (chunked - whole).abs().max() <= 1e-2 * whole.abs().max()
 
 
