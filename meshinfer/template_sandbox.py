@@ -198,7 +198,10 @@ class TemplateSandbox:
             proc.kill()
             proc.wait()
             for pipe in (proc.stdin, proc.stdout):
-                pipe.close()
+                try:
+                    pipe.close()
+                except OSError:  # a request left unflushed for a dead child
+                    pass
 
     def close(self) -> None:
         """End the child process."""
