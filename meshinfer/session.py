@@ -514,9 +514,9 @@ class Conversation:
         Raises:
             CacheFull: a hop has no room; PeerUnavailable: a hop is unreachable.
         """
-        self.client._convs[self.conv_id] = self
         if self.draft_model is not None:  # refuse another vocabulary before any hop reserves room
             await self.client.tokenizer(self.route)
+        self.client._convs[self.conv_id] = self
         full: set[str] = set()
         try:
             for attempt in range(MAX_FAILOVERS + 1):
