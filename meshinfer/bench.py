@@ -161,19 +161,6 @@ def _start(model: str, n: int, base_port: int, dtype: str, tmp: str):
     return _start_peers(str(path), even_splits(num_layers, n), base_port, dtype, Path(tmp))
 
 
-async def _route(client, n_peers: int):
-    from .errors import NoRoute
-
-    for _ in range(100):  # gossip needs a moment to spread every advert
-        try:
-            route = await client.plan()
-            if len(route.hops) == n_peers:
-                return route
-        except NoRoute:
-            pass
-        await asyncio.sleep(0.3)
-    return await client.plan()
-
 
 async def _concurrent(client, route, ids: list[int], n: int, max_tokens: int) -> dict:
     """``n`` conversations: each prefills (and takes its first token) in turn, then all decode
@@ -333,8 +320,12 @@ GENERAL_PROMPTS = [[{"role": "user", "content": text}] for text in (
     "Give three tips for a good night's sleep.",
     "Summarize the plot of Romeo and Juliet in three sentences.",
 )]
-#: Decoding modes of the speculative suite, in the order each prompt runs them.
-SPEC_MODES = ("plain", "lookup", "draft")
+#: Decoding modes of the speculative suite, in the order each prompt runs them: plain decoding,
+#: prompt lookup, the draft model (drafting ahead during steps as ``--draft-ahead`` says), and
+#: the draft model never drafting ahead (``draft-serial``, to measure what drafting ahead gives).
+SPEC_MODES = ("plain", "lookup", "draft", "draft-serial")
+#: Modes run unless ``--modes`` says otherwise (the draft modes only with a draft model).
+DEFAULT_SPEC_MODES = ("plain", "lookup", "draft")
 
 
 def load_prompts(path: str | os.PathLike) -> list[list[dict]]:
@@ -370,7 +361,7 @@ async def _spec_run(client, route, tok, prompts: list, *, max_tokens: int, conte
                     modes: Sequence[str], draft) -> dict:
     """Every prompt once in each mode (modes alternate per prompt); {mode: [ChatResult, ...]}."""
     opts = {"plain": dict(speculate=False, draft_model=None), "lookup": dict(draft_model=None),
-            "draft": dict(draft_model=draft)}
+            "draft": dict(draft_model=draft), "draft-serial": dict(draft_model=draft, draft_ahead=False)}
     runs: dict = {m: [] for m in modes}
     for messages in prompts:
         ids = tok.encode_chat(messages)
@@ -409,14 +400,16 @@ def _spec_rows(rtt: float, prompt_set: str, route, runs: dict) -> list[dict]:
 
 
 async def _spec_measure(base_port: int, proxy_ports: list[int], rtts_ms: list[float], *, prompt_sets: dict,
-                        max_tokens: int, repeats: int, draft_tokens: int, context: int, draft, progress) -> list[dict]:
+                        max_tokens: int, repeats: int, draft_tokens: int, context: int, draft, progress,
+                        modes: Sequence[str], draft_ahead) -> list[dict]:
     from .netsim import NetSim
     from .session import MeshClient
 
-    modes = [m for m in SPEC_MODES if m != "draft" or draft is not None]
+    modes = [m for m in modes if not m.startswith("draft") or draft is not None]
     proxies = [await NetSim("127.0.0.1", base_port + i, port=p).start() for i, p in enumerate(proxy_ports)]
     try:
-        async with MeshClient([f"ws://127.0.0.1:{proxy_ports[0]}"], draft_model=draft) as client:
+        async with MeshClient([f"ws://127.0.0.1:{proxy_ports[0]}"], draft_model=draft,
+                              draft_ahead=draft_ahead) as client:
             route = await _route(client, len(proxy_ports))
             tok = await client.tokenizer(route)
             rows = []
@@ -446,19 +439,26 @@ async def _spec_measure(base_port: int, proxy_ports: list[int], rtts_ms: list[fl
 def run_spec_bench(*, model: str, rtts_ms: list[float], max_tokens: int, repeats: int, dtype: str, base_port: int,
                    draft_tokens: int, peers: int = 2, prompts: list | None = None, draft_model: str | None = None,
                    draft_dtype: str = "q8-bf16", draft_device: str = "cpu",
+                   modes: Sequence[str] = DEFAULT_SPEC_MODES, draft_ahead: bool | str = "auto",
                    progress=None) -> tuple[str, list[dict]]:
     """Plain, prompt-lookup and draft-model decoding through netsim proxies (module docstring).
 
     Each RTT runs a warm-up, then ``repeats`` passes over the general prompts (``prompts``, default
     :data:`GENERAL_PROMPTS`) and over the code edit, each prompt in every mode in turn.
+    ``modes``: a subset of :data:`SPEC_MODES` ("plain" is always run: the other rows are ratios
+    to it); ``draft_ahead`` is the "draft" mode's (see :class:`~meshinfer.session.Conversation`).
 
     Returns:
         ``(header, rows)``: one row per (RTT, prompt set, mode), see :func:`spec_table`.
 
     Raises:
         RuntimeError: a peer failed to start. ModelNotFound, WeightsError, IncompatibleDraft: the
-        draft model (loaded before any peer starts).
+        draft model (loaded before any peer starts). ValueError: an unknown mode.
     """
+    unknown = sorted(set(modes) - set(SPEC_MODES))
+    if unknown:
+        raise ValueError(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(SPEC_MODES)}")
+    modes = ["plain", *(m for m in SPEC_MODES if m in modes and m != "plain")]
     from .weights import open_weights
     from .weights.registry import meshinfer_home, resolve_model
 
@@ -479,13 +479,15 @@ def run_spec_bench(*, model: str, rtts_ms: list[float], max_tokens: int, repeats
             try:
                 rows = asyncio.run(_spec_measure(base_port, proxy_ports, rtts_ms, prompt_sets=prompt_sets,
                                                  max_tokens=max_tokens, repeats=repeats, draft_tokens=draft_tokens,
-                                                 context=cfg.max_position_embeddings, draft=draft, progress=progress))
+                                                 context=cfg.max_position_embeddings, draft=draft, progress=progress,
+                                                 modes=modes, draft_ahead=draft_ahead))
             finally:
                 _stop(procs)
     finally:
         if draft is not None:
             draft.close()
-    drafting = f"draft model {draft.name} at {draft_dtype} on {draft_device}" if draft else "no draft model"
+    drafting = (f"draft model {draft.name} at {draft_dtype} on {draft_device}, draft ahead {draft_ahead}"
+                if draft else "no draft model")
     header = (f"speculative decoding: model {path.name}, {dtype}, {peers} peers on loopback, a netsim proxy in "
               f"front of each peer; {len(prompt_sets['general'])} general prompts and the code edit, {max_tokens} "
               f"new tokens each, --draft-tokens {draft_tokens}, {drafting}, {repeats} pass(es) after a warm-up; "

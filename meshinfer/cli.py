@@ -227,7 +227,6 @@ def cmd_pull(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
-    from .config import LayerRange  # noqa: F401
     from .executor import parse_device
     from .generate import greedy_generate, load_shard, parse_dtype
     from .tokenizer import StreamDecoder, Tokenizer
@@ -395,6 +394,7 @@ async def _chat_with(args, messages: list[dict], interactive: bool, draft) -> in
     _warn_plain(_peers(args.peers), args.insecure)
     async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
                           tls_ca=args.tls_ca, allow_ids=_allow_ids(args), draft_model=draft,
+                          draft_ahead=_draft_ahead(args),
                           **_audit_options(args)) as client:
         route, tok = await plan_for(client)  # refuses a draft model with another vocabulary
         if not args.json:
@@ -433,6 +433,14 @@ def _draft_model(args):
         yield draft
     finally:
         draft.close()
+
+
+def _draft_ahead(args) -> bool | str:
+    """``--draft-ahead`` as :class:`~meshinfer.session.MeshClient` takes it: "auto", True or False."""
+    value = getattr(args, "draft_ahead", "auto")
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"--draft-ahead (or $MESHINFER_DRAFT_AHEAD) must be auto, on or off, got {value!r}")
+    return {"on": True, "off": False}.get(value, "auto")
 
 
 def _spec(args) -> dict:
@@ -615,6 +623,7 @@ async def _serve_with(args, api_key: str | None, draft) -> int:
 
     async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
                           tls_ca=args.tls_ca, allow_ids=_allow_ids(args), draft_model=draft,
+                          draft_ahead=_draft_ahead(args),
                           **_audit_options(args)) as client:
         server = ApiServer(client, host=args.host, port=args.port, api_key=api_key,
                            default_max_tokens=args.default_max_tokens,
@@ -787,7 +796,9 @@ def cmd_bench(args) -> int:
                                                 max_tokens=args.max_tokens, draft_tokens=args.draft_tokens,
                                                 prompts=bench.load_prompts(args.prompts) if args.prompts else None,
                                                 draft_model=args.draft_model, draft_dtype=args.draft_dtype,
-                                                draft_device=args.draft_device, **common)
+                                                draft_device=args.draft_device, draft_ahead=_draft_ahead(args),
+                                                modes=[m.strip() for m in args.modes.split(",") if m.strip()],
+                                                **common)
             table = bench.spec_table(rows)
         else:
             header, rows = bench.run_ttft_bench(splits=[n for n in splits if n <= 2] or [1],
@@ -822,6 +833,9 @@ def _add_draft_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-dtype", default=_env("MESHINFER_DRAFT_DTYPE", DEFAULT_DRAFT_DTYPE),
                    choices=PRECISION_NAMES, help="precision of the draft model (quantized ones: CPU only) "
                                                  "[$MESHINFER_DRAFT_DTYPE]")
+    s.add_argument("--draft-ahead", default=_env("MESHINFER_DRAFT_AHEAD", "auto"), choices=("auto", "on", "off"),
+                   help="draft the next step's tokens while the mesh verifies a step: auto does when the "
+                        "route's round trip holds a draft pass [$MESHINFER_DRAFT_AHEAD]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1009,6 +1023,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative suite: most drafts per step (each step's length is chosen within it)")
     s.add_argument("--prompts", help="speculative suite: JSON file with a list of OpenAI-style message lists "
                                      "(default: 8 built-in general chats); the code edit always runs too")
+    s.add_argument("--modes", default="plain,lookup,draft",
+                   help="speculative suite: comma list of plain, lookup, draft, draft-serial (the draft model "
+                        "without drafting ahead); plain always runs")
     _add_draft_flags(s)
     s.add_argument("--long-prompt-tokens", type=int, default=1000, help="ttft suite: tokens of the long prompt")
     s.add_argument("--concurrency", help="instead: aggregate tok/s of N conversations at once on one route, "

@@ -17,8 +17,10 @@ here prints; the model runs on its own executor thread so the event loop never b
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -66,6 +68,15 @@ class Drafter(Protocol):
     async def propose(self, history: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` ids that may follow ``history`` (every id of the conversation, oldest first)."""
 
+    def draft_ahead(self, history: Sequence[int], k: int) -> asyncio.Future | None:
+        """Start drafting up to ``k`` ids after ``history`` in the background (while the mesh
+        verifies the step that ends ``history``), so a later :meth:`propose` on the same line
+        finds them computed; None when this drafter has nothing to gain from it."""
+
+    async def stop_ahead(self) -> None:
+        """Stop the background drafting of :meth:`draft_ahead` (after the pass it is in) and wait
+        for it. Safe to call when none runs."""
+
     async def close(self) -> None:
         """Free what this conversation's drafter holds. Safe to call twice."""
 
@@ -82,6 +93,12 @@ class PromptLookup:
 
     async def propose(self, history: Sequence[int], k: int) -> list[int]:
         return propose(history, k)
+
+    def draft_ahead(self, history: Sequence[int], k: int) -> None:
+        return None  # a lookup costs nothing: nothing to hide
+
+    async def stop_ahead(self) -> None:
+        return None
 
     async def close(self) -> None:
         return None
@@ -181,6 +198,13 @@ class ModelDrafter:
     rest in one pass (its last position's logits give the first draft), then one pass per further
     draft. So ``k`` drafts cost ``k`` passes of 1-2 positions after the first call, which also
     prefills the prompt.
+
+    The drafter remembers the greedy line it drafted last (a history and the drafts after it).
+    Greedy drafting is deterministic, so when a later history lies on that line (the mesh
+    accepted every draft and chose the token the draft model guessed next), the drafts after it
+    are already known and cost nothing. :meth:`draft_ahead` extends the line in the background
+    while the mesh verifies a step (Leviathan et al. 2023 leave this overlap to the
+    implementation; issue 12, item 4).
     """
 
     def __init__(self, model: DraftModel) -> None:
@@ -191,6 +215,21 @@ class ModelDrafter:
         self.last_cost_ms = 0.0
         self.cache: KVCache | None = None
         self.tokens: list[int] = []  # ids whose keys and values the cache holds, in order
+        self._base: list[int] = []  # a history the draft model continued ...
+        self._line: list[int] = []  # ... and its greedy continuation, as far as computed
+        self._ahead: asyncio.Future | None = None  # the background drafting of draft_ahead()
+        self._halt = threading.Event()  # set: the background drafting stops after its pass
+
+    def known(self, history: Sequence[int]) -> list[int]:
+        """The greedy drafts after ``history`` already computed (empty when ``history`` is off
+        the remembered line)."""
+        nb = len(self._base)
+        if len(history) < nb or list(history[:nb]) != self._base:
+            return []
+        done = len(history) - nb
+        if self._line[:done] != list(history[nb:]):
+            return []
+        return self._line[done:]
 
     @property
     def cache_bytes(self) -> int:
@@ -205,30 +244,61 @@ class ModelDrafter:
     async def propose(self, history: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` greedy drafts after ``history``, computed on the draft model's thread.
 
-        Fewer when the draft model's context ends first. Cancelling the caller does not stop a
-        pass already running (the next call continues from the cache it left).
+        Drafts already on the remembered line cost nothing; :attr:`last_cost_ms` is the time
+        this call spent drafting (0 when all were known). Fewer when the draft model's context
+        ends first. Stops a :meth:`draft_ahead` in progress first. Cancelling the caller does not
+        stop a pass already running (the next call continues from the cache it left).
         """
+        await self.stop_ahead()
         if k <= 0 or not history:
             return []
-        return await self.model.executor.run(self._propose, list(history), k)
+        history = list(history)
+        known = self.known(history)
+        if len(known) >= k:
+            self.last_cost_ms = 0.0
+            return known[:k]
+        return await self.model.executor.run(self._propose, history, k)
 
-    def _propose(self, history: list[int], k: int) -> list[int]:
-        """:meth:`propose` on the executor thread. ``history`` ``(S,)`` ids -> up to ``k`` ids."""
+    def draft_ahead(self, history: Sequence[int], k: int) -> asyncio.Future | None:
+        """Extend the remembered line to ``k`` drafts after ``history`` on the draft model's
+        thread, pass by pass, until done or :meth:`stop_ahead`. Returns the running future."""
+        if k <= 0 or not history or self._ahead is not None:
+            return None
+        self._halt.clear()
+        self._ahead = asyncio.ensure_future(self.model.executor.run(self._propose, list(history), k, True))
+        return self._ahead
+
+    async def stop_ahead(self) -> None:
+        """Stop :meth:`draft_ahead` after the pass it is in and wait for it; its error, if any,
+        is dropped (the next :meth:`propose` meets the same problem and raises it)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._halt.set()
+            await asyncio.gather(ahead, return_exceptions=True)
+
+    def _propose(self, history: list[int], k: int, ahead: bool = False) -> list[int]:
+        """:meth:`propose` (or, ``ahead``, :meth:`draft_ahead`) on the executor thread.
+        ``history`` ``(S,)`` ids -> up to ``k`` ids, continuing the remembered line when
+        ``history`` is on it; the line then runs from ``history``."""
         k = min(k, self.model.shard.cfg.max_position_embeddings - len(history))
         if k <= 0:
             return []
         vocab = self.model.tokenizer.vocab_size  # ids past it are the embedding's padding rows
-        t0 = time.perf_counter()
-        logits, fed = self._feed(history)  # (1, 1, V) float32
-        # a pass over a run of unseen tokens (after plain steps) is charged as one draft pass
-        cost = (time.perf_counter() - t0) * 1e3 if fed <= 2 else self.model.ms_per_token
-        drafts = [int(logits[0, -1, :vocab].argmax())]
-        t0 = time.perf_counter()
-        while len(drafts) < k:
-            logits, _ = self._feed(history + drafts)
+        drafts = self.known(history)[:k]
+        self._base, self._line = history, drafts
+        t0, cost = time.perf_counter(), 0.0
+        if not drafts:
+            logits, fed = self._feed(history)  # (1, 1, V) float32
+            # a pass over a run of unseen tokens (after plain steps) is charged as one draft pass
+            cost = (time.perf_counter() - t0) * 1e3 if fed <= 2 else self.model.ms_per_token
             drafts.append(int(logits[0, -1, :vocab].argmax()))
-        self.last_cost_ms = cost + (time.perf_counter() - t0) * 1e3
-        return drafts
+            t0 = time.perf_counter()
+        while len(drafts) < k and not (ahead and self._halt.is_set()):
+            logits, _ = self._feed(history + drafts)
+            drafts.append(int(logits[0, -1, :vocab].argmax()))  # also extends self._line
+        if not ahead:
+            self.last_cost_ms = cost + (time.perf_counter() - t0) * 1e3
+        return list(drafts)
 
     def _feed(self, history: list[int]) -> tuple[torch.Tensor, int]:
         """Make the cache hold ``history`` (``(S,)`` ids): keep the longest prefix it shares with
@@ -251,6 +321,7 @@ class ModelDrafter:
 
     async def close(self) -> None:
         """Free the KV cache (after any pass still running on the thread). Safe to call twice."""
+        await self.stop_ahead()
         if self in self.model.live:
             self.model.live.discard(self)
             await self.model.executor.run(self._free)
@@ -259,6 +330,7 @@ class ModelDrafter:
         if self.cache is not None:
             self.cache.free()
         self.cache, self.tokens = None, []
+        self._base, self._line = [], []
 
 
 def load_draft_model(spec: str | os.PathLike, *, device: str = "cpu", dtype: str = DEFAULT_DRAFT_DTYPE,

@@ -45,6 +45,9 @@ BASE_BACKOFF_S, MAX_BACKOFF_S = 5.0, 300.0
 DEADLINE_FLOOR_S, DEADLINE_FACTOR = 10.0, 4.0
 #: Failovers tried for one step before the error reaches the caller.
 MAX_FAILOVERS = 3
+#: Least network time per step, ms (the planner's estimate less compute), for "auto" to draft
+#: ahead during steps: on loopback (a few ms) the drafting would take CPU from the hops instead.
+AHEAD_MIN_NETWORK_MS = 20.0
 #: Error codes that mean "this route is broken", answered by failover; others are the caller's.
 FAILOVER_CODES = frozenset({"peer_unavailable"})
 #: Lying hops excluded during one step before the error reaches the caller.
@@ -100,13 +103,15 @@ class MeshClient:
         draft_model: a :class:`~meshinfer.draft.DraftModel` the conversations draft with
             (``--draft-model``) instead of prompt lookup, or None. Every route's tokenizer is
             checked against it (:meth:`tokenizer`) before a conversation opens on the route.
+        draft_ahead: the default ``draft_ahead`` of this client's conversations
+            (``--draft-ahead``; see :class:`Conversation`).
     """
 
     def __init__(self, bootstrap: Sequence[str], *, request_timeout_s: float = 10.0,
                  mesh_key: bytes | None = None, insecure: bool = False, tls_ca: str | None = None,
                  allow_ids: frozenset[str] | None = None,
                  spot_check_rate: float = audit.DEFAULT_SPOT_CHECK_RATE, dial_timeout_s: float = DIAL_TIMEOUT_S,
-                 draft_model: DraftModel | None = None) -> None:
+                 draft_model: DraftModel | None = None, draft_ahead: bool | str = "auto") -> None:
         if not bootstrap:
             raise InvalidInput("no peers to contact: pass --peers ws://HOST:PORT")
         self.bootstrap = list(bootstrap)
@@ -117,7 +122,7 @@ class MeshClient:
         self.allow_ids = allow_ids
         self.not_allowed: frozenset[str] = frozenset()  # signed adverts left out by allow_ids, last refresh
         self.spot_check_rate = spot_check_rate
-        self.draft_model = draft_model
+        self.draft_model, self.draft_ahead = draft_model, draft_ahead
         self.table: dict[str, PeerAdvert] = {}
         self.rtts_ms: dict[str, float] = {}
         self._links: dict[str, Link] = {}
@@ -408,10 +413,11 @@ class MeshClient:
 
         ``options`` go to :class:`Conversation` (``deadline_floor_s``, ``spot_check_rate``
         (default: this client's), ``spot_check_seed``, ``speculate``, ``draft_tokens``,
-        ``draft_model`` (default: this client's)).
+        ``draft_model`` and ``draft_ahead`` (default: this client's)).
         """
         options.setdefault("spot_check_rate", self.spot_check_rate)
         options.setdefault("draft_model", self.draft_model)
+        options.setdefault("draft_ahead", self.draft_ahead)
         return Conversation(self, route, max_tokens_total=max_tokens_total, **options)
 
 
@@ -435,6 +441,8 @@ class Conversation:
         draft_model: draft with this :class:`~meshinfer.draft.DraftModel` (a per-conversation
             KV cache, freed by :meth:`close`) instead of prompt lookup; its vocabulary is checked
             against the route's before the conversation opens.
+        draft_ahead: draft the next step's tokens while the mesh verifies a step (True, False,
+            or "auto": when the route's round trip holds a draft pass, see :meth:`_ahead_pays`).
 
     Raises:
         InvalidInput: ``draft_tokens`` out of range.
@@ -455,12 +463,15 @@ class Conversation:
                  deadline_floor_s: float = DEADLINE_FLOOR_S,
                  spot_check_rate: float = audit.DEFAULT_SPOT_CHECK_RATE,
                  spot_check_seed: int | None = None, speculate: bool = True,
-                 draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_model: DraftModel | None = None) -> None:
+                 draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_model: DraftModel | None = None,
+                 draft_ahead: bool | str = "auto") -> None:
         import uuid
 
         if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise InvalidInput(f"draft_tokens must be 1-{MAX_DRAFT_TOKENS}, got {draft_tokens}")
-        self.speculate, self.draft_tokens = speculate, draft_tokens
+        if draft_ahead not in (True, False, "auto"):
+            raise InvalidInput(f"draft_ahead must be True, False or 'auto', got {draft_ahead!r}")
+        self.speculate, self.draft_tokens, self.draft_ahead = speculate, draft_tokens, draft_ahead
 
         self.client, self.route = client, route
         self.conv_id = uuid.uuid4().hex
@@ -857,6 +868,8 @@ class Conversation:
             log.debug("conversation %s: %d drafts (%s)", self.conv_id[:12], k, self.policy.describe())
         drafts = (await self.drafter.propose(history, k))[:k] if k > 0 else []
         self.policy.record_draft_cost(len(drafts), self.drafter.last_cost_ms)
+        if self._ahead_pays():  # draft the next step's tokens while the mesh answers this one
+            self.drafter.draft_ahead(history + drafts, self.draft_tokens + 1)
         if not drafts:
             spec.plain_steps += 1
             return await self._timed_step(history[-1:], result)
@@ -867,12 +880,28 @@ class Conversation:
                 raise
             log.warning("conversation %s: a hop does not verify drafts (%s); speculation off", self.conv_id[:12], exc)
             self.speculate = False
+            await self.drafter.stop_ahead()
             return await self._timed_step(history[-1:], result)
         spec.steps += 1
         spec.proposed += len(drafts)
         spec.accepted += len(out) - 1
         self.policy.record_drafts(len(drafts), len(out) - 1)
         return out, trace
+
+    def _ahead_pays(self) -> bool:
+        """Whether to draft ahead (:meth:`~meshinfer.draft.Drafter.draft_ahead`) during steps:
+        ``draft_ahead`` True or False decides; "auto" drafts ahead when the route's network
+        time per step (the planner's estimate less its hops' compute) holds at least one draft
+        pass, so the drafting hides in the round trip instead of taking CPU from hops that may
+        share this machine (loopback)."""
+        if self.draft_ahead != "auto":
+            return bool(self.draft_ahead)
+        if self.draft_model is None:
+            return False
+        compute = sum(h.peer.compute_ms_per_token * len(h.layers) / max(1, len(h.peer.layers))
+                      for h in self.route.hops)
+        network_ms = self.route.estimated_ms_per_token - compute
+        return network_ms >= max(self.draft_model.ms_per_token, AHEAD_MIN_NETWORK_MS)
 
     async def _timed_step(self, tokens: list[int], result: ChatResult, *,
                           drafts: Sequence[int] | None = None) -> tuple[list[int], list]:

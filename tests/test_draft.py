@@ -9,6 +9,7 @@ decoding either way.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -180,8 +181,8 @@ async def test_the_draft_cache_is_freed_when_each_conversation_ends(tiny, drafts
     seen: list[int] = []  # the draft cache's bytes while each conversation ran
     real = ModelDrafter._propose
 
-    def watched(self, history, k):
-        out = real(self, history, k)
+    def watched(self, history, k, *args):
+        out = real(self, history, k, *args)
         seen.append(model.cache_bytes)
         return out
 
@@ -275,6 +276,112 @@ async def test_decode_steps_do_not_wait_for_the_drafters_prefill(tiny):
             await conv.close()
     assert out.token_ids == greedy_generate(whole, ids, max_tokens=N_TOKENS).token_ids
     assert out.speculative["plain_steps"] >= 9 and out.speculative["steps"] > 0, out.speculative
+
+
+async def test_drafts_on_the_remembered_line_cost_nothing_and_equal_fresh_ones(drafts):
+    """Greedy drafting is deterministic: after drafting k tokens, a history that took j of them
+    gets the other k - j without a pass; a history off the line is drafted afresh, as a new
+    drafter would."""
+    model = drafts["other"]
+    history = [5, 9, 13, 2, 7, 11]
+    d, fresh = model.drafter(), model.drafter()
+    try:
+        line = await d.propose(history, 6)
+        assert len(line) == 6 and d.last_cost_ms > 0
+        assert await d.propose(history + line[:2], 4) == line[2:6] and d.last_cost_ms == 0.0
+        off = history + [(line[0] + 1) % 64]
+        assert await d.propose(off, 3) == await fresh.propose(off, 3) and d.last_cost_ms > 0
+        assert await d.propose(history, 2) == await fresh.propose(history, 2)  # back on an older line
+    finally:
+        await d.close()
+        await fresh.close()
+    assert (model.cache_bytes, len(model.live)) == (0, 0)
+
+
+async def test_drafting_ahead_extends_the_line_in_the_background_and_stops_when_asked(drafts):
+    model = drafts["other"]
+    history = [3, 1, 4, 1, 5, 9, 2, 6]
+    d, fresh = model.drafter(), model.drafter()
+    try:
+        first = await d.propose(history, 2)
+        assert d.draft_ahead(history + first, 12) is not None
+        assert d.draft_ahead(history + first, 12) is None  # one at a time
+        await asyncio.wait_for(asyncio.shield(d._ahead), 30)
+        await d.stop_ahead()
+        expected = await fresh.propose(history, 14)
+        assert await d.propose(history + first, 12) == expected[2:] and d.last_cost_ms == 0.0
+        d.draft_ahead(history + expected, 31)
+        await d.stop_ahead()  # halts after the pass it is in: the line is whatever it reached
+        assert d._ahead is None and d.known(history + expected) == (await fresh.propose(
+            history + expected, len(d.known(history + expected))) if d.known(history + expected) else [])
+    finally:
+        await d.close()
+        await fresh.close()
+    assert (model.cache_bytes, len(model.live)) == (0, 0)
+
+
+@pytest.mark.parametrize("which", ["same", "other"])
+async def test_drafting_ahead_during_steps_keeps_output_identical_and_uses_the_line(tiny, drafts, which):
+    """With ``draft_ahead`` on, the drafter works while each step is in flight; with the mesh's
+    own model as the draft, most steps then find their drafts already drafted."""
+    path, digest, tok, whole = tiny
+    ids = tok.encode_chat(STORY)
+    expected = greedy_generate(whole, ids, max_tokens=N_TOKENS).token_ids
+    known: list[int] = []  # per proposal: how many of its drafts the line already held
+    real = ModelDrafter.propose
+
+    async def watched(self, history, k):
+        await self.stop_ahead()
+        known.append(min(k, len(self.known(history))))
+        return await real(self, history, k)
+
+    async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest,
+                    bundle=tok.to_bundle()) as peers:
+        peers[1].shard = SlowShard(peers[1].shard, 1.0)  # a step takes a (long) WAN round trip's time
+        async with MeshClient(list(peers[0].addrs), draft_model=drafts[which], draft_ahead=True) as client:
+            ModelDrafter.propose = watched
+            try:
+                out = await _generate(client, await client.plan(), ids)
+            finally:
+                ModelDrafter.propose = real
+    assert out.token_ids == expected
+    assert (drafts[which].cache_bytes, len(drafts[which].live)) == (0, 0)
+    if which == "same":  # every draft accepted and the next token guessed: the line holds the next drafts
+        assert len(known) >= 3 and sum(n > 0 for n in known[1:]) >= len(known) // 2, known
+
+
+class SlowShard:
+    """A shard whose every pass first sleeps ``delay_s`` on the peer's device thread."""
+
+    def __init__(self, shard, delay_s: float) -> None:
+        self._shard, self._delay_s = shard, delay_s
+
+    def __getattr__(self, name):
+        return getattr(self._shard, name)
+
+    def __call__(self, *args, **kwargs):
+        time.sleep(self._delay_s)
+        return self._shard(*args, **kwargs)
+
+
+async def test_auto_drafts_ahead_only_when_the_round_trip_holds_a_draft_pass(tiny, drafts):
+    from dataclasses import replace
+
+    path, digest, tok, _ = tiny
+    model = drafts["same"]
+    async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest,
+                    bundle=tok.to_bundle()) as peers:
+        async with MeshClient(list(peers[0].addrs), draft_model=model) as client:
+            route = await client.plan()
+            compute = sum(h.peer.compute_ms_per_token * len(h.layers) / len(h.peer.layers) for h in route.hops)
+            wan = replace(route, estimated_ms_per_token=compute + 150.0)  # a 100 ms RTT route
+            assert client.conversation(wan, max_tokens_total=8)._ahead_pays()
+            assert not client.conversation(replace(route, estimated_ms_per_token=compute + 2.0),
+                                           max_tokens_total=8)._ahead_pays()
+            assert not client.conversation(wan, max_tokens_total=8, draft_model=None)._ahead_pays()
+            assert not client.conversation(wan, max_tokens_total=8, draft_ahead=False)._ahead_pays()
+            with pytest.raises(Exception, match="draft_ahead"):
+                client.conversation(wan, max_tokens_total=8, draft_ahead="sometimes")
 
 
 # --------------------------------------------------------------------------- real models
