@@ -107,13 +107,16 @@ def tiny_model(directory: Path, *, context: int = 256, seed: int = 0) -> tuple:
 
 
 async def generate_through(peers: Sequence[Peer], tok, messages: list, *, max_tokens: int = 8,
-                           max_tokens_total: int = 96, **client_options) -> tuple:
-    """One greedy conversation through the mesh of ``peers``; returns (route, prompt ids, result)."""
+                           max_tokens_total: int = 96, deadline_floor_s: float | None = None,
+                           **client_options) -> tuple:
+    """One greedy conversation through the mesh of ``peers``; returns (route, prompt ids, result).
+    ``deadline_floor_s``: the conversation's (None: the default)."""
     from meshinfer.session import MeshClient
 
     async with MeshClient(list(peers[0].addrs), **client_options) as client:
         route = await client.plan()
-        conv = client.conversation(route, max_tokens_total=max_tokens_total)
+        options = {} if deadline_floor_s is None else {"deadline_floor_s": deadline_floor_s}
+        conv = client.conversation(route, max_tokens_total=max_tokens_total, **options)
         ids = tok.encode_chat(messages)
         try:
             out = await conv.generate(ids, max_tokens=max_tokens, eos_ids=())
