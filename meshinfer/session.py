@@ -866,26 +866,31 @@ class Conversation:
         k = 0 if self._warm is not None else self.policy.choose(min(self.draft_tokens, room))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("conversation %s: %d drafts (%s)", self.conv_id[:12], k, self.policy.describe())
+        t0, before = time.perf_counter(), (len(self.failovers), len(self.detections))
         drafts = (await self.drafter.propose(history, k))[:k] if k > 0 else []
         self.policy.record_draft_cost(len(drafts), self.drafter.last_cost_ms)
         if self._ahead_pays():  # draft the next step's tokens while the mesh answers this one
             self.drafter.draft_ahead(history + drafts, self.draft_tokens + 1)
         if not drafts:
             spec.plain_steps += 1
-            return await self._timed_step(history[-1:], result)
-        try:
-            out, trace = await self._timed_step([history[-1], *drafts], result, drafts=drafts)
-        except ProtocolError as exc:  # a hop that predates speculative decoding: go on without it
-            if "want" not in str(exc):
-                raise
-            log.warning("conversation %s: a hop does not verify drafts (%s); speculation off", self.conv_id[:12], exc)
-            self.speculate = False
-            await self.drafter.stop_ahead()
-            return await self._timed_step(history[-1:], result)
-        spec.steps += 1
-        spec.proposed += len(drafts)
-        spec.accepted += len(out) - 1
-        self.policy.record_drafts(len(drafts), len(out) - 1)
+            out, trace = await self._timed_step(history[-1:], result)
+        else:
+            try:
+                out, trace = await self._timed_step([history[-1], *drafts], result, drafts=drafts)
+            except ProtocolError as exc:  # a hop that predates speculative decoding: go on without it
+                if "want" not in str(exc):
+                    raise
+                log.warning("conversation %s: a hop does not verify drafts (%s); speculation off",
+                            self.conv_id[:12], exc)
+                self.speculate = False
+                await self.drafter.stop_ahead()
+                return await self._timed_step(history[-1:], result)
+            spec.steps += 1
+            spec.proposed += len(drafts)
+            spec.accepted += len(out) - 1
+            self.policy.record_drafts(len(drafts), len(out) - 1)
+        if before == (len(self.failovers), len(self.detections)):  # an ordinary step: what it yielded
+            self.policy.record_yield(bool(drafts), len(out), (time.perf_counter() - t0) * 1e3)
         return out, trace
 
     def _ahead_pays(self) -> bool:

@@ -127,6 +127,11 @@ FORGET_WEIGHT = 0.05
 #: Most drafts while no step longer than one position has been measured: the cost of extra
 #: positions is a guess until then, and a wrong guess should cost little.
 FIRST_PROBE_DRAFTS = 2
+#: Weight (decode steps, fading by :data:`DECAY`) each kind of step, drafted and plain, needs in
+#: the realized tokens-per-second check before that check can overrule the model (see
+#: :meth:`DraftPolicy.choose`). With DECAY 0.9 a check that turned drafting off lapses after
+#: about 9 plain steps, so the policy probes again with one drafted step.
+REALIZED_MIN_WEIGHT = 2.0
 
 
 class DraftPolicy:
@@ -159,6 +164,12 @@ class DraftPolicy:
 
     Until a step of more than one position has been measured, at most :data:`FIRST_PROBE_DRAFTS`
     drafts are chosen.
+
+    The model can be wrong in ways its inputs do not show (a draft model that slows hops on the
+    same machine, catch-up passes after plain steps), so the policy also keeps the realized
+    tokens per ms of drafted and of plain decode steps, drafting wait included
+    (:meth:`record_yield`): when both are measured and drafted steps yield less, it decodes
+    plainly whatever the model says. That check fades like the rest, so it is retried.
     """
 
     def __init__(self, *, prior_base_ms: float, prior_slope_ms: float,
@@ -168,6 +179,7 @@ class DraftPolicy:
         self._hits = self._trials = 0.0
         self._steps: dict[int, list[float]] = {}  # T -> [mean ms, weight]
         self._draft_ms: list[float] = [max(prior_draft_ms, 0.0), 1.0]  # [mean ms per drafted token, weight]
+        self._yield = {True: [0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0]}  # drafted? -> [tokens, ms, weight]
         self.steps_recorded = 0  # decode steps measured so far
 
     @classmethod
@@ -186,6 +198,8 @@ class DraftPolicy:
         Every step also ages the older measurements by :data:`DECAY`."""
         self.steps_recorded += 1
         self._hits, self._trials = self._hits * DECAY, self._trials * DECAY
+        for kind in self._yield.values():
+            kind[:] = [x * DECAY for x in kind]
         for t in list(self._steps):
             self._steps[t][1] *= DECAY
             if self._steps[t][1] < FORGET_WEIGHT:  # measured too long ago (maybe at another RTT)
@@ -199,6 +213,20 @@ class DraftPolicy:
             raise ValueError(f"accepted {accepted} of {proposed} drafts")
         self._hits += accepted
         self._trials += accepted + (1 if accepted < proposed else 0)
+
+    def record_yield(self, drafted: bool, tokens: int, ms: float) -> None:
+        """A decode step (``drafted``: it carried drafts) gave ``tokens`` kept tokens in ``ms``
+        of the decode loop's wall time, drafting included."""
+        kind = self._yield[bool(drafted)]
+        kind[0] += tokens
+        kind[1] += max(ms, 1e-3)
+        kind[2] += 1.0
+
+    def realized_rates(self) -> tuple[float | None, float | None]:
+        """Realized tokens per ms of ``(drafted, plain)`` decode steps; None where fewer than
+        :data:`REALIZED_MIN_WEIGHT` steps (faded) are measured."""
+        return tuple(t / ms if w >= REALIZED_MIN_WEIGHT else None
+                     for t, ms, w in (self._yield[True], self._yield[False]))
 
     def record_draft_cost(self, drafted: int, ms: float) -> None:
         """Drafting ``drafted`` tokens took ``ms`` (of the client's own time, before the step)."""
@@ -240,7 +268,11 @@ class DraftPolicy:
 
     def choose(self, limit: int) -> int:
         """The draft length, 0 to ``limit``, of the next step: the best :meth:`rate`, or 0 when no
-        ``k`` beats plain decoding by :data:`MIN_GAIN`."""
+        ``k`` beats plain decoding by :data:`MIN_GAIN`, or when drafted steps realized fewer
+        tokens per ms than plain ones (:meth:`realized_rates`)."""
+        drafted, plain = self.realized_rates()
+        if drafted is not None and plain is not None and drafted < plain:
+            return 0  # drafting measured slower than plain decoding, whatever the model says
         if not any(t > 1 for t in self._steps):
             limit = min(limit, FIRST_PROBE_DRAFTS)
         best_k, best = 0, self.rate(0) * MIN_GAIN

@@ -104,6 +104,31 @@ def test_policy_forgets_old_acceptance_so_it_tries_drafting_again():
     assert p.step_line() == pytest.approx((100.0, 10.0)) and p.choose(8) == speculative.FIRST_PROBE_DRAFTS
 
 
+def test_policy_stops_drafting_when_drafted_steps_realize_less_than_plain_ones_and_retries_later():
+    # the model says drafting pays (cheap extra positions, good acceptance) ...
+    p = _policy({1: 100.0, 5: 110.0}, accepted=30, proposed=40)
+    assert p.choose(8) > 0 and p.realized_rates() == (None, None)
+    # ... but drafted steps took 400 ms for 3 tokens (the draft slowed the hops), plain 100 ms for 1
+    for _ in range(3):
+        p.record_yield(True, 3, 400.0)
+        p.record_yield(False, 1, 100.0)
+    drafted, plain = p.realized_rates()
+    assert drafted == pytest.approx(3 / 400) and plain == pytest.approx(1 / 100)
+    assert p.choose(8) == 0
+    steps = 0
+    while p.choose(8) == 0 and steps < 100:  # plain steps only: the drafted measurements fade, then a probe
+        p.record_step(1, 100.0)
+        p.record_yield(False, 1, 100.0)
+        steps += 1
+    assert 3 <= steps <= 20, steps
+    # drafted steps that do yield more keep drafting on
+    good = _policy({1: 100.0, 5: 110.0}, accepted=30, proposed=40)
+    for _ in range(3):
+        good.record_yield(True, 3, 130.0)
+        good.record_yield(False, 1, 100.0)
+    assert good.choose(8) > 0
+
+
 def test_policy_starts_from_the_priors():
     p = DraftPolicy(prior_base_ms=300.0, prior_slope_ms=0.0, prior_acceptance=0.5)
     assert p.step_line() == (300.0, 0.0) and p.acceptance == 0.5
