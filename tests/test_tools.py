@@ -341,6 +341,13 @@ async def streamed_calls(api, **request) -> tuple[str, list[dict], str, list]:
 
 @pytest.mark.realmodel
 async def test_weather_round_trip_with_the_openai_client_on_the_real_model(qwen):
+    """User asks -> the model calls get_weather -> the client sends the result -> the model answers in text.
+
+    Measured, greedy: Qwen2.5-Coder-0.5B calls the tool with the bare object (no <tool_call>
+    tags), and after the result it answers by echoing its call and then the result's JSON
+    rather than writing a sentence (also with a system prompt asking for one, with a plain-text
+    result, and without tools): a reply that is not only calls is text, so it comes back as
+    content, with the tool's numbers in it."""
     from realmodels import DEFAULT, shard_of
 
     _, digest, tok, hf = qwen
@@ -356,7 +363,6 @@ async def test_weather_round_trip_with_the_openai_client_on_the_real_model(qwen)
             answer = await api.chat.completions.create(messages=history, **ask)
             text, no_calls, text_finish, _ = await streamed_calls(api, messages=history, **ask)
     message = first.choices[0].message
-    print(message, answer.choices[0].message)
     assert first.choices[0].finish_reason == "tool_calls" == finish
     assert message.content is None and len(message.tool_calls) == 1 and call.type == "function"
     assert call.id.startswith("call_") and call.function.name == "get_weather"
@@ -364,12 +370,12 @@ async def test_weather_round_trip_with_the_openai_client_on_the_real_model(qwen)
     assert first.usage.prompt_tokens == len(hf_ids(hf, [ASK], [WEATHER_TOOL]))
     assert content == "" and [(c["type"], c["name"], c["arguments"]) for c in calls] == [
         ("function", "get_weather", call.function.arguments)]
-    assert calls[0]["id"].startswith("call_")
-    assert all("tool_call" not in (ch.choices[0].delta.content or "") for ch in chunks if ch.choices)
-    # the tool's answer goes back: the model answers in text, from the tool's result
-    hf_history = [ASK, {"role": "assistant", "content": "", "tool_calls": [{"id": call.id, "type": "function", "function": {
-        "name": "get_weather", "arguments": json.loads(call.function.arguments)}}]}, result]
+    assert calls[0]["id"].startswith("call_") and calls[0]["id"] != call.id
+    assert all(not (ch.choices and ch.choices[0].delta.content) for ch in chunks)  # no markup, no JSON as text
+    # the tool's result goes back, rendered as transformers renders it, and the model answers in text
+    hf_history = [ASK, {"role": "assistant", "content": "", "tool_calls": [{"id": call.id, "type": "function",
+                  "function": {"name": "get_weather", "arguments": json.loads(call.function.arguments)}}]}, result]
     assert answer.usage.prompt_tokens == len(hf_ids(hf, hf_history, [WEATHER_TOOL]))
     reply = answer.choices[0].message
     assert answer.choices[0].finish_reason == "stop" == text_finish and reply.tool_calls is None and no_calls == []
-    assert "18" in reply.content and reply.content == text
+    assert '"temperature_c": 18' in reply.content and reply.content == text
