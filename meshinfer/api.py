@@ -213,9 +213,22 @@ def _messages(value: Any) -> list[dict]:
             if not isinstance(call_id, str) or not call_id:
                 raise ApiError(400, f"messages[{i}].tool_call_id must be the id of the tool call this message "
                                     f"answers", param=f"messages[{i}].tool_call_id")
+            _check_unicode(call_id, f"messages[{i}].tool_call_id")
             message["tool_call_id"] = call_id
         out.append(message)
     return out
+
+
+def _check_unicode(value: Any, param: str) -> None:
+    """Refuse JSON data holding a lone surrogate (JSON may spell "\\ud800"; no tokenizer takes it).
+
+    Raises:
+        ApiError: 400 ``invalid_value`` naming ``param``.
+    """
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{param} is not valid Unicode: {exc.reason}", param=param, code="invalid_value") from None
 
 
 def _history_calls(value: Any, i: int) -> list[dict]:
@@ -224,6 +237,7 @@ def _history_calls(value: Any, i: int) -> list[dict]:
     where = f"messages[{i}].tool_calls"
     if not isinstance(value, list):
         raise ApiError(400, f"{where} must be a list of tool calls", param=where)
+    _check_unicode(value, where)
     out = []
     for j, call in enumerate(value):
         fn = call.get("function") if isinstance(call, dict) else None
@@ -251,6 +265,7 @@ def _tools(value: Any) -> list[dict] | None:
         return None
     if not isinstance(value, list) or len(value) > MAX_TOOLS:
         raise ApiError(400, f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
+    _check_unicode(value, "tools")
     for j, tool in enumerate(value):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):

@@ -187,6 +187,10 @@ def test_tools_tool_calls_and_tool_messages_are_read():
      "messages[0].tool_calls: only an assistant message may have tool calls"),
     ({"messages": [ASK, {"role": "assistant", "content": None, "function_call": CALL["function"]}]},
      "messages[1].function_call", "messages[1].function_call is the deprecated form of tool calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]}, "tools",
+     "tools is not valid Unicode: surrogates not allowed"),
+    ({"messages": [ASK, {"role": "tool", "tool_call_id": "c\udfff", "content": "x"}]}, "messages[1].tool_call_id",
+     "messages[1].tool_call_id is not valid Unicode"),
 ])
 def test_tool_fields_meshinfer_cannot_honour_are_400(change, param, message):
     with pytest.raises(ApiError) as info:
@@ -379,3 +383,17 @@ async def test_weather_round_trip_with_the_openai_client_on_the_real_model(qwen)
     reply = answer.choices[0].message
     assert answer.choices[0].finish_reason == "stop" == text_finish and reply.tool_calls is None and no_calls == []
     assert '"temperature_c": 18' in reply.content and reply.content == text
+
+
+def test_the_sandbox_counts_tools_and_calls_in_its_output_limit():
+    """Tool definitions are the request's own text: a 1.5 MB one renders (the fixed allowance is 1 MiB)."""
+    from meshinfer.template_sandbox import RENDER_EXTRA_CHARS, TemplateSandbox
+
+    big = {"type": "function", "function": {"name": "f", "description": "d" * (RENDER_EXTRA_CHARS * 3 // 2)}}
+    source = "{% for t in tools %}{{ t | tojson }}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    sandbox = TemplateSandbox()
+    try:
+        out = sandbox.render(source, {"messages": [{"role": "user", "content": "x"}], "tools": [big]})
+    finally:
+        sandbox.close()
+    assert out == json.dumps(big) + "x"
