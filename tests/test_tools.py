@@ -5,10 +5,8 @@ weather-tool round trip with the official ``openai`` client on the real default 
 
 from __future__ import annotations
 
-import contextlib
 import json
 
-import openai
 import pytest
 
 from meshkit import mesh, split
