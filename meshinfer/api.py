@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from .routing import Route, complete_routes_summary
 from .sampling import SEED_MODULUS, SamplingParams
 from .session import Conversation, MeshClient
 from .tokenizer import Tokenizer
+from .toolcalls import ToolCallStream
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,11 @@ MAX_BODY_BYTES = 4 << 20
 #: Most stop sequences per request (OpenAI's limit).
 MAX_STOP_SEQUENCES = 4
 #: Roles a message may have; ``developer`` (OpenAI's newer name for ``system``) is sent as ``system``.
-ROLES = ("system", "user", "assistant", "developer")
+ROLES = ("system", "user", "assistant", "developer", "tool")
+#: Most tool definitions per request (OpenAI's limit).
+MAX_TOOLS = 128
+#: What a function's name may be (OpenAI's rule): letters, digits, ``_`` and ``-``, 1 to 64 of them.
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: The page's files (``meshinfer/web/``, shipped as package data) by URL path, with their types.
 PAGE_FILES = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascript"),
               "/style.css": ("style.css", "text/css")}
@@ -117,12 +123,22 @@ class ChatRequest:
 
     Attributes:
         model: the model id asked for.
-        messages: ``[{"role", "content"}]`` with text content only.
+        messages: ``[{"role", "content"}]`` with text content only; an assistant message may add
+            ``tool_calls`` (``[{"id", "type": "function", "function": {"name", "arguments"}}]``
+            with ``arguments`` decoded to a dict, the form chat templates expect), a ``tool``
+            message adds ``tool_call_id``.
         max_tokens: tokens to generate at most, or None (the server's default).
         sampling: None for greedy (temperature absent or 0), else the parameters with a seed.
         stop: stop sequences (non-empty), at most :data:`MAX_STOP_SEQUENCES`.
         stream: answer with server-sent events.
         include_usage: (streaming) send a last chunk with ``usage``.
+        tools: the tool definitions as sent (``[{"type": "function", "function": {...}}]``), or
+            None (absent or empty).
+        tool_choice: ``"auto"`` (the model may call tools; its calls are parsed) or ``"none"``
+            (the tools are not rendered and the reply is plain text).
+        parallel_tool_calls: False keeps only the first call of a reply.
+        tool_field: the first request field that needs the template's tool support
+            (``tools``, ``messages[i].tool_calls``, ``messages[i].role``), or None.
     """
 
     model: str
@@ -132,6 +148,15 @@ class ChatRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    tools: list[dict] | None = None
+    tool_choice: str = "none"
+    parallel_tool_calls: bool = True
+    tool_field: str | None = None
+
+    @property
+    def prompt_tools(self) -> list[dict] | None:
+        """The tools the template renders: None with ``tool_choice`` "none"."""
+        return self.tools if self.tool_choice == "auto" else None
 
 
 def _number(body: dict, key: str, *, lo: float, hi: float, integer: bool = False) -> Any:
@@ -172,13 +197,115 @@ def _messages(value: Any) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ApiError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}",
                            param=f"messages[{i}].role")
-        for key in ("tool_calls", "function_call"):  # refused, never silently dropped (issue 15, part 6)
-            if m.get(key):
-                raise ApiError(400, f"messages[{i}].{key}: tool calls are not supported by meshinfer yet "
-                                    f"(see docs/api.md)", param=f"messages[{i}].{key}", code="unsupported_parameter")
+        if m.get("function_call"):  # refused, never silently dropped
+            raise ApiError(400, f"messages[{i}].function_call is the deprecated form of tool calls, which "
+                                f"meshinfer does not read; send tool_calls (see docs/api.md)",
+                           param=f"messages[{i}].function_call", code="unsupported_parameter")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _content(m, i)})
+        message = {"role": role, "content": _content(m, i)}
+        if m.get("tool_calls"):  # [] is no calls
+            if role != "assistant":
+                raise ApiError(400, f"messages[{i}].tool_calls: only an assistant message may have tool calls",
+                               param=f"messages[{i}].tool_calls")
+            message["tool_calls"] = _history_calls(m["tool_calls"], i)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ApiError(400, f"messages[{i}].tool_call_id must be the id of the tool call this message "
+                                    f"answers", param=f"messages[{i}].tool_call_id")
+            _check_unicode(call_id, f"messages[{i}].tool_call_id")
+            message["tool_call_id"] = call_id
+        out.append(message)
     return out
+
+
+def _check_unicode(value: Any, param: str) -> None:
+    """Refuse JSON data holding a lone surrogate (JSON may spell "\\ud800"; no tokenizer takes it).
+
+    Raises:
+        ApiError: 400 ``invalid_value`` naming ``param``.
+    """
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{param} is not valid Unicode: {exc.reason}", param=param, code="invalid_value") from None
+
+
+def _history_calls(value: Any, i: int) -> list[dict]:
+    """An assistant message's ``tool_calls``, with each call's ``arguments`` (JSON text) decoded
+    to the object chat templates render (``tool_call.arguments | tojson`` in Qwen2.5's)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(value, list):
+        raise ApiError(400, f"{where} must be a list of tool calls", param=where)
+    _check_unicode(value, where)
+    out = []
+    for j, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(call.get("id"), str) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ApiError(400, f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": "
+                                f"{{\"name\", \"arguments\"}}}}", param=f"{where}[{j}]")
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError):
+                arguments = None
+        if not isinstance(arguments, dict):
+            raise ApiError(400, f"{where}[{j}].function.arguments must be a JSON object encoded as a string, "
+                                f"got {json.dumps(fn.get('arguments'))[:60]}", param=f"{where}[{j}].function.arguments",
+                           code="invalid_value")
+        out.append({"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
+def _tools(value: Any) -> list[dict] | None:
+    """The request's ``tools``, as sent (the template renders them as they are), or None when absent or empty."""
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise ApiError(400, f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
+    _check_unicode(value, "tools")
+    for j, tool in enumerate(value):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise ApiError(400, f"tools[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                                f"\"description\", \"parameters\"}}}}", param=f"tools[{j}]")
+        name = fn.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise ApiError(400, f"tools[{j}].function.name must be 1 to 64 letters, digits, '_' or '-', got "
+                                f"{json.dumps(name)[:80]}", param=f"tools[{j}].function.name", code="invalid_value")
+        for key, kind, what in (("description", str, "a string"), ("parameters", dict, "a JSON Schema object")):
+            if key in fn and not isinstance(fn[key], kind):
+                raise ApiError(400, f"tools[{j}].function.{key} must be {what}", param=f"tools[{j}].function.{key}")
+    return value
+
+
+def _tool_choice(body: dict, tools: list[dict] | None) -> str:
+    """``"auto"`` or ``"none"``; the default is "auto" with tools, "none" without."""
+    value = body.get("tool_choice")
+    if value is None:
+        return "auto" if tools else "none"
+    if value in ("auto", "none"):
+        return value if tools else "none"
+    if value == "required" or isinstance(value, dict):
+        raise ApiError(400, f"'tool_choice' = {json.dumps(value)[:80]} is not supported by meshinfer: it cannot force "
+                            f"a call (no constrained decoding); send \"auto\" or \"none\" (see docs/api.md)",
+                       param="tool_choice", code="unsupported_parameter")
+    raise ApiError(400, f"'tool_choice' must be \"auto\" or \"none\", got {json.dumps(value)[:80]}",
+                   param="tool_choice", code="invalid_value")
+
+
+def _tool_field(messages: list[dict], tools: list[dict] | None) -> str | None:
+    """The first field of the request that only a template with tool support can render."""
+    if tools:
+        return "tools"
+    for i, m in enumerate(messages):
+        if "tool_calls" in m:
+            return f"messages[{i}].tool_calls"
+        if m["role"] == "tool":
+            return f"messages[{i}].role"
+    return None
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -194,7 +321,7 @@ def _stop(value: Any) -> tuple[str, ...]:
 def _unsupported(body: dict) -> None:
     """Refuse fields whose meaning the mesh cannot honour (rather than silently ignore them)."""
     checks = [("n", lambda v: v in (None, 1)), ("logprobs", lambda v: not v), ("top_logprobs", lambda v: v is None),
-              ("tools", lambda v: not v), ("functions", lambda v: not v), ("logit_bias", lambda v: not v),
+              ("functions", lambda v: not v), ("logit_bias", lambda v: not v),
               ("presence_penalty", lambda v: v in (None, 0)), ("frequency_penalty", lambda v: v in (None, 0)),
               ("response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"))]
     for key, ok in checks:
@@ -233,9 +360,15 @@ def parse_chat_request(body: Any) -> ChatRequest:
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise ApiError(400, "'stream' must be true or false and 'stream_options' an object", param="stream")
+    tools = _tools(body.get("tools"))
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ApiError(400, "'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
     return ChatRequest(model=model, messages=messages, max_tokens=max_tokens, sampling=sampling,
                        stop=_stop(body.get("stop")), stream=stream,
-                       include_usage=bool(options.get("include_usage")))
+                       include_usage=bool(options.get("include_usage")), tools=tools,
+                       tool_choice=_tool_choice(body, tools), parallel_tool_calls=parallel is not False,
+                       tool_field=_tool_field(messages, tools))
 
 
 # --------------------------------------------------------------------------- models and routes
@@ -342,6 +475,34 @@ class MeshModels:
     def forget(self, weights_hash: str) -> None:
         """Plan again next time (the route failed)."""
         self._routes.pop(weights_hash, None)
+
+
+# --------------------------------------------------------------------------- tool calls
+def _check_tool_support(req: ChatRequest, tok: Tokenizer, model: str) -> None:
+    """Refuse tools, tool calls and tool messages for a template that cannot render them.
+
+    Raises:
+        ApiError: 400 ``unsupported_parameter`` naming the first such field.
+    """
+    if req.tool_field is not None and not tok.supports_tools:
+        raise ApiError(400, f"{req.tool_field}: the chat template of {model} does not support tools (it never uses "
+                            f"a 'tools' variable, or does not ask for <tool_call> blocks, the one tool-call format "
+                            f"meshinfer reads), so tools, tool calls and tool messages cannot be given to this model; "
+                            f"use a model whose template supports them, such as qwen2.5-coder-0.5b-instruct-q4_k_m",
+                       param=req.tool_field, code="unsupported_parameter")
+
+
+def _tool_stream(req: ChatRequest) -> ToolCallStream | None:
+    """The parser of the reply's tool calls, or None when the request offers no tools to call."""
+    if req.prompt_tools is None:
+        return None
+    return ToolCallStream(names=frozenset(t["function"]["name"] for t in req.prompt_tools),
+                          max_calls=None if req.parallel_tool_calls else 1)
+
+
+def _finish_with_calls(finish: str) -> str:
+    """The finish reason of a reply that made calls: ``tool_calls``, unless ``max_tokens`` cut it."""
+    return "tool_calls" if finish == "stop" else finish
 
 
 # --------------------------------------------------------------------------- server
@@ -492,10 +653,12 @@ class ApiServer:
         weights_hash = model["meshinfer"]["weights_hash"]
         try:
             route, tok = await self.models.route(weights_hash)
-            prompt_ids = await asyncio.to_thread(tok.encode_chat, req.messages)  # seconds for 4 MB: not on the loop
         except MeshError as exc:
             self.models.forget(weights_hash)
             raise mesh_error(exc) from exc
+        _check_tool_support(req, tok, model["id"])
+        # seconds for 4 MB: not on the loop; a template that refuses the messages is the request's fault (400)
+        prompt_ids = await asyncio.to_thread(tok.encode_chat, req.messages, tools=req.prompt_tools)
         head = {"id": _completion_id(), "created": int(time.time()), "model": model["id"]}
         max_tokens = req.max_tokens or self.default_max_tokens
         run = dict(max_tokens=max_tokens, sampling=req.sampling, stop=req.stop)
@@ -511,9 +674,18 @@ class ApiServer:
                 raise mesh_error(exc) from exc
         finally:
             await conv.close()  # also when cancelled: the client went away
+        message, finish = {"role": "assistant", "content": result.text}, result.finish_reason
+        calls = _tool_stream(req)
+        if calls is not None:
+            calls.push(result.text)
+            calls.finish()
+            message["content"] = calls.content
+            if calls.calls:
+                message = {"role": "assistant", "content": calls.content or None,
+                           "tool_calls": [c.to_openai() for c in calls.calls]}
+                finish = _finish_with_calls(finish)
         return web.json_response(dict(head, object="chat.completion", choices=[{
-            "index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
-            "finish_reason": result.finish_reason}], usage=_usage(result),
+            "index": 0, "message": message, "logprobs": None, "finish_reason": finish}], usage=_usage(result),
             meshinfer=self.mesh.record_reply(model["id"], result)))
 
     async def _open(self, conv: Conversation, n_prompt: int, max_tokens: int) -> None:
@@ -537,8 +709,9 @@ class ApiServer:
 
     async def _stream(self, request: web.Request, req: ChatRequest, head: dict, conv: Conversation, tok: Tokenizer,
                       prompt_ids: list[int], run: dict) -> web.StreamResponse:
-        """Server-sent events: a role chunk, content chunks, a finish chunk (with the ``meshinfer``
-        field of :func:`meshinfer.meshview.reply_json`), usage, ``[DONE]``.
+        """Server-sent events: a role chunk, content chunks (and ``tool_calls`` chunks, one a call,
+        when the request offers tools), a finish chunk (with the ``meshinfer`` field of
+        :func:`meshinfer.meshview.reply_json`), usage, ``[DONE]``.
 
         Cancelled (the client went away) or not, generation stops; the caller closes ``conv``.
         """
@@ -558,10 +731,20 @@ class ApiServer:
             return dict(head, object="chat.completion.chunk", choices=[
                 {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **usage)
 
+        calls = _tool_stream(req)
+
+        async def release(content: str, new_calls: list) -> None:
+            if content:
+                await send(chunk({"content": content}))
+            for call in new_calls:  # each call whole, in one delta: name and all its arguments
+                await send(chunk({"tool_calls": [call.to_openai(index=calls.calls.index(call))]}))
+
         try:
             await send(chunk({"role": "assistant", "content": ""}))
             while (piece := await queue.get()) is not None:
-                await send(chunk({"content": piece}))
+                await (release(*calls.push(piece)) if calls is not None else send(chunk({"content": piece})))
+            if calls is not None:
+                await release(*calls.finish())
             try:
                 result = gen.result()
             except MeshError as exc:
@@ -571,7 +754,9 @@ class ApiServer:
                 log.exception("completion %s failed", head["id"])
                 await send(ApiError(500, "internal server error (see the server log)", type="server_error").body())
             else:
-                await send(dict(chunk({}, result.finish_reason), meshinfer=self.mesh.record_reply(head["model"], result)))
+                finish = _finish_with_calls(result.finish_reason) if calls is not None and calls.calls \
+                    else result.finish_reason
+                await send(dict(chunk({}, finish), meshinfer=self.mesh.record_reply(head["model"], result)))
                 if req.include_usage:
                     await send(dict(head, object="chat.completion.chunk", choices=[], usage=_usage(result)))
             await send("[DONE]")

@@ -115,6 +115,14 @@ def _child(memory_bytes: int) -> None:  # pragma: no cover - runs in the child p
         sys.stdout.flush()
 
 
+def _content_chars(context: dict) -> int:
+    """Characters of the request's own text: the contents, plus the JSON of the tool calls and tools."""
+    messages = context.get("messages") or []
+    structured = [m.get("tool_calls") for m in messages if m.get("tool_calls")], context.get("tools")
+    extra = len(json.dumps(structured, ensure_ascii=False)) if any(structured) else 0
+    return sum(len(m.get("content") or "") for m in messages) + extra
+
+
 class TemplateSandbox:
     """One child process (``python -m meshinfer.template_sandbox``) that renders templates;
     safe to call from several threads (renders run one at a time). ``close()`` ends the child
@@ -138,9 +146,10 @@ class TemplateSandbox:
 
         Args:
             source: the template's Jinja source.
-            context: JSON-able variables: ``messages`` (``[{"role", "content"}]``),
-                ``add_generation_prompt`` ... The deadline (:data:`RENDER_BASE_S` +
-                :data:`RENDER_S_PER_MB` per MB of content) and the output limit (4x the
+            context: JSON-able variables: ``messages`` (``[{"role", "content"}]``, an
+                assistant's ``tool_calls``), ``tools``, ``add_generation_prompt`` ... The
+                deadline (:data:`RENDER_BASE_S` + :data:`RENDER_S_PER_MB` per MB of content,
+                which counts the tool calls and tools as their JSON) and the output limit (4x the
                 content, :data:`RENDER_CHARS_PER_MESSAGE` a message, plus
                 :data:`RENDER_EXTRA_CHARS`) grow with the messages. None: compile only.
 
@@ -149,7 +158,7 @@ class TemplateSandbox:
                 (the child is killed) or produced too much output.
         """
         messages = (context or {}).get("messages") or []
-        content_chars = sum(len(m["content"]) for m in messages)
+        content_chars = _content_chars(context or {})
         timeout_s = RENDER_BASE_S + RENDER_S_PER_MB * content_chars / 1e6
         max_chars = 4 * content_chars + RENDER_CHARS_PER_MESSAGE * len(messages) + RENDER_EXTRA_CHARS
         request = json.dumps({"source": source, "context": context, "max_chars": max_chars}).encode() + b"\n"

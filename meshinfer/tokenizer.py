@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import numpy as np
 import tokenizers
 from gguf import TokenType
@@ -34,6 +35,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from .errors import InvalidInput, TemplateError, WeightsError
 from .template_sandbox import TemplateSandbox, make_environment, shared_sandbox
+from .toolcalls import TOOL_CALL_OPEN
 from .weights.gguf_file import GGUFFile, read_gguf_metadata
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ BUNDLE_VERSION = 1
 
 #: Roles a chat message may have.
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+#: Keys a message of a role may have besides ``role`` and ``content`` (OpenAI's tool-call fields).
+MESSAGE_EXTRAS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
 
 #: Control tokens that end a turn in common chat formats (ChatML, Llama 3, Gemma). Those the
 #: vocabulary holds as control tokens join the metadata's eos id in :attr:`Tokenizer.eos_ids`.
@@ -158,8 +162,9 @@ _JINJA_ENV = make_environment()
 _PRIVATE_USE_RANGES = ((0xE000, 0xF900), (0xF0000, 0xFFFFE), (0x100000, 0x10FFFE))
 
 
-def _validate_messages(messages: Any) -> list[dict[str, str]]:
-    """Check an OpenAI-style chat and return fresh ``{"role", "content"}`` dicts."""
+def _validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check an OpenAI-style chat and return fresh message dicts: ``{"role", "content"}`` plus,
+    where present, an assistant's ``tool_calls`` and a tool message's ``tool_call_id``/``name``."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InvalidInput("messages must be a list of {'role': ..., 'content': ...} dicts, "
                            f"got {type(messages).__name__}")
@@ -170,19 +175,87 @@ def _validate_messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(message, Mapping):
             raise InvalidInput(f"messages[{i}] must be a dict with 'role' and 'content', "
                                f"got {type(message).__name__}")
-        extra = sorted(repr(k) for k in message if k not in ("role", "content"))
-        if extra:
-            raise InvalidInput(f"messages[{i}] has unsupported key(s) {', '.join(extra)}; "
-                               "only 'role' and 'content' are supported")
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise InvalidInput(f"messages[{i}]['role'] is {role!r}; expected one of "
                                f"{', '.join(sorted(CHAT_ROLES))}")
+        extras = MESSAGE_EXTRAS.get(role, ())
+        extra = sorted(repr(k) for k in message if k not in ("role", "content", *extras))
+        if extra:
+            allowed = ", ".join(repr(k) for k in ("role", "content", *extras))
+            raise InvalidInput(f"messages[{i}] has unsupported key(s) {', '.join(extra)}; "
+                               f"a {role} message may have only {allowed}")
         if not isinstance(content, str):
             raise InvalidInput(f"messages[{i}]['content'] must be a str, "
                                f"got {type(content).__name__}")
-        out.append({"role": role, "content": content})
+        fresh = {"role": role, "content": content}
+        for key in extras:
+            if key in message:
+                fresh[key] = _checked_extra(message[key], key, i)
+        out.append(fresh)
     return out
+
+
+def _checked_extra(value: Any, key: str, i: int) -> Any:
+    """A fresh copy of ``messages[i][key]``: ``tool_calls`` a list of JSON objects, the others str."""
+    if key != "tool_calls":
+        if not isinstance(value, str):
+            raise InvalidInput(f"messages[{i}]['{key}'] must be a str, got {type(value).__name__}")
+        return value
+    if not isinstance(value, list) or not all(isinstance(c, Mapping) for c in value):
+        raise InvalidInput(f"messages[{i}]['tool_calls'] must be a list of dicts "
+                           "({'id', 'type': 'function', 'function': {'name', 'arguments'}})")
+    return _json_copy(value, f"messages[{i}]['tool_calls']")
+
+
+def _json_copy(value: Any, what: str) -> Any:
+    """A deep copy of JSON data ``value`` (it travels to the template sandbox as JSON)."""
+    try:
+        return json.loads(json.dumps(value, ensure_ascii=False, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidInput(f"{what} must be JSON data (dicts, lists, str, numbers, bool, None): {exc}") from None
+
+
+def _validate_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Check the tool definitions handed to the template: None, or a fresh list of JSON dicts."""
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence) \
+            or not all(isinstance(t, Mapping) for t in tools):
+        raise InvalidInput("tools must be a list of dicts ({'type': 'function', 'function': {'name', "
+                           "'description', 'parameters'}})")
+    return _json_copy(list(tools), "tools")
+
+
+def _strings(value: Any) -> Iterable[str]:
+    """Every string value (not dict key) in JSON data ``value``."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, (list, dict)):
+        for v in value.values() if isinstance(value, dict) else value:
+            yield from _strings(v)
+
+
+def _keys(value: Any) -> Iterable[str]:
+    """Every dict key in JSON data ``value``."""
+    if isinstance(value, list):
+        for v in value:
+            yield from _keys(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield k
+            yield from _keys(v)
+
+
+def _wrap_strings(value: Any, open_: str, close: str) -> Any:
+    """``value`` with every string value (not dict key) wrapped by :func:`_wrap`."""
+    if isinstance(value, str):
+        return _wrap(value, open_, close)
+    if isinstance(value, list):
+        return [_wrap_strings(v, open_, close) for v in value]
+    if isinstance(value, dict):
+        return {k: _wrap_strings(v, open_, close) for k, v in value.items()}
+    return value
 
 
 def _pick_sentinels(used: set[str]) -> tuple[str, str]:
@@ -221,6 +294,16 @@ def _unwrap(rendered: str, open_: str, close: str) -> tuple[str, list[tuple[int,
             parts.append(part)
             pos += len(part)
     return None if opened is not None else ("".join(parts), spans)
+
+
+def _template_uses_tools(source: str | None) -> bool:
+    """Whether template ``source`` reads a ``tools`` variable and writes ``<tool_call>`` (parsed only)."""
+    if source is None or TOOL_CALL_OPEN not in source:
+        return False
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(_JINJA_ENV.parse(source))
+    except (jinja2.TemplateError, RecursionError):
+        return False
 
 
 def _compile_template(source: str) -> jinja2.Template:
@@ -299,6 +382,7 @@ class Tokenizer:
         self.eos_ids: frozenset[int] = frozenset(eos)
         self._hidden_ids = self.control_ids | self.eos_ids
         self._fingerprint: str | None = None
+        self._tools_support: bool | None = None
 
     def _id_of(self, token: str | None, what: str) -> int | None:
         if token is None:
@@ -433,55 +517,81 @@ class Tokenizer:
 
     # -- chat ----------------------------------------------------------------------------------
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]],
-                    add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """Render ``messages`` with the chat template to a prompt string.
 
         Args:
-            messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]``.
+            messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]``;
+                an assistant message may add ``tool_calls`` (``[{"id", "type": "function",
+                "function": {"name", "arguments": dict}}]``), a tool message ``tool_call_id``
+                and ``name`` (str), passed to the template as they are (transformers' form).
             add_generation_prompt: end with the header of an assistant turn.
+            tools: tool definitions for the template's ``tools`` variable (OpenAI's
+                ``[{"type": "function", "function": {...}}]``), or None.
 
         Raises:
-            InvalidInput: malformed messages (not a non-empty list of such dicts).
+            InvalidInput: malformed messages or tools (not lists of such dicts, not JSON data).
             TemplateError: no chat template, or the template failed or refused the messages.
         """
-        return self._render(_validate_messages(messages), add_generation_prompt)
+        return self._render(_validate_messages(messages), _validate_tools(tools), add_generation_prompt)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]],
-                    add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` rendered with the chat template (what the model reads).
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """Token ids of ``messages`` (and ``tools``) rendered with the chat template (what the model reads).
 
         Only the template's own text becomes control tokens: content that spells
-        ``<|im_end|>`` is encoded as ordinary text. Each content is wrapped in a pair of
-        private-use sentinels absent from every content and from the template, the
-        sentinels' positions mark the content spans, and control strings overlapping a span
-        are left as text.
+        ``<|im_end|>`` is encoded as ordinary text. Each content, and each string value in the
+        tool calls and tools, is wrapped in a pair of private-use sentinels absent from all of
+        them and from the template; the sentinels' positions mark the spans of text the
+        request gave, and control strings overlapping a span are left as text.
+
+        Args: as :meth:`render_chat`.
 
         Raises:
-            InvalidInput: malformed messages.
-            TemplateError: as :meth:`render_chat`, or the template alters message content (so
-                its spans cannot be traced) while some content spells a control token.
+            InvalidInput: malformed messages or tools, or a dict key in the tools or tool calls
+                that spells a control token (keys are not traced).
+            TemplateError: as :meth:`render_chat`, or the template alters the request's text (so
+                its spans cannot be traced) while some of that text spells a control token.
         """
-        msgs = _validate_messages(messages)
-        plain = self._render(msgs, add_generation_prompt)
+        msgs, tool_list = _validate_messages(messages), _validate_tools(tools)
+        plain = self._render(msgs, tool_list, add_generation_prompt)
         if self._control_re is None:
             return self._encode_pieces([plain])
-        used = set(self._template_chars).union(*(m["content"] for m in msgs))
-        open_, close = _pick_sentinels(used)
-        wrapped = [{"role": m["role"], "content": _wrap(m["content"], open_, close)} for m in msgs]
-        traced = _unwrap(self._render(wrapped, add_generation_prompt), open_, close)
+        structured = [tool_list, [{k: v for k, v in m.items() if k not in ("role", "content")} for m in msgs]]
+        key = next((k for k in _keys(structured) if self._control_re.search(k)), None)
+        if key is not None:
+            raise InvalidInput(f"a key in the tools or tool calls spells a control token: {key[:80]!r}")
+        open_, close = _pick_sentinels(set(self._template_chars).union(*(m["content"] for m in msgs),
+                                                                       *_strings(structured), *_keys(structured)))
+        wrapped = [{k: v if k == "role" else _wrap_strings(v, open_, close) for k, v in m.items()} for m in msgs]
+        try:
+            traced = _unwrap(self._render(wrapped, _wrap_strings(tool_list, open_, close), add_generation_prompt),
+                             open_, close)
+        except TemplateError:  # the template checks a value that the sentinels changed
+            traced = None
         if traced is None or traced[0] != plain:
-            if any(self._control_re.search(m["content"]) for m in msgs):
+            if any(self._control_re.search(text) for text in _strings([msgs, tool_list])):
                 raise TemplateError("the chat template alters message content, so control-token "
                                     "text inside a message cannot be kept as text")
             logger.debug("chat template alters content; no content spells a control token")
             traced = (plain, [])
         return self._encode_pieces(self._split_control(*traced))
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tool definitions (it uses a ``tools`` variable)
+        and asks for calls as ``<tool_call>`` blocks, the one format :mod:`meshinfer.toolcalls`
+        parses (Qwen2.5, Hermes). The template is parsed, never run, here."""
+        if self._tools_support is None:
+            self._tools_support = _template_uses_tools(self.chat_template)
+        return self._tools_support
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                add_generation_prompt: bool) -> str:
         if self.chat_template is None:
             raise TemplateError("this model has no chat template; use encode() for plain text")
-        context = dict(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+        context = dict(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                        bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         if self._sandbox is not None:
             return self._sandbox.render(self.chat_template, context)

@@ -371,17 +371,17 @@ def test_parse_chat_request_reads_openai_fields():
         parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3})
 
 
-def test_assistant_tool_calls_are_refused_not_dropped():
-    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
-    for key, value in (("tool_calls", [call]), ("function_call", call["function"])):
-        with pytest.raises(ApiError) as info:
-            parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "weather?"},
-                                                           {"role": "assistant", "content": None, key: value}]})
-        assert info.value.status == 400 and info.value.code == "unsupported_parameter"
-        assert info.value.message == (f"messages[1].{key}: tool calls are not supported by meshinfer yet "
-                                      f"(see docs/api.md)")
+def test_deprecated_function_call_is_refused_not_dropped():
+    """Tool calls are read (tests/test_tools.py); their deprecated form is refused, never dropped."""
+    call = {"name": "get_weather", "arguments": "{}"}
+    with pytest.raises(ApiError) as info:
+        parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "weather?"},
+                                                       {"role": "assistant", "content": None, "function_call": call}]})
+    assert info.value.status == 400 and info.value.code == "unsupported_parameter"
+    assert info.value.message == ("messages[1].function_call is the deprecated form of tool calls, which meshinfer "
+                                  "does not read; send tool_calls (see docs/api.md)")
     ok = parse_chat_request({"model": "m", "messages": [{"role": "assistant", "content": "x", "tool_calls": []}]})
-    assert ok.messages == [{"role": "assistant", "content": "x"}]
+    assert ok.messages == [{"role": "assistant", "content": "x"}] and ok.tool_field is None
 
 
 # --------------------------------------------------------------------------- the real default model
