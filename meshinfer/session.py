@@ -467,6 +467,14 @@ class MeshClient:
         return Conversation(self, route, max_tokens_total=max_tokens_total, **options)
 
 
+def _address(client: MeshClient, peer: PeerAdvert) -> str:
+    """Where the client reaches ``peer``: ``relay://RELAY-ID`` through a relay, else its first address."""
+    link = client._links.get(peer.peer_id)
+    if link is not None and link.relay_id is not None:
+        return f"relay://{link.relay_id}"
+    return (peer.addrs or ("",))[0]
+
+
 def _next_hop(hop) -> dict:
     """The ``next`` field of an ``open``/``reroute`` naming ``hop`` (its relays only when it has some,
     so frames to reachable hops keep their old bytes)."""
@@ -1047,7 +1055,7 @@ class Conversation:
                 w += self.client.rtts_ms.get(h.peer_id, 1.0) / 2
             weights.append(max(w, 1e-3))
         total = sum(weights)
-        return [HopStats(peer_id=h.peer_id, address=(h.peer.addrs or ("",))[0], layers=h.layers.cli(),
+        return [HopStats(peer_id=h.peer_id, address=_address(self.client, h.peer), layers=h.layers.cli(),
                          device=h.peer.device, precision=h.peer.precision,
                          compute_ms_per_token=round(c, 3),
                          network_ms_per_token=round(network * w / total, 3)).__dict__

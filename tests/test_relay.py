@@ -157,6 +157,42 @@ async def test_a_relay_cannot_pose_as_the_peer_behind_it(model):
         await relay.close()
 
 
+async def test_a_relay_that_alters_tokens_is_caught_by_the_spot_checks(model):
+    path, digest, tok, ids, expected, *_ = model
+
+    class Tamperer(Peer):
+        """A relay that changes every token the hidden last hop sends back to the client."""
+
+        async def _on_relay_back(self, link, f):
+            msg_type, inner = protocol.decode(f.get("data", bytes), max_bytes=1 << 24)
+            if msg_type == "token":
+                fields = {k: v for k, v in inner.d.items() if k not in ("v", "t")}
+                fields["token"] = (fields["token"] + 1) % 256
+                if "tokens" in fields:
+                    fields["tokens"] = [(t + 1) % 256 for t in fields["tokens"]]
+                f.d["data"] = protocol.encode("token", **fields)
+            await super()._on_relay_back(link, f)
+
+    relay = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=tok.to_bundle())
+    relay.__class__ = Tamperer
+    home = await hidden(path, digest, LayerRange(2, 4), relay.addrs)
+    # two slow peers of the same layers: the route takes the hidden peer, and they settle a dispute
+    checkers = [await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=relay.addrs)
+                for _ in range(2)]
+    for c in checkers:
+        c.compute_ms_per_token = 500.0
+    try:
+        await wait_relayed([relay, home, *checkers], [home])
+        route, out = await generate(relay.addrs, ids)
+        assert route.peer_ids == (relay.peer_id, home.peer_id)
+        assert out.token_ids == expected
+        assert [d["peer"] for d in out.detections] == [home.peer_id]  # the relayed hop is blamed and left
+        assert out.route[-1]["peer_id"] in {c.peer_id for c in checkers}
+    finally:
+        for p in (*checkers, home, relay):
+            await p.close()
+
+
 async def test_a_forged_relay_list_is_refused(model):
     path, digest, tok, *_ = model
     public = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest)
@@ -214,3 +250,39 @@ async def test_a_reachable_peer_passes_the_dial_back_and_lists_no_relay(model):
     finally:
         await second.close()
         await public.close()
+
+
+# ---------------------------------------------------------------------------- planner (pure)
+def advert(peer_id, first, last, *, addrs=True, relays=(), rtts=None, weights="a" * 64):
+    """A ready advert of a 24-layer model holding the inclusive range ``first-last``."""
+    return protocol.PeerAdvert(peer_id=peer_id, addrs=(f"ws://{peer_id}:7000",) if addrs else (),
+                               protocol_version=1, weights_hash=weights, architecture="llama", num_layers=24,
+                               layers=LayerRange(first, last + 1), device="cpu", precision="f32",
+                               free_kv_tokens=4096, compute_ms_per_token=12.0, rtts_ms=dict(rtts or {}),
+                               relays=tuple(relays))
+
+
+def test_the_planner_adds_the_relays_detour_to_an_unmeasured_relayed_link():
+    from meshinfer.routing import RELAY_FORWARD_MS, hop_rtt_ms, plan_route
+
+    relay = advert("r", 0, 23, weights="b" * 64)  # another model: a relay, never a hop here
+    a = advert("a", 0, 11, rtts={"r": 10.0})
+    b = advert("b", 12, 23, addrs=False, relays=["r"], rtts={"r": 20.0})
+    table = {p.peer_id: p for p in (relay, a, b)}
+    assert hop_rtt_ms(a, b, table) == 10.0 + 20.0 + RELAY_FORWARD_MS
+    route = plan_route([relay, a, b], client_rtts_ms={"a": 4.0, "b": 30.0}, compat_key=a.compat_key)
+    assert route.estimated_ms_per_token == pytest.approx(4.0 / 2 + 31.0 / 2 + 30.0 / 2 + 12.0 + 12.0 + 2 * 1.0)
+    # a measured RTT (pings through the circuit) already holds the detour: used as it is
+    measured = replace(a, rtts_ms={"r": 10.0, "b": 40.0})
+    assert hop_rtt_ms(measured, b, table) == 40.0
+
+
+def test_a_direct_peer_wins_over_a_relayed_one_of_equal_compute():
+    from meshinfer.routing import plan_route
+
+    relay = advert("r", 0, 23, weights="b" * 64)
+    a = advert("a", 0, 11, rtts={"r": 10.0, "c": 10.0})
+    b = advert("b", 12, 23, addrs=False, relays=["r"], rtts={"r": 10.0})
+    c = advert("c", 12, 23)
+    route = plan_route([relay, a, b, c], client_rtts_ms={"a": 4.0, "b": 4.0, "c": 4.0}, compat_key=a.compat_key)
+    assert route.peer_ids == ("a", "c")
