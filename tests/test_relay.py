@@ -286,3 +286,59 @@ def test_a_direct_peer_wins_over_a_relayed_one_of_equal_compute():
     c = advert("c", 12, 23)
     route = plan_route([relay, a, b, c], client_rtts_ms={"a": 4.0, "b": 4.0, "c": 4.0}, compat_key=a.compat_key)
     assert route.peer_ids == ("a", "c")
+
+
+# ---------------------------------------------------------------------------- command line
+def test_join_listen_none_from_the_command_line(model, tmp_path):
+    """``join --listen none`` serves layers 0-1 through the public peer it dials; ``status`` says
+    so and ``chat`` through the public peer only gives the whole model's tokens."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+
+    path, _, tok, *_ = model
+    env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "meshinfer", *args], capture_output=True, text=True,
+                              timeout=120, env=env)
+
+    procs = []
+
+    def join(*extra):
+        log = tmp_path / f"join{len(procs)}.log"  # a file, not a pipe nobody reads
+        proc = subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(path),
+                                 "--key", str(tmp_path / f"k{len(procs)}.pem"), *extra],
+                                stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env)
+        procs.append(proc)
+        line = proc.stdout.readline()
+        assert line.startswith("ready:"), line + log.read_text()
+        return line
+
+    try:
+        public = join("--layers", "2-3", "--listen", "127.0.0.1:0")
+        url = re.search(r"at (ws://127\.0\.0\.1:\d+)", public).group(1)
+        home = join("--layers", "0-1", "--listen", "none", "--peers", url)
+        assert "at no address (--listen none" in home
+        public_id = re.search(r"ready: peer (\w+)", public).group(1)
+        deadline = time.monotonic() + 60  # the hidden peer's advert with its relay reaches the public peer
+        status = run("status", "--peers", url)
+        while f"relayed via {public_id[:12]}" not in status.stdout and time.monotonic() < deadline:
+            time.sleep(0.5)
+            status = run("status", "--peers", url)
+        assert f"relayed via {public_id[:12]}" in status.stdout, status.stdout + status.stderr
+        chat = run("chat", "--peers", url, "-p", "hello", "--max-tokens", "6", "--json")
+        assert chat.returncode == 0, chat.stderr
+        d = json.loads(chat.stdout)
+        ids = tok.encode_chat([{"role": "user", "content": "hello"}])
+        assert d["token_ids"] == greedy_generate(load_shard(path), ids, max_tokens=6, eos_ids=tok.eos_ids).token_ids
+        assert d["route"][0]["address"] == f"relay://{public_id}"
+        bad = run("join", "--model", str(path), "--layers", "0-1", "--listen", "none")
+        assert bad.returncode == 2 and "--listen none needs --peers" in bad.stderr
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
