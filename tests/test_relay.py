@@ -193,6 +193,28 @@ async def test_a_relay_that_alters_tokens_is_caught_by_the_spot_checks(model):
             await p.close()
 
 
+async def test_a_relay_forwards_only_to_a_peer_that_lists_it(model):
+    from meshinfer.session import CLIENT_MAX_FRAME_BYTES
+    from meshinfer.transport import circuit_link
+
+    path, digest, *_ = model
+    relay = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest)
+    other = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bootstrap=relay.addrs)
+    try:
+        await wait_for_tables([relay, other])
+        assert other.peer_id in relay.links  # a link it opened, but it lists no relay: it is reachable
+        async with MeshClient(list(relay.addrs)) as client:
+            await client.refresh()
+            carrier = await client.link(client.table[relay.peer_id])
+            sock = carrier.open_circuit(other.peer_id, max_bytes=CLIENT_MAX_FRAME_BYTES)
+            with pytest.raises(PeerUnavailable, match="closed"):
+                await client._greet(circuit_link(sock, on_message=client._on_message, name="relay://x"), "relay://x")
+            assert relay._forwards == {} and carrier.circuits == {}
+    finally:
+        await other.close()
+        await relay.close()
+
+
 async def test_a_forged_relay_list_is_refused(model):
     path, digest, tok, *_ = model
     public = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest)
