@@ -513,21 +513,16 @@ class Peer:
             del self._dialing[peer_id]
 
     async def _reach(self, peer_id: str, addrs: tuple[str, ...], relays: tuple[str, ...]) -> Link:
-        """Dial ``addrs``; when none answers (or there are none), a circuit through the first of
-        ``relays`` that reaches ``peer_id``.
+        """Dial ``addrs``; for a peer with ``relays`` (nobody can dial it), first a circuit through the
+        first of them that reaches ``peer_id``, then its addresses.
 
         Raises:
             PeerUnavailable: naming each address's and relay's failure.
         """
+        if not relays:
+            return await self._dial_any(addrs, expect_id=peer_id)
         errors = []
-        if addrs or not relays:
-            try:
-                return await self._dial_any(addrs, expect_id=peer_id)
-            except PeerUnavailable as exc:
-                if not relays:
-                    raise
-                errors.append(str(exc))
-        for relay_id in relays:
+        for relay_id in relays:  # it says nobody can dial it: its relays first, its addresses last
             relay = self.table.get(relay_id)
             try:
                 if relay_id in (self.peer_id, peer_id) or relay is None:
@@ -538,6 +533,11 @@ class Peer:
                 return await self._circuit_to(carrier, peer_id)
             except PeerUnavailable as exc:
                 errors.append(f"through relay {relay_id[:12]}: {exc}")
+        if addrs:
+            try:
+                return await self._dial_any(addrs, expect_id=peer_id)
+            except PeerUnavailable as exc:
+                errors.append(str(exc))
         raise PeerUnavailable(f"cannot reach peer {peer_id[:12]}: " + "; ".join(errors))
 
     async def _circuit_to(self, carrier: Link, peer_id: str) -> Link:

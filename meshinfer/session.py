@@ -198,8 +198,9 @@ class MeshClient:
     async def link(self, peer: PeerAdvert, *, direct: bool = False) -> Link:
         """An open connection to ``peer``, dialing all its addresses at once if needed (each
         within ``dial_timeout_s``; the first that answers as ``peer`` wins, the others are closed),
-        else, unless ``direct``, a circuit through the first of its relays that reaches it
-        (relays inside their failure backoff are skipped).
+        or, for a peer that lists relays (nobody can dial it), unless ``direct``, first a circuit
+        through the first of its relays that reaches it (relays inside their failure backoff are
+        skipped).
 
         Raises:
             PeerUnavailable: no address or relay answers, or the answering peer has another id.
@@ -207,18 +208,21 @@ class MeshClient:
         link = self._links.get(peer.peer_id)
         if link is not None and not link.closed.is_set():
             return link
-        errors = []
+        errors: list[str] = []
         link = None
-        if peer.addrs or direct or not peer.relays:
+        if peer.relays and not direct:  # it says nobody can dial it: its relays first, its addresses last
+            try:
+                link = await self._through_relays(peer, errors)
+            except PeerUnavailable:
+                if not peer.addrs:
+                    raise
+        if link is None:
             try:
                 link = await first_success([self._hello_as(url, peer.peer_id) for url in peer.addrs],
                                            discard=lambda lk: lk.close())
             except PeerUnavailable as exc:
-                if direct or not peer.relays:
-                    raise PeerUnavailable(f"cannot reach peer {peer.peer_id[:12]}: {exc}") from None
-                errors.append(str(exc))
-        if link is None:
-            link = await self._through_relays(peer, errors)
+                raise PeerUnavailable(f"cannot reach peer {peer.peer_id[:12]}: "
+                                      + "; ".join(errors + [str(exc)])) from None
         old = self._links.get(peer.peer_id)
         if old is not None and not old.closed.is_set():  # another task dialed it meanwhile
             await link.close()
@@ -250,7 +254,7 @@ class MeshClient:
                 return link
             except MeshError as exc:
                 errors.append(f"through relay {relay_id[:12]}: {exc}")
-        raise PeerUnavailable(f"cannot reach peer {peer.peer_id[:12]}: " + "; ".join(errors or ["no relay"]))
+        raise PeerUnavailable(f"cannot reach peer {peer.peer_id[:12]}: " + "; ".join(errors))
 
     def culprit(self, peer_id: str) -> str:
         """Whom to blame when the connection to hop ``peer_id`` failed: the relay it ran
