@@ -364,3 +364,34 @@ def test_join_listen_none_from_the_command_line(model, tmp_path):
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_a_circuit_nobody_reads_ends_without_cutting_the_relays_link():
+    from websockets.protocol import State
+
+    from meshinfer.transport import OUTBOX_BYTES, CircuitSocket
+
+    class Carrier:
+        """The link to the relay: records what the circuit posts on it."""
+
+        remote_id = "r" * 32
+
+        def __init__(self):
+            self.circuits, self.posted = {}, []
+
+        def post(self, msg_type, **fields):
+            self.posted.append((msg_type, fields))
+            return True
+
+    carrier = Carrier()
+    sock = CircuitSocket(carrier, 7, side="in", max_bytes=64 * 1024)
+    carrier.circuits[("in", 7)] = sock
+    for _ in range(OUTBOX_BYTES // (64 * 1024) + 1):  # 4 MiB plus one frame may wait unread
+        sock.feed(b"x" * 64 * 1024)
+    assert sock.state is State.OPEN
+    sock.feed(b"x" * 64 * 1024)
+    assert sock.state is State.CLOSED and carrier.circuits == {}
+    assert carrier.posted == [("relay_close", {"circ": 7, "back": True, "cut": False})]
+    big = CircuitSocket(carrier, 8, side="out", to="t" * 32, max_bytes=1024)
+    big.feed(b"x" * 1025)  # a frame over the circuit's limit ends it too
+    assert big.state is State.CLOSED
