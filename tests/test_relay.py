@@ -87,6 +87,27 @@ async def test_a_peer_that_never_listens_serves_the_first_layers_through_its_rel
         await public.close()
 
 
+async def test_a_private_mesh_works_through_a_relay_and_an_outsider_gets_nothing(model):
+    path, digest, tok, ids, expected, *_ = model
+    key = b"k" * 32
+    public = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, mesh_key=key)
+    home = await hidden(path, digest, LayerRange(0, 2), public.addrs, bundle=tok.to_bundle(), mesh_key=key)
+    try:
+        await wait_relayed([public, home], [home])
+        async with MeshClient(list(public.addrs), mesh_key=key) as client:
+            route = await client.plan()
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS)
+            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            await conv.close()
+        assert route.peer_ids == (home.peer_id, public.peer_id) and out.token_ids == expected
+        async with MeshClient(list(public.addrs)) as outsider:  # no key: refused before any relaying
+            with pytest.raises(Exception, match="private"):
+                await outsider.refresh()
+    finally:
+        await home.close()
+        await public.close()
+
+
 async def test_both_hops_behind_nat_reach_each_other_through_a_third_peer(model):
     path, digest, tok, ids, expected, other, other_digest = model
     relay = await start_peer(load_shard(other, LayerRange(0, 2)), weights_hash=other_digest)  # another model
