@@ -285,7 +285,14 @@ async def _join(args) -> int:
 
     from .tls import check_listen
 
-    host, port = _listen(args.listen)
+    listen = args.listen.strip().lower() != "none"
+    host, port = _listen(args.listen) if listen else ("127.0.0.1", 0)
+    if not listen and not _peers(args.peers):
+        raise ValueError("--listen none needs --peers: a peer that does not listen is reached through the "
+                         "peers it dials (its relays)")
+    if not listen and args.public_addr:
+        raise ValueError("--listen none and --public-addr contradict each other: a peer that does not listen "
+                         "has no address")
     layers = LayerRange.parse(args.layers) if args.layers and args.layers != "auto" else None
     if args.max_layers is not None and args.max_layers < 1:
         raise ValueError(f"--max-layers must be at least 1, got {args.max_layers}")
@@ -295,8 +302,9 @@ async def _join(args) -> int:
         raise ValueError(f"--max-batch must be at least 1 (1 turns batching off), got {args.max_batch}")
     if not 0 <= args.batch_wait_ms <= 1000:
         raise ValueError(f"--batch-wait-ms must be 0-1000 (0: never wait), got {args.batch_wait_ms}")
-    check_listen(host, tls=bool(args.tls or args.tls_cert), insecure=args.insecure)
-    settings = PeerSettings(host=host, port=port, public_addrs=tuple(_peers(args.public_addr)),
+    if listen:
+        check_listen(host, tls=bool(args.tls or args.tls_cert), insecure=args.insecure)
+    settings = PeerSettings(host=host, port=port, public_addrs=tuple(_peers(args.public_addr)), listen=listen,
                             bootstrap=tuple(_peers(args.peers)),
                             kv_budget_bytes=None if args.kv_budget == "auto" else parse_bytes(args.kv_budget),
                             idle_timeout_s=args.idle_timeout, mesh_key=_mesh_key(args),
@@ -307,7 +315,8 @@ async def _join(args) -> int:
                             max_hold_s=args.batch_wait_ms / 1000)
     if not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0 turns metrics off)")
-    _check_port_free(host, port)
+    if listen:
+        _check_port_free(host, port)
     if args.metrics_port:
         _check_port_free(args.metrics_host or host, args.metrics_port)
     _warn_plain(list(settings.bootstrap), args.insecure)
@@ -317,10 +326,11 @@ async def _join(args) -> int:
         raise ValueError("--max-layers goes with --layers auto")
     key = args.key or _default_key_path(port)
     peer = await launch_peer(args.model, layers, device=args.device, dtype=args.dtype, settings=settings,
-                             key_path=key, threads=args.threads, tls_self_signed=bool(args.tls))
+                             key_path=key, threads=args.threads, tls_self_signed=bool(args.tls) and listen)
     stop = _stop_on_signals()
+    where = ", ".join(peer.addrs) or "no address (--listen none: reached through the peers it dials)"
     _announce(args, f"ready: peer {peer.peer_id} serving layers {peer.shard.range.cli()} of "
-                    f"{peer.cfg.num_hidden_layers} at {', '.join(peer.addrs)} "
+                    f"{peer.cfg.num_hidden_layers} at {where} "
                     f"({peer.executor.device}, {peer.precision}, {peer.compute_ms_per_token:.1f} ms/token)")
     await stop.wait()
     _announce(args, "shutting down")
@@ -687,7 +697,7 @@ async def _status(args) -> int:
         rows = [("PEER", "ADDRESS", "LAYERS", "DEVICE", "PREC", "WEIGHTS", "STATE", "RTT ms", "FREE KV")]
         for p in sorted(peers, key=lambda p: (p.layers.start, p.peer_id)):
             rtt = rtts.get(p.peer_id)
-            rows.append((p.peer_id[:12], (p.addrs or ("-",))[0], p.layers.cli(), p.device, p.precision,
+            rows.append((p.peer_id[:12], _address(p), p.layers.cli(), p.device, p.precision,
                          p.weights_hash[:12], p.state, f"{rtt:.1f}" if rtt is not None else "unreachable",
                          str(p.free_kv_tokens)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -700,6 +710,15 @@ async def _status(args) -> int:
         if client.not_allowed:
             print(f"({len(client.not_allowed)} more peer(s) in the mesh are not in --allow-keys)")
     return code
+
+
+def _address(p) -> str:
+    """The first address of ``p``, or for a peer reached through relays ``relayed via ID[,ID]``."""
+    if p.relays and not p.addrs:
+        return "relayed via " + ",".join(r[:12] for r in p.relays)
+    if p.relays:
+        return f"{p.addrs[0]} (unreachable; relayed via {','.join(r[:12] for r in p.relays)})"
+    return (p.addrs or ("-",))[0]
 
 
 def _coverage_line(peers, g) -> str:
@@ -886,7 +905,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=_env("MESHINFER_DEVICE", "cpu"), help="cpu, cuda, cuda:N or mps")
     s.add_argument("--dtype", default=_env("MESHINFER_DTYPE", "f32"), choices=PRECISION_NAMES,
                    help=DTYPE_HELP + " [$MESHINFER_DTYPE]")
-    s.add_argument("--listen", default=_env("MESHINFER_LISTEN", "127.0.0.1:7700"), help="HOST:PORT (port 0: any)")
+    s.add_argument("--listen", default=_env("MESHINFER_LISTEN", "127.0.0.1:7700"),
+                   help="HOST:PORT (port 0: any); none: open no socket, only dial --peers and be reached "
+                        "through them (behind NAT)")
     s.add_argument("--public-addr", default=_env("MESHINFER_PUBLIC_ADDR"), help="wss://HOST:PORT others dial (ws:// without TLS)")
     s.add_argument("--peers", default=_env("MESHINFER_BOOTSTRAP", _env("MESHINFER_PEERS")),
                    help="bootstrap peers ws://A:P,ws://B:P [$MESHINFER_BOOTSTRAP, else $MESHINFER_PEERS]")

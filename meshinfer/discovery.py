@@ -255,7 +255,8 @@ def welcome_proof(key, hello_nonce: bytes, welcome_nonce: bytes, tls_fingerprint
 
 
 def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None, mesh_key: bytes | None = None,
-                  tls_fingerprint: str = "", dialed_url: str | None = None) -> tuple[PeerAdvert, bytes]:
+                  tls_fingerprint: str = "", dialed_url: str | None = None,
+                  relayed: bool = False) -> tuple[PeerAdvert, bytes]:
     """Check a ``welcome`` answering a hello that carried ``hello_nonce``.
 
     ``tls_fingerprint`` is the SHA-256 (hex) of the certificate the dialer saw in its TLS
@@ -264,6 +265,11 @@ def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None, mesh_k
     ``dialed_url`` (the URL dialed) must be one of the advert's addresses (same scheme, host
     and port; any loopback host matches another): otherwise the connection may run through a
     relay, which must not get this side's proof of the mesh key.
+
+    ``relayed``: the welcome came through a circuit (a relay the dialer chose, listed in the
+    peer's signed advert). There is no TLS end to end: the peer signs its proof with an empty
+    fingerprint (``tls_fingerprint`` must be ""), whatever certificate it serves when dialed,
+    and the mesh-key MAC binds the relay instead of an address (``relay://RELAY-ID``).
 
     Returns:
         (the answering peer's advert, its welcome nonce).
@@ -281,7 +287,7 @@ def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None, mesh_k
         raise Unauthenticated(f"peer {advert.peer_id[:12]} sent an advert whose signature does not verify")
     if expect_id is not None and advert.peer_id != expect_id:
         raise Unauthenticated(f"answered as peer {advert.peer_id[:12]}, not {expect_id[:12]}")
-    if tls_fingerprint != advert.tls_fingerprint:
+    if not relayed and tls_fingerprint != advert.tls_fingerprint:
         raise Unauthenticated(f"peer {advert.peer_id[:12]} signed TLS certificate "
                               f"{advert.tls_fingerprint[:16] or '(none)'} but the connection presented "
                               f"{tls_fingerprint[:16] or '(none)'}: a relay or an impostor is in between")
@@ -291,7 +297,7 @@ def check_welcome(f, hello_nonce: bytes, *, expect_id: str | None = None, mesh_k
     if mesh_key is not None:
         if not check_mac(mesh_key, f.get("mac", bytes, b""), MESH_WELCOME_LABEL, hello_nonce, welcome_nonce):
             raise Unauthenticated(f"peer {advert.peer_id[:12]} does not hold this mesh key")
-        if not tls_fingerprint and dialed_url is not None and \
+        if not relayed and not tls_fingerprint and dialed_url is not None and \
                 endpoint(dialed_url) not in {endpoint(a) for a in advert.addrs}:
             raise Unauthenticated(f"peer {advert.peer_id[:12]} does not list {dialed_url[:100]} among its addresses "
                                   f"({', '.join(advert.addrs) or 'none'}): a relay may be in between; dial an "

@@ -145,7 +145,9 @@ class MeshView:
 
     def _peer_json(self, ad: PeerAdvert, seen: float, now: float) -> dict:
         rtt = self.client.rtts_ms.get(ad.peer_id) if ad.peer_id in self._live else None
-        return {"peer_id": ad.peer_id, "address": (ad.addrs or ("",))[0], "model": self.model_id(ad.weights_hash),
+        address = (ad.addrs or ("",))[0] if not ad.relays or ad.addrs else f"relayed via {ad.relays[0][:12]}"
+        return {"peer_id": ad.peer_id, "address": address, "relays": list(ad.relays),
+                "model": self.model_id(ad.weights_hash),
                 "weights_hash": ad.weights_hash, "layers": ad.layers.cli(), "layers_start": ad.layers.start,
                 "layers_stop": ad.layers.stop, "num_layers": ad.num_layers, "device": ad.device,
                 "precision": ad.precision, "state": self._state(ad),

@@ -36,7 +36,8 @@ from .protocol import PeerAdvert
 from .sampling import pick_token
 from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_HOLD_S, BatchStats, StepScheduler
 from .tokenizer import bundle_sha256
-from .transport import CLOSE_SHUTDOWN, Link, dial, first_success
+from .transport import (CLOSE_SHUTDOWN, RELAY_OVERHEAD_BYTES, CircuitSocket, Link, circuit_link, dial,
+                        first_success)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,14 @@ MAX_ADVERT_BYTES = 16 * 1024
 GOSSIP_BUDGET_BYTES = FRAME_OVERHEAD_BYTES // 2
 #: Requests only clients make: charged to the sender's host whatever role its hello claimed
 #: (a fresh key makes anyone a "peer" in an open mesh).
-CLIENT_REQUESTS = frozenset({"open", "verify", "get_log", "truncate", "get_tokenizer", "get_peers"})
+CLIENT_REQUESTS = frozenset({"open", "verify", "get_log", "truncate", "get_tokenizer", "get_peers", "relay"})
+#: Circuits one connection may have a relay forward at once, and circuits a relay forwards to
+#: one hidden peer, all openers together (each circuit costs a few map entries; its frames go
+#: through the bounded outboxes of the two links).
+MAX_CIRCUITS_PER_LINK, MAX_CIRCUITS_PER_PEER = 64, 256
+#: Seconds a peer waits for the answer to its reachability check (the asked peer dials every
+#: advertised address at once, each within its open timeout of 5 s).
+DIAL_BACK_TIMEOUT_S = 15.0
 #: What a connection that has not proven the mesh key is told, whatever it asks.
 PRIVATE_MESH = "this mesh is private: pass its key with --mesh-key-file (or MESHINFER_MESH_KEY_FILE)"
 
@@ -113,6 +121,10 @@ class PeerSettings:
             (see :mod:`meshinfer.scheduler`); 1 runs every step alone.
         max_hold_s: the most a decode pass waits for the steps of conversations known to be
             coming, seconds (:data:`meshinfer.scheduler.DEFAULT_MAX_HOLD_S`); 0 never waits.
+        listen: accept connections on ``host:port``; False (``join --listen none``): no socket,
+            the peer only dials out and is reached through its relays.
+        check_reachability: on start, ask a bootstrap peer to dial the advertised addresses
+            back; when none answers, the peer counts as unreachable and advertises relays.
     """
 
     host: str = "127.0.0.1"
@@ -136,6 +148,8 @@ class PeerSettings:
     allow_ids: frozenset[str] | None = None
     max_batch: int = DEFAULT_MAX_BATCH
     max_hold_s: float = DEFAULT_MAX_HOLD_S
+    listen: bool = True
+    check_reachability: bool = True
 
 
 @dataclass(frozen=True)
@@ -190,6 +204,7 @@ class _Conv:
     task: asyncio.Task | None = None
     last_active: float = field(default_factory=time.monotonic)
     expected_start: int = 0
+    next_relays: tuple[str, ...] | None = None  # the next hop's relays from ``open`` (None: from its advert)
 
 
 class Peer:
@@ -242,6 +257,12 @@ class Peer:
         self._buckets: dict[str, tuple[_Bucket, _Bucket]] = {}
         self.metrics = PeerMetrics(self)
         self._verifying: set[str] = set()  # hosts with a verify running
+        #: whether others can dial this peer's addresses: None until checked (a peer that cannot
+        #: check counts as reachable), False makes it advertise relays (see :meth:`relays`)
+        self.reachable: bool | None = None
+        self.reachability_note = ""  # why, in words
+        self._forwards: dict[tuple[Link, int], tuple[Link, int]] = {}  # relay: (opener link, circ) -> (hidden peer's link, circ)
+        self._backwards: dict[tuple[Link, int], tuple[Link, int]] = {}  # the reverse map
         self.scheduler = StepScheduler(  # all looked up per call, so a subclass or test may replace them
             executor, lambda: self.shard, finish=lambda *a: self._finish_step(*a),
             logits_mode=lambda w: self._logits_mode(w), spawn=self._spawn, max_batch=self.settings.max_batch,
@@ -290,8 +311,23 @@ class Peer:
             precision=self.precision, state=self.state, free_kv_tokens=self.free_kv_tokens,
             compute_ms_per_token=round(self.compute_ms_per_token, 3), rtts_ms=dict(self.rtts_ms),
             seq=self._seq, ttl_s=self.settings.advert_ttl_s, tls_fingerprint=self.tls_fingerprint,
-            tokenizer_sha256=self.tokenizer_sha256,
+            tokenizer_sha256=self.tokenizer_sha256, relays=self.relays(),
             params=self.param_counts[0], active_params=self.param_counts[1]), self.key)
+
+    def relays(self) -> tuple[str, ...]:
+        """Peer ids this peer lists as its relays: empty unless it is unreachable; else the
+        dialable, unrelayed peers it holds a link to that it opened itself (its NAT keeps
+        those open), at most :data:`meshinfer.protocol.MAX_RELAYS`, bootstrap peers first."""
+        if self.reachable is not False:
+            return ()
+        out = []
+        for peer_id, link in self.links.items():
+            ad = self.table.get(peer_id)
+            if link.closed.is_set() or link.relay_id is not None or not link.info.get("dialed"):
+                continue
+            if ad is not None and ad.addrs and not ad.relays:
+                out.append((not link.info.get("bootstrap"), peer_id))
+        return tuple(pid for _, pid in sorted(out)[:protocol.MAX_RELAYS])
 
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self, coro, name: str) -> asyncio.Task:
@@ -353,18 +389,18 @@ class Peer:
             self.tls_fingerprint = tls.cert_fingerprint(s.tls_cert)
         if warmup:
             await self.warmup()
-        self._server = await websockets.serve(self._accept, s.host, s.port, max_size=self.max_frame_bytes,
-                                              ssl=ssl_context, ping_interval=20, ping_timeout=20, compression=None)
-        port = self._server.sockets[0].getsockname()[1]
-        host = s.host if s.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        if host != s.host and not s.public_addrs:
-            log.warning("listening on all interfaces without --public-addr: other machines cannot dial the "
-                        "advertised %s; pass --public-addr %s://THIS-HOST:%d", host, scheme, port)
-        self.addrs = tuple(s.public_addrs) or (f"{scheme}://{host}:{port}",)
-        self.port = port
+        if s.listen:
+            await self._listen(ssl_context, scheme)
+        else:
+            self.addrs, self.port, self.reachable = (), None, False
+            self.reachability_note = "it does not listen (--listen none)"
+            if not s.bootstrap:
+                log.warning("--listen none without --peers: nobody can reach this peer")
         self.state = protocol.READY
         self._seq += 1
         self._spawn(self._gossip_loop(), "gossip")
+        if s.listen and s.bootstrap and s.check_reachability:
+            self._spawn(self._check_reachability(), "reachability")
         self._spawn(self._janitor_loop(), "janitor")
         self.scheduler.start()
         self.metrics.set_info(peer_id=self.peer_id, layers=self.shard.range.cli(), device=self.executor.device,
@@ -379,6 +415,19 @@ class Peer:
                                    f"{exc.strerror or exc} (pick another --metrics-port)") from exc
         log.info("peer %s ready at %s serving layers %s", self.peer_id[:12], ", ".join(self.addrs),
                  self.shard.range.cli(), extra=context(peer=self.peer_id))
+
+    async def _listen(self, ssl_context, scheme: str) -> None:
+        """Accept connections on ``host:port``; set :attr:`addrs` (``public_addrs``, else the bound address)."""
+        s = self.settings
+        self._server = await websockets.serve(self._accept, s.host, s.port, max_size=self.max_frame_bytes,
+                                              ssl=ssl_context, ping_interval=20, ping_timeout=20, compression=None)
+        port = self._server.sockets[0].getsockname()[1]
+        host = s.host if s.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        if host != s.host and not s.public_addrs:
+            log.warning("listening on all interfaces without --public-addr: other machines cannot dial the "
+                        "advertised %s; pass --public-addr %s://THIS-HOST:%d", host, scheme, port)
+        self.addrs = tuple(s.public_addrs) or (f"{scheme}://{host}:{port}",)
+        self.port = port
 
     async def close(self) -> None:
         """Drain: tell conversations' clients, close sockets, free caches. Safe to call twice."""
@@ -420,6 +469,7 @@ class Peer:
         finally:
             hello_timer.cancel()
             self._all_links.discard(link)
+            self._drop_forwards(link)
             if link.remote_id and self.links.get(link.remote_id) is link:
                 del self.links[link.remote_id]
             for conv in [c for c in self.convs.values() if c.owner is link]:
@@ -427,11 +477,12 @@ class Peer:
                          extra=context(conv=conv.conv_id, peer=self.peer_id))
                 await self._drop_conv(conv.conv_id)
 
-    async def _link_to(self, peer_id: str, addrs: tuple[str, ...]) -> Link:
-        """An open link to ``peer_id``: reuse any connection, else dial ``addrs``.
+    async def _link_to(self, peer_id: str, addrs: tuple[str, ...], relays: tuple[str, ...] | None = None) -> Link:
+        """An open link to ``peer_id``: reuse any connection, else dial ``addrs``, else open a
+        circuit through one of ``relays`` (None: those its advert in the table lists; ``()``: none).
 
         Raises:
-            PeerUnavailable: no connection exists and no address answers.
+            PeerUnavailable: no connection exists, no address answers and no relay reaches it.
         """
         link = self.links.get(peer_id)
         if link is not None and not link.closed.is_set():
@@ -442,10 +493,13 @@ class Peer:
         if until > time.monotonic():
             raise PeerUnavailable(f"peer {peer_id[:12]} failed {failures} dial(s) in a row; next try in "
                                   f"{until - time.monotonic():.1f} s")
+        if relays is None:
+            known = self.table.get(peer_id)
+            relays = known.relays if known is not None else ()
         fut = asyncio.get_running_loop().create_future()
         self._dialing[peer_id] = fut
         try:
-            link = await self._dial_any(addrs, expect_id=peer_id)
+            link = await self._reach(peer_id, addrs, relays)
             self._dial_failures.pop(peer_id, None)
             fut.set_result(link)
             return link
@@ -457,6 +511,49 @@ class Peer:
             raise
         finally:
             del self._dialing[peer_id]
+
+    async def _reach(self, peer_id: str, addrs: tuple[str, ...], relays: tuple[str, ...]) -> Link:
+        """Dial ``addrs``; for a peer with ``relays`` (nobody can dial it), first a circuit through the
+        first of them that reaches ``peer_id``, then its addresses.
+
+        Raises:
+            PeerUnavailable: naming each address's and relay's failure.
+        """
+        if not relays:
+            return await self._dial_any(addrs, expect_id=peer_id)
+        errors = []
+        for relay_id in relays:  # it says nobody can dial it: its relays first, its addresses last
+            relay = self.table.get(relay_id)
+            try:
+                if relay_id in (self.peer_id, peer_id) or relay is None:
+                    raise PeerUnavailable("not a peer this one knows")
+                carrier = await self._link_to(relay_id, relay.addrs, ())
+                if carrier.relay_id is not None:
+                    raise PeerUnavailable("it is reached through a relay itself")
+                return await self._circuit_to(carrier, peer_id)
+            except PeerUnavailable as exc:
+                errors.append(f"through relay {relay_id[:12]}: {exc}")
+        if addrs:
+            try:
+                return await self._dial_any(addrs, expect_id=peer_id)
+            except PeerUnavailable as exc:
+                errors.append(str(exc))
+        raise PeerUnavailable(f"cannot reach peer {peer_id[:12]}: " + "; ".join(errors))
+
+    async def _circuit_to(self, carrier: Link, peer_id: str) -> Link:
+        """A link to ``peer_id`` over a circuit through ``carrier`` (a link to one of its relays),
+        after the same handshake as a dialed link: the relay cannot answer for the peer.
+
+        Raises:
+            PeerUnavailable: the relay refused, or the handshake failed.
+        """
+        sock = carrier.open_circuit(peer_id, max_bytes=self.max_frame_bytes)
+        link = circuit_link(sock, on_message=self._on_message, name=f"relay://{carrier.remote_id}")
+        link = await self._shake(link, peer_id)
+        self._merge([link.info.pop("advert")], proven=True)
+        self.links.setdefault(peer_id, link)
+        log.info("reached peer %s through relay %s", peer_id[:12], (carrier.remote_id or "?")[:12])
+        return link
 
     def _dial_failed(self, peer_id: str) -> None:
         """Back off dialing ``peer_id``: :data:`DIAL_BACKOFF_S` doubled per failure in a row."""
@@ -501,6 +598,16 @@ class Peer:
                               insecure=self.settings.insecure, tls_ca=self.settings.tls_ca)
         except InvalidInput as exc:
             raise PeerUnavailable(str(exc)) from exc
+        link.info.update(dialed=True, bootstrap=url in self.settings.bootstrap)
+        return await self._shake(link, expect_id)
+
+    async def _shake(self, link: Link, expect_id: str | None) -> Link:
+        """Track a new outgoing ``link`` (dialed, or a circuit) and shake hands on it; the link
+        holds the remote's advert in ``info["advert"]``. It is closed when the handshake fails.
+
+        Raises:
+            PeerUnavailable: the handshake failed, naming the link.
+        """
         link.meter = self.metrics
         self._all_links.add(link)
         link.reader.add_done_callback(lambda _t, lk=link: self._forget_link(lk))
@@ -509,7 +616,7 @@ class Peer:
         except BaseException as exc:
             await link.close()
             if isinstance(exc, MeshError):
-                raise PeerUnavailable(f"{url}: {exc}") from exc
+                raise PeerUnavailable(f"{link.name}: {exc}") from exc
             raise
         link.remote_id, link.role = remote.peer_id, "peer"
         link.info.update(authed=True, advert=remote)
@@ -525,10 +632,13 @@ class Peer:
         """
         timeout_s, mesh_key = self.settings.request_timeout_s, self.settings.mesh_key
         hello_nonce = discovery.new_nonce()
+        relayed = link.relay_id is not None
         _, f = await link.request("hello", timeout_s=timeout_s, role="peer", nonce=hello_nonce,
-                                  advert=self.advert().to_wire())
+                                  advert=self.advert().to_wire(), max_frame_bytes=self.max_frame_bytes)
         remote, welcome_nonce = discovery.check_welcome(f, hello_nonce, expect_id=expect_id, mesh_key=mesh_key,
-                                                        tls_fingerprint=link.tls_fingerprint, dialed_url=link.name)
+                                                        tls_fingerprint=link.tls_fingerprint, dialed_url=link.name,
+                                                        relayed=relayed)
+        link.info["max_frame_bytes"] = f.int("max_frame_bytes", lo=1024, hi=1 << 40, default=None)
         if not self._allowed(remote.peer_id):
             raise Unauthenticated(discovery.not_allowed(remote.peer_id))
         auth = {"proof": discovery.prove(self.key, discovery.HELLO_LABEL, welcome_nonce, hello_nonce)}
@@ -539,6 +649,7 @@ class Peer:
 
     def _forget_link(self, link: Link) -> None:
         self._all_links.discard(link)
+        self._drop_forwards(link)
         if link.remote_id and self.links.get(link.remote_id) is link:
             del self.links[link.remote_id]
 
@@ -581,13 +692,15 @@ class Peer:
             raise Unauthenticated(discovery.not_allowed(claimed.peer_id))
         welcome_nonce = discovery.new_nonce()
         link.role = role
-        link.info.update(hello_nonce=hello_nonce, welcome_nonce=welcome_nonce, claimed=claimed)
+        link.info.update(hello_nonce=hello_nonce, welcome_nonce=welcome_nonce, claimed=claimed,
+                         max_frame_bytes=f.int("max_frame_bytes", lo=1024, hi=1 << 40, default=None))
         extra = {}
         if self.settings.mesh_key is not None:
             extra["mac"] = discovery.mesh_mac(self.settings.mesh_key, discovery.MESH_WELCOME_LABEL, hello_nonce,
                                               welcome_nonce)
         await link.send("welcome", re=f.get("id", int, None), advert=self._welcome_advert().to_wire(), nonce=welcome_nonce,
-                        proof=discovery.welcome_proof(self.key, hello_nonce, welcome_nonce, self.tls_fingerprint),
+                        proof=discovery.welcome_proof(self.key, hello_nonce, welcome_nonce,
+                                                      "" if link.relay_id else self.tls_fingerprint),
                         private=self.settings.mesh_key is not None, max_step_tokens=self.settings.max_step_tokens,
                         max_frame_bytes=self.max_frame_bytes, **extra)
 
@@ -626,13 +739,18 @@ class Peer:
             if not discovery.check_mac(key, f.get("mac", bytes, b""), discovery.MESH_HELLO_LABEL, welcome_nonce,
                                        hello_nonce):
                 raise Unauthenticated(PRIVATE_MESH)
-            if not self.tls_fingerprint:
+            if not self.tls_fingerprint or link.relay_id:
                 raise Unauthenticated("auth: over ws:// a private mesh needs a proof bound to the address dialed "
                                       "(field 'addr'); update meshinfer, or serve wss://")
             return
         if not discovery.check_mac(key, f.get("bound_mac", bytes, b""), discovery.MESH_BOUND_LABEL, welcome_nonce,
                                    hello_nonce + addr.encode()):
             raise Unauthenticated(PRIVATE_MESH)
+        if link.relay_id is not None:  # a circuit: the proof must name the relay it came through
+            if addr != f"relay://{link.relay_id}":
+                raise Unauthenticated(f"auth: the mesh-key proof was made for {addr[:100]}, not for a circuit "
+                                      f"through relay {link.relay_id[:12]}")
+            return
         host, port = link.ws.local_address[:2]
         scheme = "wss" if self.tls_fingerprint else "ws"
         here = {discovery.endpoint(a) for a in self.addrs} | {discovery.endpoint(f"{scheme}://{_url_host(host)}:{port}")}
@@ -725,6 +843,8 @@ class Peer:
     async def _on_open(self, link: Link, f) -> None:
         rid = f.get("id", int, None)
         conv_id = f.str("conv")
+        if conv_id in self.convs and self.convs[conv_id].owner.closed.is_set():
+            await self._drop_conv(conv_id)  # its client's connection (a circuit) is gone; it reopens here
         if conv_id in self.convs:
             raise ProtocolError(f"open: conversation {conv_id[:40]!r} is already open")
         if self.state != protocol.READY:
@@ -745,11 +865,11 @@ class Peer:
             raise CacheFull(f"conversation needs {tokens} tokens of KV cache; this peer has "
                             f"{self.free_kv_tokens} free of {self.capacity_tokens}")
         self._check_host_reservation(host, tokens)
-        prev_id, next_id, next_addrs = self._neighbours(f, run)
+        prev_id, next_id, next_addrs, next_relays = self._neighbours(f, run)
         cache = KVCache(run, self.cfg.num_key_value_heads, self.cfg.head_dim, dtype=self.shard.dtype,
                         device=self.shard.device, max_tokens=tokens)
         conv = _Conv(conv_id=conv_id, run=run, owner=link, prev_id=prev_id, next_id=next_id,
-                     next_addrs=next_addrs, reserved_tokens=tokens, cache=cache,
+                     next_addrs=next_addrs, next_relays=next_relays, reserved_tokens=tokens, cache=cache,
                      sent=HiddenLog(self.cfg.hidden_size, max_tokens=tokens) if next_id else None)
         self.convs[conv_id] = conv
         self._reserved_tokens += tokens
@@ -768,18 +888,21 @@ class Peer:
                               f"pass its limit of {limit} ({self.settings.client_limits.kv_share:.0%} of "
                               f"{self.capacity_tokens})")
 
-    def _neighbours(self, f, run: LayerRange) -> tuple[str | None, str | None, tuple[str, ...]]:
-        """``prev`` and ``next`` of an open/reroute frame, checked against the hop's position."""
+    def _neighbours(self, f, run: LayerRange) -> tuple[str | None, str | None, tuple[str, ...], tuple[str, ...] | None]:
+        """``prev`` and ``next`` (id, addresses, relays or None) of an open/reroute frame,
+        checked against the hop's position."""
         nxt = f.get("next", dict, None)
         nf = protocol.Fields(nxt, f"{f.what}.next") if nxt else None
         next_id = nf.str("peer_id") if nf else None
         next_addrs = protocol.check_addrs(nf.str_list("addrs"), f"{f.what}.next") if nf else ()
+        has_relays = nf is not None and nf.get("relays", list, None) is not None
+        next_relays = protocol.check_relays(nf.str_list("relays"), f"{f.what}.next") if has_relays else None
         if (run.stop < self.cfg.num_hidden_layers) != (next_id is not None):
             raise ProtocolError(f"{f.what}: 'next' must name the next hop unless this hop runs the last layer")
         prev_id = f.str("prev", None)
         if (run.start > 0) != (prev_id is not None):
             raise ProtocolError(f"{f.what}: 'prev' must name the previous hop unless this hop runs layer 0")
-        return prev_id, next_id, next_addrs
+        return prev_id, next_id, next_addrs, next_relays
 
     async def _on_step(self, link: Link, f) -> None:
         conv = self.convs.get(f.str("conv"))
@@ -949,8 +1072,8 @@ class Peer:
             raise InvalidInput("reroute: no such conversation on this connection")
         if f.layer_range("layers") != conv.run:
             raise LayerRangeError(f"reroute: conversation {conv.conv_id} runs layers {conv.run.cli()} here")
-        prev_id, next_id, next_addrs = self._neighbours(f, conv.run)
-        conv.prev_id, conv.next_id, conv.next_addrs = prev_id, next_id, next_addrs
+        prev_id, next_id, next_addrs, next_relays = self._neighbours(f, conv.run)
+        conv.prev_id, conv.next_id, conv.next_addrs, conv.next_relays = prev_id, next_id, next_addrs, next_relays
         log.info("conversation %s rerouted (failover): previous hop %s, next hop %s", conv.conv_id,
                  (prev_id or "client")[:12], (next_id or "client")[:12],
                  extra=context(conv=conv.conv_id, peer=self.peer_id))
@@ -984,6 +1107,162 @@ class Peer:
         else:
             log.debug("error frame from %s: %s", link.name, f.str("message", ""))
 
+    # ------------------------------------------------------------------ relays
+    async def _on_relay(self, link: Link, f) -> None:
+        """A circuit frame toward a hidden peer: forward it (this peer is its relay; the frame
+        names ``to``), or, without ``to``, the first frame of a circuit to this peer."""
+        circ = f.int("circ", lo=0, hi=1 << 62)
+        data = f.get("data", bytes)
+        to = f.str("to", None)
+        if to is None:
+            try:
+                self._accept_circuit(link, circ, data, host=f.str("host", "?")[:64])
+            except MeshError as exc:
+                link.post("relay_close", circ=circ, back=True, message=str(exc)[:200], cut=False)
+                raise
+            return
+        dest = self._forwards.get((link, circ))
+        if dest is None:
+            try:
+                dest = self._open_forward(link, circ, to)
+            except MeshError as exc:
+                link.post("relay_close", circ=circ, back=True, message=str(exc), cut=False)
+                raise
+        if not dest[0].post("relay", circ=dest[1], data=data, host=_client_host(link), cut=False):
+            self._end_forward(link, circ, f"peer {to[:12]} does not read fast enough")
+
+    def _open_forward(self, link: Link, circ: int, to: str) -> tuple[Link, int]:
+        """Start forwarding circuit ``circ`` of ``link`` to peer ``to``, a peer that lists this one as
+        its relay and holds a link it opened here.
+
+        Raises:
+            Unauthenticated: ``link`` has not said hello.
+            PeerUnavailable: ``to`` has no such link here, or does not list this peer as a relay.
+            RateLimited: too many circuits from ``link`` or to ``to``.
+        """
+        target = self.links.get(to)
+        advert = self.table.get(to)
+        if target is None or target.closed.is_set() or target.relay_id is not None or target is link:
+            raise PeerUnavailable(f"relay {self.peer_id[:12]} holds no link from peer {to[:12]}")
+        if advert is None or self.peer_id not in advert.relays:
+            raise PeerUnavailable(f"peer {to[:12]} does not list {self.peer_id[:12]} among its relays")
+        if sum(1 for lk, _ in self._forwards if lk is link) >= MAX_CIRCUITS_PER_LINK:
+            raise RateLimited(f"this connection already has {MAX_CIRCUITS_PER_LINK} circuits through this relay")
+        if sum(1 for lk, _ in self._backwards if lk is target) >= MAX_CIRCUITS_PER_PEER:
+            raise RateLimited(f"peer {to[:12]} already has {MAX_CIRCUITS_PER_PEER} circuits through this relay")
+        dest = (target, target.next_circuit_id())
+        self._forwards[(link, circ)] = dest
+        self._backwards[dest] = (link, circ)
+        return dest
+
+    async def _on_relay_back(self, link: Link, f) -> None:
+        """A circuit frame from a hidden peer back toward the circuit's opener: forward it."""
+        circ = f.int("circ", lo=0, hi=1 << 62)
+        data = f.get("data", bytes)
+        src = self._backwards.get((link, circ))
+        if src is None:
+            return  # a circuit that ended meanwhile
+        if not src[0].post("relay_back", circ=src[1], data=data, cut=False):
+            self._end_forward(*src, f"the opener of circuit {src[1]} does not read fast enough")
+
+    async def _on_relay_close(self, link: Link, f) -> None:
+        """One end closed a circuit this peer forwards: tell the other end."""
+        circ = f.int("circ", lo=0, hi=1 << 62)
+        if f.get("back", bool, False):
+            src = self._backwards.get((link, circ))
+            if src is not None:
+                self._end_forward(*src, f.str("message", "closed by the peer"))
+        elif (link, circ) in self._forwards:
+            self._end_forward(link, circ, "closed by its opener")
+
+    def _end_forward(self, link: Link, circ: int, reason: str) -> None:
+        """Stop forwarding circuit ``circ`` of opener ``link``; tell both ends (best effort)."""
+        dest = self._forwards.pop((link, circ), None)
+        if dest is None:
+            return
+        self._backwards.pop(dest, None)
+        log.debug("circuit %d ends: %s", circ, reason)
+        link.post("relay_close", circ=circ, back=True, message=reason[:200], cut=False)
+        dest[0].post("relay_close", circ=dest[1], back=False, cut=False)
+
+    def _drop_forwards(self, link: Link) -> None:
+        """``link`` closed: end every circuit forwarded from or to it."""
+        for opener, circ in [k for k, v in self._forwards.items() if k[0] is link or v[0] is link]:
+            self._end_forward(opener, circ, "a link of the relay closed")
+
+    def _accept_circuit(self, carrier: Link, circ: int, data: bytes, *, host: str) -> None:
+        """The first frame of a circuit a relay opened to this peer: serve it like a connection.
+
+        Raises:
+            ProtocolError: ``carrier`` is not a link to one of this peer's relays.
+            RateLimited: the relay already carries :data:`MAX_CIRCUITS_PER_PEER` circuits here.
+        """
+        if carrier.relay_id is not None or carrier.remote_id is None or carrier.remote_id not in self.relays():
+            raise ProtocolError(f"relay: peer {(carrier.remote_id or '?')[:12]} is not a relay of this peer")
+        if sum(1 for side, _ in carrier.circuits if side == "in") >= MAX_CIRCUITS_PER_PEER:
+            carrier.post("relay_close", circ=circ, back=True, message="too many circuits", cut=False)
+            raise RateLimited(f"relay {carrier.remote_id[:12]} already carries {MAX_CIRCUITS_PER_PEER} circuits")
+        limit = carrier.info.get("max_frame_bytes")
+        sock = CircuitSocket(carrier, circ, side="in", max_bytes=self.max_frame_bytes,
+                             max_send_bytes=None if limit is None else limit - RELAY_OVERHEAD_BYTES,
+                             remote_address=(f"{host} via {carrier.remote_id[:12]}", 0))
+        carrier.circuits[("in", circ)] = sock
+        link = Link(sock, max_bytes=self.max_frame_bytes, on_message=self._on_message,
+                    name=f"circuit {circ} through {carrier.remote_id[:12]}")
+        self._spawn(self._serve_link(link), f"circuit {circ}")
+        sock.feed(data)
+
+    # ------------------------------------------------------------------ reachability
+    async def _check_reachability(self) -> None:
+        """Ask a bootstrap peer to dial this peer's addresses back (Petals' reachability check):
+        :attr:`reachable` becomes True or False; it stays None when no peer can be asked."""
+        for _ in range(30):
+            link = next((lk for lk in self.links.values() if lk.info.get("bootstrap") and not lk.closed.is_set()),
+                        None)
+            if link is not None:
+                break
+            await asyncio.sleep(self.settings.gossip_interval_s)
+        else:
+            log.info("reachability not checked: no bootstrap peer answered")
+            return
+        try:
+            _, f = await link.request("dial_back", timeout_s=DIAL_BACK_TIMEOUT_S)
+        except MeshError as exc:
+            log.info("reachability not checked: %s", exc)
+            return
+        self.reachable = f.get("ok", bool)
+        if self.reachable:
+            self.reachability_note = f"peer {link.remote_id[:12]} dialed {f.str('addr', '?')} back"
+            log.info("reachable: %s", self.reachability_note)
+        else:
+            self.reachability_note = f"peer {link.remote_id[:12]} could not dial it back: {f.str('reason', '?')}"
+            log.warning("unreachable at %s (%s); clients will reach this peer through relays %s",
+                        ", ".join(self.addrs), self.reachability_note, ", ".join(r[:12] for r in self.relays()))
+        self._seq += 1
+
+    async def _on_dial_back(self, link: Link, f) -> None:
+        """Reachability check for a peer with a proven link: dial the addresses of its signed
+        advert (at the rate of learnt addresses) and say whether it answered as itself."""
+        if link.role != "peer" or link.remote_id is None:
+            raise Unauthenticated("dial_back: only a peer that proved its key may ask")
+        if link.info.get("dialing_back"):
+            raise RateLimited("dial_back: one at a time")
+        advert = self.table.get(link.remote_id)
+        link.info["dialing_back"] = True
+        self._spawn(self._dial_back(link, advert.addrs if advert else (), f.get("id", int, None)), "dial back")
+
+    async def _dial_back(self, link: Link, addrs: tuple[str, ...], rid: int | None) -> None:
+        try:
+            test = await first_success([self._dial_one(url, link.remote_id) for url in addrs],
+                                       discard=lambda lk: lk.close())
+        except PeerUnavailable as exc:
+            link.post("dialed_back", re=rid, ok=False, reason=str(exc)[:500] if addrs else "it advertises no address")
+        else:
+            await test.close()
+            link.post("dialed_back", re=rid, ok=True, addr=test.name)
+        finally:
+            link.info["dialing_back"] = False
+
     # ------------------------------------------------------------------ compute
     async def _conv_worker(self, conv: _Conv) -> None:
         while True:
@@ -993,7 +1272,7 @@ class Peer:
                 t0 = time.perf_counter()
                 if isinstance(x, int):  # a replayed step this hop holds: resend what it sent then
                     if conv.next_id is not None:
-                        nxt = await self._link_to(conv.next_id, conv.next_addrs)
+                        nxt = await self._link_to(conv.next_id, conv.next_addrs, conv.next_relays)
                         await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, replay=True,
                                        hidden=protocol.tensor_to_wire(conv.sent.slice(start, start + x)), trace=[])
                     continue
@@ -1009,7 +1288,7 @@ class Peer:
                         await conv.owner.send("token", conv=conv.conv_id, seq=seq, trace=trace + [hop],
                                               length=conv.cache.length, **last_hop_reply(out, want))
                 else:
-                    nxt = await self._link_to(conv.next_id, conv.next_addrs)
+                    nxt = await self._link_to(conv.next_id, conv.next_addrs, conv.next_relays)
                     await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, replay=replay,
                                    hidden=protocol.tensor_to_wire(out), trace=trace + [hop],
                                    **({"sampling": sampling.to_wire()} if sampling else {}),
@@ -1169,7 +1448,9 @@ class Peer:
 
     async def _gossip_to(self, peer_id: str, addrs: tuple[str, ...], payload: list) -> None:
         try:
-            link = await self._link_to(peer_id, addrs)
+            if not addrs and peer_id not in self.links:
+                return  # a peer nobody can dial gossips over the links it opens; no circuit for gossip
+            link = await self._link_to(peer_id, addrs, ())
             t0 = time.perf_counter()
             await link.request("ping", timeout_s=self.settings.request_timeout_s)
             self.rtts_ms[peer_id] = round((time.perf_counter() - t0) * 1e3, 3)

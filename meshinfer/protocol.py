@@ -46,6 +46,8 @@ MAX_ID_LEN = 64
 MAX_ADDRS = 4
 #: Longest address accepted, characters.
 MAX_ADDR_LEN = 256
+#: Most relays an advert lists (peer ids of the peers a NAT'd peer keeps outbound links to).
+MAX_RELAYS = 4
 #: The only URL schemes a peer or client dials.
 ADDR_SCHEMES = ("ws://", "wss://")
 #: Most entries of a step's trace (one per hop).
@@ -95,6 +97,10 @@ class PeerAdvert:
         active_params: weights one token reads there: ``params`` for a dense model, the router
             and ``k`` of ``E`` experts per layer for a mixture of experts. Both signed, sent
             only when set.
+        relays: peer ids (at most :data:`MAX_RELAYS`) of reachable peers that forward frames to
+            this peer over the links it opened to them, for a peer nobody can dial (``join
+            --listen none``, or a failed reachability check); empty for a reachable peer.
+            Signed like every other field, sent only when set.
     """
 
     peer_id: str
@@ -118,6 +124,7 @@ class PeerAdvert:
     tokenizer_sha256: str = ""
     params: int = 0
     active_params: int = 0
+    relays: tuple[str, ...] = ()
 
     @property
     def compat_key(self) -> tuple[str, str, int, int]:
@@ -139,6 +146,8 @@ class PeerAdvert:
             d["tokenizer_sha256"] = self.tokenizer_sha256
         if self.params:
             d["params"], d["active_params"] = self.params, self.active_params
+        if self.relays:
+            d["relays"] = list(self.relays)
         return d
 
     def signed_bytes(self) -> bytes:
@@ -180,7 +189,8 @@ class PeerAdvert:
                    sig=f.str("sig", ""), tls_fingerprint=f.str("tls_fingerprint", ""),
                    tokenizer_sha256=_sha256_hex(f, "tokenizer_sha256"),
                    params=f.int("params", lo=0, hi=1 << 50, default=0),
-                   active_params=f.int("active_params", lo=0, hi=1 << 50, default=0))
+                   active_params=f.int("active_params", lo=0, hi=1 << 50, default=0),
+                   relays=check_relays(f.str_list("relays", []), "advert"))
 
 
 def _sha256_hex(f: "Fields", name: str) -> str:
@@ -205,6 +215,20 @@ def check_addrs(addrs: list[str], what: str) -> tuple[str, ...]:
             raise ProtocolError(f"{what}: address {url[:80]!r} is not a ws:// or wss:// URL of at most "
                                 f"{MAX_ADDR_LEN} characters")
     return tuple(addrs)
+
+
+def check_relays(relays: list[str], what: str) -> tuple[str, ...]:
+    """``relays`` when it holds at most :data:`MAX_RELAYS` peer ids of at most :data:`MAX_ID_LEN` characters.
+
+    Raises:
+        ProtocolError: naming the count or the first bad id.
+    """
+    if len(relays) > MAX_RELAYS:
+        raise ProtocolError(f"{what}: field 'relays' holds {len(relays)} peer ids; at most {MAX_RELAYS} are allowed")
+    for rid in relays:
+        if not 0 < len(rid) <= MAX_ID_LEN:
+            raise ProtocolError(f"{what}: relay {rid[:80]!r} is not a peer id")
+    return tuple(relays)
 
 
 def _finite(v: object) -> bool:
@@ -397,6 +421,11 @@ MESSAGE_TYPES = frozenset({
     "verify",     # C -> P     spot-check: run layers statelessly over a prefix, return positions >= check
     "verified",   # P -> C
     "error",      # any        error reply; carries conv and seq when about a step
+    "relay",      # C/P -> relay (with to), relay -> hidden P: one frame of a circuit, toward the hidden peer
+    "relay_back",  # hidden P -> relay -> C/P: one frame of a circuit, back toward its opener
+    "relay_close",  # either way: the circuit is gone
+    "dial_back",  # P -> P     reachability check: dial my advertised addresses
+    "dialed_back",  # P -> P   reply: which answered
 })
 
 

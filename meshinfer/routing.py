@@ -14,6 +14,16 @@ chosen token straight back to the client::
     + sum of compute_ms_per_token_i * k_i / n_i    (hop i runs k_i of its n_i layers)
     + HOP_OVERHEAD_MS * n                          (n hops)
 
+Relayed peers. A peer nobody can dial (``join --listen none``, or a failed reachability
+check) lists relays in its signed advert, and frames to it go through one of them. An RTT
+measured over such a circuit (the client's pings, a peer's gossip pings) already includes the
+relay's detour, so measured values are used as they are. When the link ``a -> b`` into a
+relayed peer ``b`` (no address, relays listed) has no measurement, the planner does not assume
+:data:`DEFAULT_UNKNOWN_RTT_MS`: it estimates the detour through the cheapest listed relay ``r``
+it knows, ``RTT(a, r) + RTT(r, b) + RELAY_FORWARD_MS`` (each leg as reported, or the default).
+A relayed hop therefore costs its relay's extra RTT, and a direct peer wins over a relayed one
+of equal compute.
+
 Search. Dijkstra over states ``(a, i)``: layers ``[0, a)`` are done, and peer ``i`` ran
 layer ``a - 1``. The state has to hold the last peer because the next link's cost depends
 on it. Each edge runs one layer. It either *continues* on peer ``i``, or *switches* to a
@@ -76,6 +86,11 @@ DEFAULT_UNKNOWN_RTT_MS = 100.0
 #: save a fraction of a millisecond: every extra hop is one more peer that can fail
 #: mid-conversation and one more KV cache to replay.
 HOP_OVERHEAD_MS = 1.0
+
+#: Extra time a relay adds to a frame beyond the RTTs of its two legs, in milliseconds: it
+#: decodes the envelope and queues the frame on a second connection, one more event-loop
+#: wakeup on the relay's CPU, like :data:`HOP_OVERHEAD_MS`.
+RELAY_FORWARD_MS = 1.0
 
 #: Hex digits of the weights hash shown in messages. 12 digits (48 bits) tell any
 #: realistic set of models apart and still fit on one line.
@@ -201,12 +216,14 @@ def plan_route(
             disagrees with ``compat_key``.
     """
     _check_args(num_layers, compat_key, min_free_kv_tokens)
+    peers = list(peers)
+    table = _newest(peers)
     groups = _groups(peers, num_layers, compat_key)
     if not groups:
         raise NoRoute(_empty_table_message(num_layers, compat_key))
     statuses = [
         _plan_group(key, members, client_rtts_ms, exclude, min_free_kv_tokens, allow_revisit, groups,
-                    trusted=trusted if checkable else None)
+                    trusted=trusted if checkable else None, table=table)
         for key, members in groups.items()
     ]
     routes = [s.route for s in statuses if s.route is not None]
@@ -233,10 +250,11 @@ def complete_routes_summary(
         ValueError: ``min_free_kv_tokens < 0``.
     """
     _check_args(None, None, min_free_kv_tokens)
+    peers = list(peers)
     groups = _groups(peers, None, None)
     rtts = client_rtts_ms or {}
     statuses = [
-        _plan_group(key, members, rtts, exclude, min_free_kv_tokens, allow_revisit, groups)
+        _plan_group(key, members, rtts, exclude, min_free_kv_tokens, allow_revisit, groups, table=_newest(peers))
         for key, members in groups.items()
     ]
 
@@ -248,8 +266,10 @@ def complete_routes_summary(
     return sorted(statuses, key=order)
 
 
-def estimate_ms_per_token(hops: Sequence[Hop], *, client_rtts_ms: Mapping[str, float]) -> float:
+def estimate_ms_per_token(hops: Sequence[Hop], *, client_rtts_ms: Mapping[str, float],
+                          table: Mapping[str, PeerAdvert] | None = None) -> float:
     """Cost of a given chain of hops under the module's model, milliseconds per token.
+    ``table`` (peer id -> advert) holds the relays of relayed hops (see :func:`hop_rtt_ms`).
 
     Raises:
         ValueError: ``hops`` is empty.
@@ -258,7 +278,7 @@ def estimate_ms_per_token(hops: Sequence[Hop], *, client_rtts_ms: Mapping[str, f
         raise ValueError("a route needs at least one hop")
     total = client_rtt_ms(hops[0].peer, client_rtts_ms) / 2 + client_rtt_ms(hops[-1].peer, client_rtts_ms) / 2
     for prev, nxt in zip(hops, hops[1:]):
-        total += link_rtt_ms(prev.peer, nxt.peer) / 2
+        total += hop_rtt_ms(prev.peer, nxt.peer, table or {}) / 2
     return total + sum(hop.compute_ms for hop in hops) + HOP_OVERHEAD_MS * len(hops)
 
 
@@ -275,6 +295,24 @@ def link_rtt_ms(a: PeerAdvert, b: PeerAdvert) -> float:
     """
     seen = [r for r in (a.rtts_ms.get(b.peer_id), b.rtts_ms.get(a.peer_id)) if _valid_ms(r)]
     return sum(seen) / len(seen) if seen else DEFAULT_UNKNOWN_RTT_MS
+
+
+def is_relayed(peer: PeerAdvert) -> bool:
+    """Whether frames reach ``peer`` only through its relays (no address, relays listed)."""
+    return bool(peer.relays) and not peer.addrs
+
+
+def hop_rtt_ms(a: PeerAdvert, b: PeerAdvert, table: Mapping[str, PeerAdvert]) -> float:
+    """RTT of the link from hop ``a`` to hop ``b``, ms: :func:`link_rtt_ms` when either side
+    measured it (through a relay or not); for a relayed ``b`` with no measurement, the detour
+    through its cheapest relay in ``table``: ``RTT(a, r) + RTT(r, b) + RELAY_FORWARD_MS``."""
+    if not is_relayed(b) or any(_valid_ms(r) for r in (a.rtts_ms.get(b.peer_id), b.rtts_ms.get(a.peer_id))):
+        return link_rtt_ms(a, b)
+    detours = [link_rtt_ms(a, table[r]) + link_rtt_ms(table[r], b) + RELAY_FORWARD_MS
+               for r in b.relays if r in table and r != a.peer_id]
+    if a.peer_id in b.relays:  # a is b's relay: b's own link to it
+        detours.append(link_rtt_ms(a, b))
+    return min(detours, default=DEFAULT_UNKNOWN_RTT_MS)
 
 
 def compat_label(key: CompatKey, others: Iterable[CompatKey] = ()) -> str:
@@ -308,16 +346,22 @@ def _check_args(num_layers: int | None, compat_key: CompatKey | None, min_free_k
         raise ValueError(f"num_layers {num_layers} disagrees with compat_key, which says {compat_key[3]} layers")
 
 
-def _groups(
-    peers: Iterable[PeerAdvert], num_layers: int | None, compat_key: CompatKey | None
-) -> dict[CompatKey, list[PeerAdvert]]:
-    """Keep the newest advert per peer id and group them by compat key, each sorted by peer id."""
+def _newest(peers: Iterable[PeerAdvert]) -> dict[str, PeerAdvert]:
+    """The newest advert (largest ``seq``) per peer id."""
     newest: dict[str, PeerAdvert] = {}
     for p in peers:
         if p.num_layers < 1:
             continue  # malformed; the protocol layer rejects such adverts
         if p.peer_id not in newest or p.seq > newest[p.peer_id].seq:
             newest[p.peer_id] = p
+    return newest
+
+
+def _groups(
+    peers: Iterable[PeerAdvert], num_layers: int | None, compat_key: CompatKey | None
+) -> dict[CompatKey, list[PeerAdvert]]:
+    """Keep the newest advert per peer id and group them by compat key, each sorted by peer id."""
+    newest = _newest(peers)
     groups: dict[CompatKey, list[PeerAdvert]] = {}
     for p in sorted(newest.values(), key=lambda p: p.peer_id):
         key = p.compat_key
@@ -367,6 +411,7 @@ def _plan_group(
     groups: Mapping[CompatKey, object],
     *,
     trusted: Set[str] | None = None,
+    table: Mapping[str, PeerAdvert] | None = None,
 ) -> GroupStatus:
     """Plan within one compat-key group. ``members`` are sorted by peer id. With ``trusted``
     (not None), plan over checkable windows first (see :func:`plan_route`)."""
@@ -374,7 +419,7 @@ def _plan_group(
     missing = _missing_layers(usable, key[3])
     route = None
     if not missing:
-        graph = _build_graph(usable, key[3], client_rtts_ms)
+        graph = _build_graph(usable, key[3], client_rtts_ms, table or {})
         windows = tuple((p.layers,) for p in usable)
         found = None
         if trusted is not None:
@@ -386,7 +431,7 @@ def _plan_group(
             found = _search(graph)
         assert found is not None, "every layer is covered, so a chain exists"
         seq = found[1] if allow_revisit else _search_without_revisits(graph, found, windows)
-        route = _to_route(graph, seq, key, client_rtts_ms)
+        route = _to_route(graph, seq, key, client_rtts_ms, table or {})
     return GroupStatus(key, compat_label(key, groups), len(members), len(usable), route, missing)
 
 
@@ -453,14 +498,15 @@ class _Graph:
                        cover=cover)
 
 
-def _build_graph(peers: Sequence[PeerAdvert], num_layers: int, client_rtts_ms: Mapping[str, float]) -> _Graph:
+def _build_graph(peers: Sequence[PeerAdvert], num_layers: int, client_rtts_ms: Mapping[str, float],
+                 table: Mapping[str, PeerAdvert]) -> _Graph:
     n = len(peers)
     graph = _Graph(
         peers=tuple(peers),
         num_layers=num_layers,
         client_half_ms=tuple(client_rtt_ms(p, client_rtts_ms) / 2 for p in peers),
         layer_ms=tuple(p.compute_ms_per_token / len(p.layers) for p in peers),
-        link_half_ms=tuple(tuple(link_rtt_ms(peers[i], peers[j]) / 2 for j in range(n)) for i in range(n)),
+        link_half_ms=tuple(tuple(hop_rtt_ms(peers[i], peers[j], table) / 2 for j in range(n)) for i in range(n)),
     )
     return graph.with_windows(tuple((p.layers,) for p in peers))
 
@@ -584,11 +630,12 @@ def _branches(windows: _Windows, p: int, b1: int, a2: int, num_layers: int) -> l
     return [below, above, through]
 
 
-def _to_route(g: _Graph, seq: tuple[_HopKey, ...], key: CompatKey, client_rtts_ms: Mapping[str, float]) -> Route:
+def _to_route(g: _Graph, seq: tuple[_HopKey, ...], key: CompatKey, client_rtts_ms: Mapping[str, float],
+              table: Mapping[str, PeerAdvert]) -> Route:
     """Build the route. Its cost is recomputed hop by hop, so it does not carry per-layer rounding."""
     starts = [h[2] for h in seq] + [g.num_layers]
     hops = tuple(Hop(g.peers[h[3]], LayerRange(starts[k], starts[k + 1])) for k, h in enumerate(seq))
-    return Route(hops, estimate_ms_per_token(hops, client_rtts_ms=client_rtts_ms), key)
+    return Route(hops, estimate_ms_per_token(hops, client_rtts_ms=client_rtts_ms, table=table), key)
 
 
 # ---------------------------------------------------------------------------- messages

@@ -26,7 +26,7 @@ from .routing import Route, plan_route
 from .sampling import SamplingParams
 from .speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, DraftPolicy, SpecStats, accept
 from .tokenizer import Tokenizer, bundle_sha256
-from .transport import Link, dial, first_success, remote_error
+from .transport import Link, circuit_link, dial, first_success, remote_error
 
 log = logging.getLogger(__name__)
 
@@ -161,17 +161,25 @@ class MeshClient:
         link = await dial(url, max_bytes=CLIENT_MAX_FRAME_BYTES, on_message=self._on_message,
                           open_timeout_s=self.dial_timeout_s, insecure=self.insecure,
                           tls_ca=self.tls_ca)
+        return await self._greet(link, url)
+
+    async def _greet(self, link: Link, url: str) -> tuple[Link, PeerAdvert, int]:
+        """Shake hands on a new ``link`` (dialed at ``url``, or a circuit named ``relay://RELAY-ID``);
+        it is closed when the handshake fails."""
+        relayed = link.relay_id is not None
         try:
             nonce = discovery.new_nonce()
             _, f = await link.request("hello", timeout_s=self.dial_timeout_s, role="client", nonce=nonce)
             try:
                 advert, welcome_nonce = discovery.check_welcome(f, nonce, mesh_key=self.mesh_key,
-                                                                tls_fingerprint=link.tls_fingerprint, dialed_url=url)
+                                                                tls_fingerprint=link.tls_fingerprint, dialed_url=url,
+                                                                relayed=relayed)
             except Unauthenticated as exc:
                 raise Unauthenticated(f"{url}: {exc}") from exc
             if self.allow_ids is not None and advert.peer_id not in self.allow_ids:
                 raise Unauthenticated(f"{url}: {discovery.not_allowed(advert.peer_id)}")
             link.info["max_step_tokens"] = f.int("max_step_tokens", lo=1, hi=1 << 20)
+            link.info["max_frame_bytes"] = f.int("max_frame_bytes", lo=1024, hi=1 << 40, default=None)
             if self.mesh_key is not None:
                 await link.request("auth", timeout_s=self.request_timeout_s,
                                    **discovery.auth_macs(self.mesh_key, welcome_nonce, nonce, url))
@@ -192,21 +200,34 @@ class MeshClient:
             raise PeerUnavailable(f"{url} answered as peer {advert.peer_id[:12]}")
         return link
 
-    async def link(self, peer: PeerAdvert) -> Link:
+    async def link(self, peer: PeerAdvert, *, direct: bool = False) -> Link:
         """An open connection to ``peer``, dialing all its addresses at once if needed (each
-        within ``dial_timeout_s``; the first that answers as ``peer`` wins, the others are closed).
+        within ``dial_timeout_s``; the first that answers as ``peer`` wins, the others are closed),
+        or, for a peer that lists relays (nobody can dial it), unless ``direct``, first a circuit
+        through the first of its relays that reaches it (relays inside their failure backoff are
+        skipped).
 
         Raises:
-            PeerUnavailable: no address answers, or the answering peer has another id.
+            PeerUnavailable: no address or relay answers, or the answering peer has another id.
         """
         link = self._links.get(peer.peer_id)
         if link is not None and not link.closed.is_set():
             return link
-        try:
-            link = await first_success([self._hello_as(url, peer.peer_id) for url in peer.addrs],
-                                       discard=lambda lk: lk.close())
-        except PeerUnavailable as exc:
-            raise PeerUnavailable(f"cannot reach peer {peer.peer_id[:12]}: {exc}") from None
+        errors: list[str] = []
+        link = None
+        if peer.relays and not direct:  # it says nobody can dial it: its relays first, its addresses last
+            try:
+                link = await self._through_relays(peer, errors)
+            except PeerUnavailable:
+                if not peer.addrs:
+                    raise
+        if link is None:
+            try:
+                link = await first_success([self._hello_as(url, peer.peer_id) for url in peer.addrs],
+                                           discard=lambda lk: lk.close())
+            except PeerUnavailable as exc:
+                raise PeerUnavailable(f"cannot reach peer {peer.peer_id[:12]}: "
+                                      + "; ".join(errors + [str(exc)])) from None
         old = self._links.get(peer.peer_id)
         if old is not None and not old.closed.is_set():  # another task dialed it meanwhile
             await link.close()
@@ -214,6 +235,41 @@ class MeshClient:
         self._links[peer.peer_id] = link
         link.reader.add_done_callback(lambda _t, pid=peer.peer_id: self._link_closed(pid))
         return link
+
+    async def _through_relays(self, peer: PeerAdvert, errors: list[str]) -> Link:
+        """A circuit to ``peer`` through the first of its relays (not backed off) that reaches it;
+        the handshake runs end to end, so a relay cannot answer for the peer.
+
+        Raises:
+            PeerUnavailable: naming each relay's failure (and ``errors`` before them).
+        """
+        for relay_id in peer.relays:
+            relay = self.table.get(relay_id)
+            try:
+                if relay is None or relay_id in self.backed_off() or relay_id == peer.peer_id:
+                    raise PeerUnavailable("unknown or backed off")
+                carrier = await self.link(relay, direct=True)
+                sock = carrier.open_circuit(peer.peer_id, max_bytes=CLIENT_MAX_FRAME_BYTES)
+                link, advert, _ = await self._greet(circuit_link(sock, on_message=self._on_message,
+                                                                 name=f"relay://{relay_id}"), f"relay://{relay_id}")
+                if advert.peer_id != peer.peer_id:
+                    await link.close()
+                    raise PeerUnavailable(f"answered as peer {advert.peer_id[:12]}")
+                link.remote_id, link.role = advert.peer_id, "peer"
+                return link
+            except MeshError as exc:
+                errors.append(f"through relay {relay_id[:12]}: {exc}")
+        raise PeerUnavailable(f"cannot reach peer {peer.peer_id[:12]}: " + "; ".join(errors))
+
+    def culprit(self, peer_id: str) -> str:
+        """Whom to blame when the connection to hop ``peer_id`` failed: the relay it ran
+        through when that relay's own connection closed (the hop may be fine), else the hop."""
+        link = self._links.get(peer_id)
+        relay = link.relay_id if link is not None else None
+        carrier = self._links.get(relay) if relay else None
+        if relay is not None and (carrier is None or carrier.closed.is_set()):
+            return relay
+        return peer_id
 
     def _link_closed(self, peer_id: str) -> None:
         """Wake every conversation routed through ``peer_id``: its connection is gone."""
@@ -421,6 +477,23 @@ class MeshClient:
         return Conversation(self, route, max_tokens_total=max_tokens_total, **options)
 
 
+def _address(client: MeshClient, peer: PeerAdvert) -> str:
+    """Where the client reaches ``peer``: ``relay://RELAY-ID`` through a relay, else its first address."""
+    link = client._links.get(peer.peer_id)
+    if link is not None and link.relay_id is not None:
+        return f"relay://{link.relay_id}"
+    return (peer.addrs or ("",))[0]
+
+
+def _next_hop(hop) -> dict:
+    """The ``next`` field of an ``open``/``reroute`` naming ``hop`` (its relays only when it has some,
+    so frames to reachable hops keep their old bytes)."""
+    out = {"peer_id": hop.peer_id, "addrs": list(hop.peer.addrs)}
+    if hop.peer.relays:
+        out["relays"] = list(hop.peer.relays)
+    return out
+
+
 class Conversation:
     """One conversation over a route: prefill, decode, multi-turn reuse, failover with replay.
 
@@ -516,7 +589,7 @@ class Conversation:
             "reroute" if reroute else "open", timeout_s=self.client.request_timeout_s, conv=self.conv_id,
             layers=[hop.layers.start, hop.layers.stop], max_tokens=self.max_tokens_total,
             prev=hops[i - 1].peer_id if i else None,
-            next={"peer_id": nxt.peer_id, "addrs": list(nxt.peer.addrs)} if nxt else None)
+            next=_next_hop(nxt) if nxt else None)
         self._opened.add(hop.peer_id)
 
     async def open(self) -> None:
@@ -706,8 +779,8 @@ class Conversation:
         the confirmed tokens."""
         t0 = time.perf_counter()
         failed = failed if failed is not None else await self._find_failed(in_flight)
-        for pid in failed:
-            self.client.mark_failed(pid)
+        for pid in failed:  # a hop behind a dead relay is fine: the relay is backed off, the hop reopened
+            self.client.mark_failed(self.client.culprit(pid))
         log.warning("conversation %s: %s; failing over from %s", self.conv_id[:12], exc,
                     ", ".join(p[:12] for p in failed) or "an unknown hop")
         old = self.route
@@ -716,7 +789,8 @@ class Conversation:
                                          self.client.request_timeout_s * 3)
         except asyncio.TimeoutError:
             raise PeerUnavailable("no new route found in time after a hop failed") from exc
-        kept = {(h.peer_id, h.layers) for h in old.hops} & {(h.peer_id, h.layers) for h in new.hops}
+        kept = {(h.peer_id, h.layers) for h in old.hops if h.peer_id not in failed} & \
+            {(h.peer_id, h.layers) for h in new.hops}
         await self._close_on([h for h in old.hops if (h.peer_id, h.layers) not in kept and h.peer_id not in failed])
         self.route = new
         self.max_step_tokens = 512
@@ -1019,7 +1093,7 @@ class Conversation:
                 w += self.client.rtts_ms.get(h.peer_id, 1.0) / 2
             weights.append(max(w, 1e-3))
         total = sum(weights)
-        return [HopStats(peer_id=h.peer_id, address=(h.peer.addrs or ("",))[0], layers=h.layers.cli(),
+        return [HopStats(peer_id=h.peer_id, address=_address(self.client, h.peer), layers=h.layers.cli(),
                          device=h.peer.device, precision=h.peer.precision,
                          compute_ms_per_token=round(c, 3),
                          network_ms_per_token=round(network * w / total, 3)).__dict__

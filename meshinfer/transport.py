@@ -7,6 +7,11 @@ task, so that a remote that stops reading costs at most :data:`OUTBOX_BYTES` and
 :data:`SEND_TIMEOUT_S` before its connection is cut, and never stalls anyone else.
 Malformed frames get an ``error`` reply; a connection that keeps sending them is closed with
 code 1008.
+
+:class:`CircuitSocket` is a websocket-shaped end of a *circuit*: frames to and from a peer
+that nobody can dial, carried as ``relay`` / ``relay_back`` frames over a link to one of its
+relays. A :class:`Link` over it is an ordinary link (handshake, requests, outbox), so every
+end-to-end check runs through the relay unchanged.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ SEND_TIMEOUT_S = 10.0
 MIN_READ_BYTES_PER_S = 64 * 1024
 #: Longest :meth:`Link.close` waits for queued frames (an error reply, a goodbye) to go out, seconds.
 CLOSE_FLUSH_TIMEOUT_S = 2.0
+#: Bytes a relay frame adds around the frame it carries (type, circuit id, target peer id).
+RELAY_OVERHEAD_BYTES = 1024
+#: Message types that carry circuits.
+CIRCUIT_TYPES = frozenset({"relay", "relay_back", "relay_close"})
 
 Handler = Callable[["Link", str, "protocol.Fields"], Awaitable[None]]
 T = TypeVar("T")
@@ -88,6 +97,17 @@ class Link:
         self._drained = asyncio.Event()  # set while the outbox is empty
         self._drained.set()
         self._cut = ""  # why the connection was cut as a slow reader, once it was
+        self.circuits: dict[tuple[str, int], CircuitSocket] = {}  # ("out"/"in", circuit id) -> its end here
+        self._circuit_ids = itertools.count(1)
+
+    @property
+    def relay_id(self) -> str | None:
+        """The peer id of the relay this link runs through, or None for a direct connection."""
+        return getattr(self.ws, "relay_id", None)
+
+    def next_circuit_id(self) -> int:
+        """A circuit id not used before on this link (for circuits it opens or forwards)."""
+        return next(self._circuit_ids)
 
     @property
     def _label(self) -> str:
@@ -99,6 +119,14 @@ class Link:
             raise PeerUnavailable(f"connection to {self._label} was cut: {self._cut}")
         if self.closed.is_set() or self.ws.state is not State.OPEN:
             raise PeerUnavailable(f"connection to {self._label} is closed")
+
+    def _check_size(self, data: bytes) -> None:
+        """Raise :class:`InvalidInput` for a frame larger than a relay in between forwards."""
+        limit = getattr(self.ws, "max_send_bytes", None)
+        if limit is not None and len(data) > limit:
+            from .errors import InvalidInput
+            raise InvalidInput(f"a {len(data)}-byte frame is larger than relay {(self.relay_id or '?')[:12]} "
+                               f"forwards ({limit} bytes)")
 
     def _fits(self, n: int) -> bool:
         return not self._outbox or self._outbox_bytes + n <= OUTBOX_BYTES
@@ -128,6 +156,7 @@ class Link:
         """
         data = protocol.encode(msg_type, **fields)
         self._usable()
+        self._check_size(data)
         patience_s = self._patience_s(self._outbox_bytes + len(data))
         deadline = time.monotonic() + patience_s
         while not self._fits(len(data)):
@@ -139,18 +168,23 @@ class Link:
             self._usable()
         self._queue(data)
 
-    def post(self, msg_type: str, **fields: Any) -> bool:
+    def post(self, msg_type: str, *, cut: bool = True, **fields: Any) -> bool:
         """Queue one frame without waiting; for a frame sent on behalf of another party.
 
-        Returns False, queuing nothing, when the connection is closed, or when the frame does
-        not fit in its outbox: then the connection is cut as a slow reader.
+        Returns False, queuing nothing, when the connection is closed, when the frame is larger
+        than a relay in between forwards, or when it does not fit in its outbox: then the
+        connection is cut as a slow reader, unless ``cut`` is False (a relay drops the circuit
+        instead of the link that many circuits share).
         """
         data = protocol.encode(msg_type, **fields)
         try:
             self._usable()
-        except PeerUnavailable:
+            self._check_size(data)
+        except MeshError:
             return False
         if not self._fits(len(data)):
+            if not cut:
+                return False
             self._cut_off(f"{self._outbox_bytes} bytes unread, over the outbox limit of {OUTBOX_BYTES}")
             return False
         self._queue(data)
@@ -230,6 +264,8 @@ class Link:
         except ConnectionClosed:
             pass
         finally:
+            for sock in list(self.circuits.values()):  # their carrier is gone
+                sock.closed_by_remote()
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
             self._outbox.clear()
@@ -256,6 +292,8 @@ class Link:
                 if not fut.done():
                     fut.set_result((msg_type, f))
                 return
+            if msg_type in CIRCUIT_TYPES and self._to_circuit(msg_type, f):
+                return
             await self.on_message(self, msg_type, f)
         except MeshError as exc:
             await self._reply_error(exc, context)
@@ -264,6 +302,31 @@ class Link:
         except Exception as exc:  # a bug must not kill the connection of other conversations
             log.exception("unexpected error handling a frame from %s", self.name or self.remote_id)
             await self._reply_error(MeshError(f"internal error: {type(exc).__name__}"), context)
+
+    def _to_circuit(self, msg_type: str, f: Any) -> bool:
+        """Hand a circuit frame to its end on this side; False when no circuit here has its id
+        (a relay's frame to forward, a new circuit, or a late frame: the owner decides)."""
+        if msg_type == "relay" and "to" in f.d:
+            return False  # a request to forward, for the relay's owner
+        if isinstance(self.ws, CircuitSocket):
+            raise ProtocolError("a circuit does not carry circuits")
+        back = msg_type == "relay_back" or (msg_type == "relay_close" and f.get("back", bool, False))
+        sock = self.circuits.get(("out" if back else "in", f.int("circ", lo=0, hi=1 << 62)))
+        if sock is None:
+            return False
+        if msg_type == "relay_close":
+            sock.closed_by_remote()
+        else:
+            sock.feed(f.get("data", bytes))
+        return True
+
+    def open_circuit(self, to: str, *, max_bytes: int) -> "CircuitSocket":
+        """The opener's end of a new circuit through this link (to a relay) to peer ``to``."""
+        limit = self.info.get("max_frame_bytes")
+        sock = CircuitSocket(self, self.next_circuit_id(), side="out", to=to, max_bytes=max_bytes,
+                             max_send_bytes=None if limit is None else limit - RELAY_OVERHEAD_BYTES)
+        self.circuits[("out", sock.circ)] = sock
+        return sock
 
     async def _reply_error(self, exc: MeshError, context: dict[str, Any]) -> None:
         if isinstance(exc, ProtocolError):
@@ -292,6 +355,110 @@ class Link:
             await self.ws.close(code, reason)
         except Exception:  # already closed or broken
             pass
+
+
+class _Aborter:
+    """The ``transport`` of a :class:`CircuitSocket`: aborting it ends the circuit."""
+
+    def __init__(self, sock: "CircuitSocket") -> None:
+        self.sock = sock
+
+    def abort(self) -> None:
+        self.sock.end()
+
+
+class CircuitSocket:
+    """One end of a circuit, shaped like the ``websockets`` connection a :class:`Link` wraps.
+
+    Frames go out as ``relay`` (the opener's end, ``side="out"``, naming the target peer
+    ``to``) or ``relay_back`` (the hidden peer's end, ``side="in"``) frames over ``carrier``,
+    the link to the relay; frames the carrier receives for this circuit arrive through
+    :meth:`feed`. At most :data:`OUTBOX_BYTES` plus one frame of ``max_bytes`` wait unread:
+    beyond that, or for a frame over ``max_bytes``, the circuit ends.
+
+    Attributes:
+        relay_id: the relay's peer id (the carrier's remote).
+        max_send_bytes: the largest frame the relay forwards, or None when unknown.
+    """
+
+    def __init__(self, carrier: Link, circ: int, *, side: str, to: str | None = None, max_bytes: int,
+                 max_send_bytes: int | None = None, remote_address: tuple = ("relayed", 0)) -> None:
+        self.carrier, self.circ, self.side, self.to = carrier, circ, side, to
+        self.max_bytes, self.max_send_bytes = max_bytes, max_send_bytes
+        self.relay_id = carrier.remote_id
+        self.remote_address, self.local_address = remote_address, ("relayed", 0)
+        self.transport = _Aborter(self)
+        self.state = State.OPEN
+        self._inbox: collections.deque[bytes | None] = collections.deque()
+        self._inbox_bytes = 0
+        self._ready = asyncio.Event()
+
+    def feed(self, data: bytes) -> None:
+        """A frame of this circuit from the carrier; ends the circuit when too much waits unread."""
+        if self.state is not State.OPEN:
+            return
+        if len(data) > self.max_bytes or self._inbox_bytes + len(data) > OUTBOX_BYTES + self.max_bytes:
+            log.warning("circuit %d through %s: %d bytes waiting, %d more; ending it", self.circ,
+                        (self.relay_id or "?")[:12], self._inbox_bytes, len(data))
+            self.end()
+            return
+        self._inbox.append(data)
+        self._inbox_bytes += len(data)
+        self._ready.set()
+
+    def closed_by_remote(self) -> None:
+        """The other end, the relay or the carrier closed the circuit: stop without telling back."""
+        self._stop()
+
+    def end(self) -> None:
+        """Close the circuit and tell the other end through the relay (best effort)."""
+        if self.state is State.OPEN:
+            self.carrier.post("relay_close", circ=self.circ, back=self.side == "in", cut=False)
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.state is State.OPEN:
+            self.state = State.CLOSED
+            self._inbox.append(None)
+            self._ready.set()
+        self.carrier.circuits.pop((self.side, self.circ), None)
+
+    async def send(self, data: bytes) -> None:
+        """Queue ``data`` on the carrier (waiting while its outbox is full)."""
+        if self.state is not State.OPEN:
+            raise ConnectionClosed(None, None)
+        try:
+            if self.side == "out":
+                await self.carrier.send("relay", to=self.to, circ=self.circ, data=data)
+            else:
+                await self.carrier.send("relay_back", circ=self.circ, data=data)
+        except MeshError as exc:
+            self._stop()
+            raise ConnectionClosed(None, None) from exc
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        self.end()
+
+    def __aiter__(self) -> "CircuitSocket":
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._inbox:
+            self._ready.clear()
+            await self._ready.wait()
+        data = self._inbox.popleft()
+        if data is None:
+            self._inbox.append(None)  # stays closed for any later reader
+            raise StopAsyncIteration
+        self._inbox_bytes -= len(data)
+        return data
+
+
+def circuit_link(sock: CircuitSocket, *, on_message: Handler, name: str) -> Link:
+    """A :class:`Link` over ``sock`` with its reader task started (kept in ``link.reader``)."""
+    link = Link(sock, max_bytes=sock.max_bytes, on_message=on_message, name=name)
+    link.reader = asyncio.get_running_loop().create_task(link.run(), name=f"circuit {name}")
+    return link
 
 
 def _reply_context(f: Any) -> dict[str, Any]:

@@ -1,0 +1,418 @@
+"""Peers behind NAT on loopback: ``--listen none`` peers reached through relays, the
+reachability check, forged relay lists, a relay killed mid-generation, a tampering relay."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshkit import crash, file_hash, start_peer, wait_for_tables
+from meshinfer import discovery, protocol
+from meshinfer.config import LayerRange
+from meshinfer.errors import PeerUnavailable
+from meshinfer.generate import greedy_generate, load_shard
+from meshinfer.peer import Peer
+from meshinfer.session import MeshClient
+from meshinfer.tokenizer import Tokenizer
+from tiny import random_weights, tiny_config, write_gguf
+
+N_TOKENS = 24
+PROMPT = [{"role": "user", "content": "a home machine behind NAT serves the first layers"}]
+#: Per-step deadline floor, seconds: far above a tiny step on a loaded core, so only a killed
+#: relay causes a failover.
+DEADLINE_FLOOR_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """(path, weights hash, tokenizer, prompt ids, tokens of the whole model, other path, its hash)."""
+    d = tmp_path_factory.mktemp("relay")
+    cfg = tiny_config("qwen2", context=256)
+    path = write_gguf(d / "tiny.gguf", cfg, random_weights(cfg, seed=11))
+    other = write_gguf(d / "other.gguf", cfg, random_weights(cfg, seed=12))
+    tok = Tokenizer.from_gguf(path)
+    ids = tok.encode_chat(PROMPT)
+    expected = greedy_generate(load_shard(path), ids, max_tokens=N_TOKENS).token_ids
+    return path, file_hash(path), tok, ids, expected, other, file_hash(other)
+
+
+async def hidden(path, digest, layers, bootstrap, *, bundle=None, **settings) -> Peer:
+    """A peer that never listens (``join --listen none``) serving ``layers`` of ``path``."""
+    return await start_peer(load_shard(path, layers), weights_hash=digest, bundle=bundle,
+                            bootstrap=bootstrap, listen=False, **settings)
+
+
+async def wait_relayed(peers, hidden_peers, *, timeout_s: float = 30.0) -> None:
+    """Wait until every peer knows every other and each hidden peer's advert, as the first
+    peer holds it, lists a relay."""
+    await wait_for_tables(peers, timeout_s=timeout_s)
+    async with asyncio.timeout(timeout_s):
+        while not all((ad := peers[0].table.get(h.peer_id)) is not None and ad.relays for h in hidden_peers
+                      if h is not peers[0]):
+            await asyncio.sleep(0.05)
+
+
+async def generate(bootstrap, ids, *, n_tokens=N_TOKENS, on_token=None, hook=None):
+    """(route, result, client failovers) of one greedy conversation through the mesh at ``bootstrap``."""
+    async with MeshClient(list(bootstrap)) as client:
+        route = await client.plan()
+        conv = client.conversation(route, max_tokens_total=len(ids) + n_tokens, deadline_floor_s=DEADLINE_FLOOR_S)
+        if hook is not None:
+            hook(client, conv)
+        try:
+            out = await conv.generate(ids, max_tokens=n_tokens, eos_ids=(),
+                                      on_token=(lambda t: on_token(conv)) if on_token else None)
+        finally:
+            await conv.close()
+    return route, out
+
+
+async def test_a_peer_that_never_listens_serves_the_first_layers_through_its_relay(model):
+    path, digest, tok, ids, expected, *_ = model
+    public = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest)
+    home = await hidden(path, digest, LayerRange(0, 2), public.addrs, bundle=tok.to_bundle())
+    try:
+        await wait_relayed([public, home], [home])
+        assert home.addrs == () and home.reachable is False
+        assert home.relays() == (public.peer_id,)
+        route, out = await generate(public.addrs, ids)
+        assert route.peer_ids == (home.peer_id, public.peer_id)
+        assert out.token_ids == expected
+        assert not out.failovers
+    finally:
+        await home.close()
+        await public.close()
+
+
+async def test_a_private_mesh_works_through_a_relay_and_an_outsider_gets_nothing(model):
+    path, digest, tok, ids, expected, *_ = model
+    key = b"k" * 32
+    public = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, mesh_key=key)
+    home = await hidden(path, digest, LayerRange(0, 2), public.addrs, bundle=tok.to_bundle(), mesh_key=key)
+    try:
+        await wait_relayed([public, home], [home])
+        async with MeshClient(list(public.addrs), mesh_key=key) as client:
+            route = await client.plan()
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS)
+            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            await conv.close()
+        assert route.peer_ids == (home.peer_id, public.peer_id) and out.token_ids == expected
+        async with MeshClient(list(public.addrs)) as outsider:  # no key: refused before any relaying
+            with pytest.raises(Exception, match="private"):
+                await outsider.refresh()
+    finally:
+        await home.close()
+        await public.close()
+
+
+async def test_both_hops_behind_nat_reach_each_other_through_a_third_peer(model):
+    path, digest, tok, ids, expected, other, other_digest = model
+    relay = await start_peer(load_shard(other, LayerRange(0, 2)), weights_hash=other_digest)  # another model
+    first = await hidden(path, digest, LayerRange(0, 2), relay.addrs, bundle=tok.to_bundle())
+    last = await hidden(path, digest, LayerRange(2, 4), relay.addrs)
+    try:
+        await wait_relayed([relay, first, last], [first, last])
+        route, out = await generate(relay.addrs, ids)
+        assert route.peer_ids == (first.peer_id, last.peer_id)
+        assert out.token_ids == expected
+        assert first.links[last.peer_id].relay_id == relay.peer_id  # hop to hop through the relay too
+    finally:
+        for p in (last, first, relay):
+            await p.close()
+
+
+async def test_a_relay_killed_mid_generation_fails_over_to_another_relay(model):
+    path, digest, tok, ids, expected, *_ = model
+    relays = [await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest) for _ in range(2)]
+    home = await hidden(path, digest, LayerRange(0, 2), relays[0].addrs + relays[1].addrs, bundle=tok.to_bundle())
+    killed = []
+
+    def on_token(conv):
+        if len(conv.cached) - len(ids) >= 8 and not killed:
+            via = conv.client._links[home.peer_id].relay_id
+            killed.append(next(r for r in relays if r.peer_id == via))
+            asyncio.ensure_future(crash(killed[0]))
+
+    try:
+        await wait_relayed([*relays, home], [home])
+        async with asyncio.timeout(30):
+            while len(home.relays()) < 2:
+                await asyncio.sleep(0.05)
+        _, out = await generate(relays[0].addrs + relays[1].addrs, ids, on_token=on_token)
+        assert killed and out.token_ids == expected
+        assert len(out.failovers) == 1
+        assert out.route[0]["peer_id"] == home.peer_id  # the hidden peer stays, through the other relay
+    finally:
+        for p in (home, *relays):
+            await p.close()
+
+
+async def test_a_relay_cannot_pose_as_the_peer_behind_it(model):
+    path, digest, tok, ids, *_ = model
+
+    class Impostor(Peer):
+        """A relay that swaps the hidden peer's welcome for one signed with its own key."""
+
+        async def _on_relay_back(self, link, f):
+            msg_type, inner = protocol.decode(f.get("data", bytes), max_bytes=1 << 24)
+            if msg_type == "welcome":
+                fields = {k: v for k, v in inner.d.items() if k not in ("v", "t")}
+                fields["proof"] = discovery.welcome_proof(self.key, b"\0" * 32, fields["nonce"])
+                f.d["data"] = protocol.encode("welcome", **fields)
+            await super()._on_relay_back(link, f)
+
+    relay = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest)
+    relay.__class__ = Impostor
+    home = await hidden(path, digest, LayerRange(0, 2), relay.addrs, bundle=tok.to_bundle())
+    try:
+        await wait_relayed([relay, home], [home])
+        async with MeshClient(list(relay.addrs)) as client:
+            await client.refresh()
+            with pytest.raises(PeerUnavailable, match="could not prove it holds its key"):
+                await client.link(client.table[home.peer_id])
+    finally:
+        await home.close()
+        await relay.close()
+
+
+async def test_a_relay_that_alters_tokens_is_caught_by_the_spot_checks(model):
+    path, digest, tok, ids, expected, *_ = model
+
+    class Tamperer(Peer):
+        """A relay that changes every token the hidden last hop sends back to the client."""
+
+        async def _on_relay_back(self, link, f):
+            msg_type, inner = protocol.decode(f.get("data", bytes), max_bytes=1 << 24)
+            if msg_type == "token":
+                fields = {k: v for k, v in inner.d.items() if k not in ("v", "t")}
+                fields["token"] = (fields["token"] + 1) % 256
+                if "tokens" in fields:
+                    fields["tokens"] = [(t + 1) % 256 for t in fields["tokens"]]
+                f.d["data"] = protocol.encode("token", **fields)
+            await super()._on_relay_back(link, f)
+
+    relay = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=tok.to_bundle())
+    relay.__class__ = Tamperer
+    home = await hidden(path, digest, LayerRange(2, 4), relay.addrs)
+    # two slow peers of the same layers: the route takes the hidden peer, and they settle a dispute
+    checkers = [await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=relay.addrs)
+                for _ in range(2)]
+    for c in checkers:
+        c.compute_ms_per_token = 500.0
+    try:
+        await wait_relayed([relay, home, *checkers], [home])
+        route, out = await generate(relay.addrs, ids)
+        assert route.peer_ids == (relay.peer_id, home.peer_id)
+        assert out.token_ids == expected
+        assert [d["peer"] for d in out.detections] == [home.peer_id]  # the relayed hop is blamed and left
+        assert out.route[-1]["peer_id"] in {c.peer_id for c in checkers}
+    finally:
+        for p in (*checkers, home, relay):
+            await p.close()
+
+
+async def test_a_relay_forwards_only_to_a_peer_that_lists_it(model):
+    from meshinfer.session import CLIENT_MAX_FRAME_BYTES
+    from meshinfer.transport import circuit_link
+
+    path, digest, *_ = model
+    relay = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest)
+    other = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bootstrap=relay.addrs)
+    try:
+        await wait_for_tables([relay, other])
+        assert other.peer_id in relay.links  # a link it opened, but it lists no relay: it is reachable
+        async with MeshClient(list(relay.addrs)) as client:
+            await client.refresh()
+            carrier = await client.link(client.table[relay.peer_id])
+            sock = carrier.open_circuit(other.peer_id, max_bytes=CLIENT_MAX_FRAME_BYTES)
+            with pytest.raises(PeerUnavailable, match="closed"):
+                await client._greet(circuit_link(sock, on_message=client._on_message, name="relay://x"), "relay://x")
+            assert relay._forwards == {} and carrier.circuits == {}
+    finally:
+        await other.close()
+        await relay.close()
+
+
+async def test_a_forged_relay_list_is_refused(model):
+    path, digest, tok, *_ = model
+    public = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest)
+    home = await hidden(path, digest, LayerRange(0, 2), public.addrs)
+    try:
+        await wait_relayed([public, home], [home])
+        real = home.advert()
+        assert real.relays == (public.peer_id,) and discovery.verify_advert(real)
+        attacker = Ed25519PrivateKey.generate()
+        unsigned = replace(real, relays=(discovery.peer_id_of(attacker),))
+        other_key = discovery.sign_advert(unsigned, attacker)
+        for forged in (unsigned, other_key):
+            assert not discovery.verify_advert(forged)
+            public._merge([replace(forged, seq=real.seq + 100)])
+            assert public.table.get(home.peer_id).relays == (public.peer_id,)
+        with pytest.raises(protocol.ProtocolError, match="at most 4"):
+            protocol.PeerAdvert.from_wire(dict(real.to_wire(), relays=["a" * 32] * 5))
+    finally:
+        await home.close()
+        await public.close()
+
+
+async def test_a_failed_dial_back_marks_the_peer_unreachable_and_it_is_served_through_relays(model):
+    path, digest, tok, ids, expected, *_ = model
+    public = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest)
+    # advertises a port nobody listens on, as behind a NAT without a forwarded port
+    nat = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=tok.to_bundle(),
+                           bootstrap=public.addrs, public_addrs=("ws://127.0.0.1:9",))
+    try:
+        async with asyncio.timeout(30):
+            while nat.reachable is None:
+                await asyncio.sleep(0.05)
+        assert nat.reachable is False
+        assert "could not dial it back" in nat.reachability_note
+        await wait_relayed([public, nat], [nat])
+        assert public.table.get(nat.peer_id).relays == (public.peer_id,)
+        assert public.reachable is None  # a first peer has nobody to ask, and advertises no relay
+        _, out = await generate(public.addrs, ids)
+        assert out.token_ids == expected
+    finally:
+        await nat.close()
+        await public.close()
+
+
+async def test_a_reachable_peer_passes_the_dial_back_and_lists_no_relay(model):
+    path, digest, *_ = model
+    public = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest)
+    second = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bootstrap=public.addrs)
+    try:
+        async with asyncio.timeout(30):
+            while second.reachable is None:
+                await asyncio.sleep(0.05)
+        assert second.reachable is True and second.advert().relays == ()
+        assert "relays" not in second.advert().to_wire()  # a reachable peer's advert keeps its bytes
+    finally:
+        await second.close()
+        await public.close()
+
+
+# ---------------------------------------------------------------------------- planner (pure)
+def advert(peer_id, first, last, *, addrs=True, relays=(), rtts=None, weights="a" * 64):
+    """A ready advert of a 24-layer model holding the inclusive range ``first-last``."""
+    return protocol.PeerAdvert(peer_id=peer_id, addrs=(f"ws://{peer_id}:7000",) if addrs else (),
+                               protocol_version=1, weights_hash=weights, architecture="llama", num_layers=24,
+                               layers=LayerRange(first, last + 1), device="cpu", precision="f32",
+                               free_kv_tokens=4096, compute_ms_per_token=12.0, rtts_ms=dict(rtts or {}),
+                               relays=tuple(relays))
+
+
+def test_the_planner_adds_the_relays_detour_to_an_unmeasured_relayed_link():
+    from meshinfer.routing import RELAY_FORWARD_MS, hop_rtt_ms, plan_route
+
+    relay = advert("r", 0, 23, weights="b" * 64)  # another model: a relay, never a hop here
+    a = advert("a", 0, 11, rtts={"r": 10.0})
+    b = advert("b", 12, 23, addrs=False, relays=["r"], rtts={"r": 20.0})
+    table = {p.peer_id: p for p in (relay, a, b)}
+    assert hop_rtt_ms(a, b, table) == 10.0 + 20.0 + RELAY_FORWARD_MS
+    route = plan_route([relay, a, b], client_rtts_ms={"a": 4.0, "b": 30.0}, compat_key=a.compat_key)
+    assert route.estimated_ms_per_token == pytest.approx(4.0 / 2 + 31.0 / 2 + 30.0 / 2 + 12.0 + 12.0 + 2 * 1.0)
+    # a measured RTT (pings through the circuit) already holds the detour: used as it is
+    measured = replace(a, rtts_ms={"r": 10.0, "b": 40.0})
+    assert hop_rtt_ms(measured, b, table) == 40.0
+
+
+def test_a_direct_peer_wins_over_a_relayed_one_of_equal_compute():
+    from meshinfer.routing import plan_route
+
+    relay = advert("r", 0, 23, weights="b" * 64)
+    a = advert("a", 0, 11, rtts={"r": 10.0, "c": 10.0})
+    b = advert("b", 12, 23, addrs=False, relays=["r"], rtts={"r": 10.0})
+    c = advert("c", 12, 23)
+    route = plan_route([relay, a, b, c], client_rtts_ms={"a": 4.0, "b": 4.0, "c": 4.0}, compat_key=a.compat_key)
+    assert route.peer_ids == ("a", "c")
+
+
+# ---------------------------------------------------------------------------- command line
+def test_join_listen_none_from_the_command_line(model, tmp_path):
+    """``join --listen none`` serves layers 0-1 through the public peer it dials; ``status`` says
+    so and ``chat`` through the public peer only gives the whole model's tokens."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+
+    path, _, tok, *_ = model
+    env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "meshinfer", *args], capture_output=True, text=True,
+                              timeout=120, env=env)
+
+    procs = []
+
+    def join(*extra):
+        log = tmp_path / f"join{len(procs)}.log"  # a file, not a pipe nobody reads
+        proc = subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(path),
+                                 "--key", str(tmp_path / f"k{len(procs)}.pem"), *extra],
+                                stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env)
+        procs.append(proc)
+        line = proc.stdout.readline()
+        assert line.startswith("ready:"), line + log.read_text()
+        return line
+
+    try:
+        public = join("--layers", "2-3", "--listen", "127.0.0.1:0")
+        url = re.search(r"at (ws://127\.0\.0\.1:\d+)", public).group(1)
+        home = join("--layers", "0-1", "--listen", "none", "--peers", url)
+        assert "at no address (--listen none" in home
+        public_id = re.search(r"ready: peer (\w+)", public).group(1)
+        deadline = time.monotonic() + 60  # the hidden peer's advert with its relay reaches the public peer
+        status = run("status", "--peers", url)
+        while f"relayed via {public_id[:12]}" not in status.stdout and time.monotonic() < deadline:
+            time.sleep(0.5)
+            status = run("status", "--peers", url)
+        assert f"relayed via {public_id[:12]}" in status.stdout, status.stdout + status.stderr
+        chat = run("chat", "--peers", url, "-p", "hello", "--max-tokens", "6", "--json")
+        assert chat.returncode == 0, chat.stderr
+        d = json.loads(chat.stdout)
+        ids = tok.encode_chat([{"role": "user", "content": "hello"}])
+        assert d["token_ids"] == greedy_generate(load_shard(path), ids, max_tokens=6, eos_ids=tok.eos_ids).token_ids
+        assert d["route"][0]["address"] == f"relay://{public_id}"
+        bad = run("join", "--model", str(path), "--layers", "0-1", "--listen", "none")
+        assert bad.returncode == 2 and "--listen none needs --peers" in bad.stderr
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_circuit_nobody_reads_ends_without_cutting_the_relays_link():
+    from websockets.protocol import State
+
+    from meshinfer.transport import OUTBOX_BYTES, CircuitSocket
+
+    class Carrier:
+        """The link to the relay: records what the circuit posts on it."""
+
+        remote_id = "r" * 32
+
+        def __init__(self):
+            self.circuits, self.posted = {}, []
+
+        def post(self, msg_type, **fields):
+            self.posted.append((msg_type, fields))
+            return True
+
+    carrier = Carrier()
+    sock = CircuitSocket(carrier, 7, side="in", max_bytes=64 * 1024)
+    carrier.circuits[("in", 7)] = sock
+    for _ in range(OUTBOX_BYTES // (64 * 1024) + 1):  # 4 MiB plus one frame may wait unread
+        sock.feed(b"x" * 64 * 1024)
+    assert sock.state is State.OPEN
+    sock.feed(b"x" * 64 * 1024)
+    assert sock.state is State.CLOSED and carrier.circuits == {}
+    assert carrier.posted == [("relay_close", {"circ": 7, "back": True, "cut": False})]
+    big = CircuitSocket(carrier, 8, side="out", to="t" * 32, max_bytes=1024)
+    big.feed(b"x" * 1025)  # a frame over the circuit's limit ends it too
+    assert big.state is State.CLOSED
