@@ -355,6 +355,55 @@ def test_an_explicit_empty_system_message_is_kept(system, turns):
     assert _messages(args) == turns + [{"role": "user", "content": "hi"}]
 
 
+def test_three_peers_joined_without_layer_ranges_cover_the_model_and_a_route_exists(tiny_gguf, tmp_path):
+    """Three peers started one after another with no layer range (``--max-layers 2`` of the tiny
+    model's 4): the first, with no mesh, takes what fits; the others take the least-served
+    window. Each says what it took; the mesh ends covered and a chat is answered through it."""
+    env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
+    procs = []
+    try:
+        def join(*extra: str) -> list[str]:
+            log = tmp_path / f"join{len(procs)}.log"
+            proc = subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(tiny_gguf),
+                                     "--listen", "127.0.0.1:0", "--key", str(tmp_path / f"k{len(procs)}.pem"),
+                                     "--max-layers", "2", *extra], stdout=subprocess.PIPE, stderr=log.open("w"),
+                                    text=True, env=env)
+            procs.append(proc)
+            lines = [proc.stdout.readline()]
+            while lines[-1] and not lines[-1].startswith("ready:"):
+                lines.append(proc.stdout.readline())
+            assert lines[-1].startswith("ready:"), "".join(lines) + log.read_text()
+            return lines
+
+        def coverage(url: str, want: str) -> str:
+            deadline = time.monotonic() + 60  # a new peer's advert reaches the first within a gossip round
+            status = meshinfer("status", "--peers", url, env=env)
+            while want not in status.stdout and time.monotonic() < deadline:
+                time.sleep(0.5)
+                status = meshinfer("status", "--peers", url, env=env)
+            return status.stdout
+
+        first = join("--layers", "auto")  # no mesh to ask: a first peer
+        assert first[0].startswith("taking layers 0-1 of 4"), first
+        url = re.search(r"at (ws://127\.0\.0\.1:\d+)", first[-1]).group(1)
+        second = join("--peers", url)  # no --layers: auto, since a mesh is named
+        assert second[0].strip() == ("taking layers 2-3 of 4: 2 of its layers have no peer (mesh coverage 11..), "
+                                     "at most 2 layers fit"), second
+        assert "|1111|" in coverage(url, "|1111|")
+        third = join("--peers", url)
+        assert third[0].startswith("taking layers "), third
+        took = re.match(r"taking layers (\d)-(\d) of 4", third[0]).groups()
+        want = "|2211|" if took == ("0", "1") else "|1122|" if took == ("2", "3") else None
+        assert want is not None and want in coverage(url, want), third
+        chat = meshinfer("chat", "--peers", url, "-p", "hello", "--max-tokens", "4", "--json", env=env)
+        assert chat.returncode == 0, chat.stderr
+        assert len(json.loads(chat.stdout)["route"]) >= 2  # no peer holds every layer
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def test_join_layers_auto_takes_the_gap_and_status_shows_coverage(tiny_gguf, tmp_path):
     """A peer of layers 0-1 is up; ``join --layers auto --max-layers 2`` takes 2-3 and says why;
     then status shows every layer covered once."""
