@@ -391,3 +391,68 @@ async def test_big_prompts_in_flight_from_one_address_neither_stall_others_nor_k
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def fake_peers(digest: str, n: int):
+    """A websocket server answering as ``n`` signed identities at once, one per path: it passes
+    the client's handshake and answers pings, and does nothing else. Yields (adverts, the open
+    connections that said hello as a client)."""
+    import msgpack
+    import websockets
+
+    from meshinfer.discovery import new_nonce, welcome_proof
+    from test_hostile import pack
+
+    keys, ads, clients = [new_key() for _ in range(n)], {}, set()
+
+    async def answer(ws) -> None:
+        try:
+            await converse(ws)
+        finally:
+            clients.discard(ws)
+
+    async def converse(ws) -> None:
+        key = keys[int(ws.request.path.strip("/"))]
+        async for frame in ws:
+            msg = msgpack.unpackb(frame)
+            if msg.get("t") == "hello":
+                if msg.get("role") == "client":
+                    clients.add(ws)
+                nonce = new_nonce()
+                await ws.send(pack("welcome", re=msg.get("id"), advert=ads[int(ws.request.path.strip("/"))],
+                                   nonce=nonce, proof=welcome_proof(key, msg["nonce"], nonce), private=False,
+                                   max_step_tokens=512, max_frame_bytes=1 << 20))
+            elif msg.get("t") == "ping":
+                await ws.send(pack("pong", re=msg.get("id")))
+
+    async with websockets.serve(answer, "127.0.0.1", 0, compression=None) as server:
+        port = server.sockets[0].getsockname()[1]
+        for i, key in enumerate(keys):  # another model: probed by every plan, never on a route
+            ads[i] = rogue_advert("0" * 64, key=key, addrs=[f"ws://127.0.0.1:{port}/{i}"], ttl_s=1.0, seq=i + 1)
+        yield list(ads.values()), clients
+
+
+async def test_serve_closes_links_to_peers_that_come_and_go(tiny):
+    """Rotating fake identities kept connected: serve's client leaked a connection per probed peer
+    (open files 16 -> 1,023), then answered 503 for good. Now links to peers gone from the table
+    are closed, and at most ``MAX_IDLE_LINKS`` links that carry no conversation are kept."""
+    from meshinfer.session import MAX_IDLE_LINKS
+    from test_hostile import plant
+
+    _, digest, _, _ = tiny
+    body = json.dumps({"model": digest, "messages": MESSAGES, "max_tokens": 2}).encode()
+    async with api_over(tiny, route_ttl_s=0.0) as (peers, server), aiohttp.ClientSession() as http:
+        most_links = most_sockets = 0
+        for wave in range(4):  # 4 waves of 40 identities, each living about a second
+            async with fake_peers(digest, 40) as (ads, clients):
+                raw = await plant(peers[0], ads)
+                assert (await post(http, server, body))[0] == 200
+                most_links = max(most_links, len(server.client._links))
+                most_sockets = max(most_sockets, len(clients))
+                await raw.close()
+                await asyncio.sleep(1.5)  # they expire from the peer's table
+                assert (await post(http, server, body))[0] == 200
+                assert set(server.client._links) <= {p.peer_id for p in peers}  # links to the gone ones are closed
+        assert most_links <= MAX_IDLE_LINKS + len(peers), most_links
+        assert most_sockets <= MAX_IDLE_LINKS, most_sockets
