@@ -723,12 +723,14 @@ class Peer:
         ads, seen = [], set()
         for d in f.get("adverts", list)[:MAX_GOSSIP_ADVERTS]:
             peer_id = d.get("peer_id") if isinstance(d, dict) else None
-            if peer_id in seen or (isinstance(d, dict) and _not_newer(d, known)):
+            peer_id = peer_id if isinstance(peer_id, str) else None  # a malformed one fails in from_wire
+            if peer_id in seen or (peer_id is not None and _not_newer(d, known)):
                 continue  # a second copy, or one the table would not take: not worth parsing
             if not budget.take(1):
                 log.debug("dropping gossip of %s unread: over %g adverts/s", link.remote_id[:12], GOSSIP_VERIFIES_PER_S)
                 break
-            seen.add(peer_id)
+            if peer_id is not None:
+                seen.add(peer_id)
             try:
                 ads.append(PeerAdvert.from_wire(d))
             except (ProtocolError, LayerRangeError) as exc:
