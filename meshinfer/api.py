@@ -17,6 +17,8 @@ nothing a request sends stops the server.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import hmac
 import json
 import logging
@@ -52,8 +54,30 @@ MAX_TOKENS_LIMIT = 1 << 20
 DEFAULT_MAX_REQUESTS_PER_CLIENT = 8
 #: Seconds a planned route (and the peer table behind ``/v1/models``) is reused before replanning.
 ROUTE_TTL_S = 30.0
-#: Largest request body, bytes.
+#: Largest request body, bytes; a larger one gets 413 ``request_too_large`` naming the limit.
 MAX_BODY_BYTES = 4 << 20
+#: Most bytes of chat request bodies (by ``Content-Length``) one client address may have in flight
+#: at once: one body as large as :data:`MAX_BODY_BYTES`. Beyond it, 429 ``too_many_requests``. A
+#: 4 MB prompt costs hundreds of MB and seconds of a core to encode; eight at once cost GBs.
+MAX_BODY_BYTES_IN_FLIGHT = MAX_BODY_BYTES
+#: After a request whose body held at least this many bytes, the C heap is trimmed
+#: (``malloc_trim``, glibc): encoding a 4 MB prompt takes hundreds of MB in the tokenizer's
+#: worker thread, which glibc would otherwise keep in that thread's arena for good.
+TRIM_AFTER_BODY_BYTES = 1 << 20
+#: Seconds a request body may take to arrive once its headers have; then 408.
+BODY_TIMEOUT_S = 30.0
+#: Seconds a connection has to send complete request headers, which is also how long an idle
+#: keep-alive connection is kept (aiohttp's ``keepalive_timeout``, whose own default is an hour):
+#: a connection that never finishes its headers (slowloris) is closed after it.
+HEADERS_TIMEOUT_S = 15.0
+#: Default most connections one client address may hold open at once (``serve
+#: --max-connections-per-client``); more are answered 503 and closed. Browsers open up to 6; the
+#: default leaves room for a few dozen users behind one NAT and keeps one address far below the
+#: 1,024 open files a process often gets.
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 64
+#: Seconds a refused connection is kept (reading and dropping what it sends) so that its client
+#: reads the 503 instead of a reset.
+REFUSED_LINGER_S = 1.0
 #: Most stop sequences per request (OpenAI's limit).
 MAX_STOP_SEQUENCES = 4
 #: Roles a message may have; ``developer`` (OpenAI's newer name for ``system``) is sent as ``system``.
@@ -506,6 +530,77 @@ def _finish_with_calls(finish: str) -> str:
 
 
 # --------------------------------------------------------------------------- server
+def _trim_heap() -> None:
+    """Give free C heap memory back to the system (glibc's ``malloc_trim``; elsewhere nothing)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None  # glibc's malloc_trim once looked up; False where there is none
+
+
+def _drop(counts: dict[str, int], key: str, n: int) -> None:
+    """Take ``n`` off ``counts[key]``, forgetting the key at 0."""
+    left = counts.pop(key) - n
+    if left > 0:
+        counts[key] = left
+
+
+class _Doorman(asyncio.Protocol):
+    """The protocol of one accepted connection: counts it against its address's limit
+    (:meth:`ApiServer._admit`) and hands it to aiohttp's request handler, or answers 503 and
+    closes it (after :data:`REFUSED_LINGER_S`, reading and dropping what it sends meanwhile, so that
+    the client reads the answer rather than a reset)."""
+
+    def __init__(self, api: "ApiServer", handlers) -> None:
+        self.api, self.handlers = api, handlers
+        self.inner: asyncio.Protocol | None = None
+        self.addr = "?"
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        peer = transport.get_extra_info("peername")
+        self.addr = str(peer[0]) if peer else "?"
+        if self.api._admit(self.addr):
+            self.inner = self.handlers()
+            self.inner.connection_made(transport)
+            return
+        limit = self.api.max_connections_per_client
+        body = ApiError(503, f"{self.addr} already holds {limit} connections to this server, the most one client "
+                             f"may hold; close some and retry", type="server_error",
+                        code="too_many_connections").body()
+        data = json.dumps(body).encode()
+        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+        transport.write_eof()
+        asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None:
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
+            self.api._release(self.addr)
+
+
 def _completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -526,6 +621,9 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+        if exc.status == 413:
+            return ApiError(413, f"the request body is over the limit of {MAX_BODY_BYTES} bytes "
+                                 f"({MAX_BODY_BYTES >> 20} MiB)", code=code).response()
         return ApiError(exc.status, f"{request.method} {request.path[:200]}: {exc.reason}", code=code).response()
     except MeshError as exc:
         return mesh_error(exc).response()
@@ -544,22 +642,33 @@ class ApiServer:
         default_max_tokens: tokens generated when a request gives no ``max_tokens``.
         route_ttl_s: see :class:`MeshModels`.
         max_requests_per_client: chat requests one client address may have in flight; beyond
-            it, 429 ``too_many_requests`` (the others go on); 0 means no limit.
+            it, 429 ``too_many_requests`` (the others go on); 0 means no limit. Their bodies may
+            hold :data:`MAX_BODY_BYTES_IN_FLIGHT` bytes together.
+        max_connections_per_client: connections one client address may hold open at once;
+            beyond it a new one is answered 503 and closed; 0 means no limit.
 
     Raises:
-        ValueError: ``max_requests_per_client`` is negative.
+        ValueError: ``max_requests_per_client`` or ``max_connections_per_client`` is negative.
     """
 
     def __init__(self, client: MeshClient, *, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, default_max_tokens: int = DEFAULT_MAX_TOKENS,
                  route_ttl_s: float = ROUTE_TTL_S,
-                 max_requests_per_client: int = DEFAULT_MAX_REQUESTS_PER_CLIENT) -> None:
+                 max_requests_per_client: int = DEFAULT_MAX_REQUESTS_PER_CLIENT,
+                 max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT) -> None:
         if max_requests_per_client < 0:
             raise ValueError(f"max_requests_per_client must be 0 (no limit) or more, got {max_requests_per_client}")
+        if max_connections_per_client < 0:
+            raise ValueError(f"max_connections_per_client must be 0 (no limit) or more, got "
+                             f"{max_connections_per_client}")
         self.client, self.host, self.port = client, host, port
         self.api_key, self.default_max_tokens = api_key, default_max_tokens
         self.max_requests_per_client = max_requests_per_client
         self._in_flight: dict[str, int] = {}  # client address -> chat requests running
+        self._body_bytes: dict[str, int] = {}  # client address -> bytes of their bodies (Content-Length)
+        self.max_connections_per_client = max_connections_per_client
+        self._connections: dict[str, int] = {}  # client address -> connections open
+        self._listener: asyncio.Server | None = None
         self.models = MeshModels(client, route_ttl_s=route_ttl_s)
         self.mesh = MeshView(client, model_id=model_id)
         self._page: dict[str, bytes] = {}  # URL path -> file bytes, read on first request
@@ -575,19 +684,43 @@ class ApiServer:
         return f"http://{self.host}:{self.port}/v1"
 
     async def start(self) -> None:
-        """Listen. A client that disconnects cancels its request (the conversation is closed)."""
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        """Listen. A client that disconnects cancels its request (the conversation is closed).
+
+        aiohttp has no limit of connections per address, so each connection first meets a
+        :class:`_Doorman` that counts them and refuses the excess before aiohttp sees it."""
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     keepalive_timeout=HEADERS_TIMEOUT_S)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        runner = self._runner
+        self._listener = await asyncio.get_running_loop().create_server(
+            lambda: _Doorman(self, runner.server), self.host, self.port, reuse_address=True)
+        self.port = self._listener.sockets[0].getsockname()[1]
         log.info("OpenAI-compatible API at %s", self.url)
 
     async def close(self) -> None:
         """Stop listening and cancel requests in flight (closing their conversations). Safe to call twice."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
         runner, self._runner = self._runner, None
         if runner is not None:
-            await runner.cleanup()
+            await runner.cleanup()  # shuts down the connections aiohttp handles
+        if listener is not None:
+            await listener.wait_closed()
+
+    def _admit(self, addr: str) -> bool:
+        """Count a new connection from ``addr``; False (nothing counted) when it holds its limit."""
+        held, limit = self._connections.get(addr, 0), self.max_connections_per_client
+        if limit and held >= limit:
+            log.info("refusing a connection from %s: it holds %d, the most one client may hold", addr, held)
+            return False
+        self._connections[addr] = held + 1
+        return True
+
+    def _release(self, addr: str) -> None:
+        left = self._connections.pop(addr, 1) - 1
+        if left > 0:
+            self._connections[addr] = left
 
     def _check_key(self, request: web.Request) -> None:
         if self.api_key is None:
@@ -634,16 +767,29 @@ class ApiServer:
             raise ApiError(429, f"{addr} already has {limit} request{'s' if limit != 1 else ''} in flight, the most "
                                 f"one client may have; retry when one finishes", type="rate_limit_error",
                            code="too_many_requests", retry_after_s=1)
+        size = request.content_length if request.content_length is not None else MAX_BODY_BYTES
+        held = self._body_bytes.get(addr, 0)
+        if held and held + size > MAX_BODY_BYTES_IN_FLIGHT:
+            raise ApiError(429, f"{addr} already has {held} bytes of request bodies in flight; {size} more would pass "
+                                f"the limit of {MAX_BODY_BYTES_IN_FLIGHT} one client may have; retry when one "
+                                f"finishes", type="rate_limit_error", code="too_many_requests", retry_after_s=1)
         self._in_flight[addr] = self._in_flight.get(addr, 0) + 1
+        self._body_bytes[addr] = held + size
         try:
             return await self._chat_in_flight(request)
         finally:
-            left = self._in_flight.pop(addr) - 1
-            if left:
-                self._in_flight[addr] = left
+            _drop(self._in_flight, addr, 1)
+            _drop(self._body_bytes, addr, size)
+            if size >= TRIM_AFTER_BODY_BYTES:
+                _trim_heap()
 
     async def _chat_in_flight(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                raw = await request.read()
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                           code="request_timeout") from None
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting too deep

@@ -281,7 +281,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 async def _join(args) -> int:
     from .config import LayerRange
-    from .peer import PeerSettings, launch_peer
+    from .peer import ClientLimits, PeerSettings, launch_peer
 
     from .tls import check_listen
 
@@ -302,6 +302,8 @@ async def _join(args) -> int:
         raise ValueError(f"--max-batch must be at least 1 (1 turns batching off), got {args.max_batch}")
     if not 0 <= args.batch_wait_ms <= 1000:
         raise ValueError(f"--batch-wait-ms must be 0-1000 (0: never wait), got {args.batch_wait_ms}")
+    if args.max_connections_per_host < 1:
+        raise ValueError(f"--max-connections-per-host must be at least 1, got {args.max_connections_per_host}")
     if listen:
         check_listen(host, tls=bool(args.tls or args.tls_cert), insecure=args.insecure)
     settings = PeerSettings(host=host, port=port, public_addrs=tuple(_peers(args.public_addr)), listen=listen,
@@ -312,7 +314,8 @@ async def _join(args) -> int:
                             tls_ca=args.tls_ca, metrics_port=args.metrics_port or None,
                             metrics_host=args.metrics_host or None,
                             allow_ids=_allow_ids(args), max_batch=args.max_batch,
-                            max_hold_s=args.batch_wait_ms / 1000)
+                            max_hold_s=args.batch_wait_ms / 1000,
+                            client_limits=ClientLimits(connections=args.max_connections_per_host))
     if not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0 turns metrics off)")
     if listen:
@@ -610,6 +613,9 @@ async def _serve(args) -> int:
         raise ValueError("--default-max-tokens must be at least 1")
     if args.max_requests_per_client < 0:
         raise ValueError(f"--max-requests-per-client must be 0 (no limit) or more, got {args.max_requests_per_client}")
+    if args.max_connections_per_client < 0:
+        raise ValueError(f"--max-connections-per-client must be 0 (no limit) or more, got "
+                         f"{args.max_connections_per_client}")
     api_key = None
     if args.api_key_file:
         try:
@@ -637,7 +643,8 @@ async def _serve_with(args, api_key: str | None, draft) -> int:
                           **_audit_options(args)) as client:
         server = ApiServer(client, host=args.host, port=args.port, api_key=api_key,
                            default_max_tokens=args.default_max_tokens,
-                           max_requests_per_client=args.max_requests_per_client)
+                           max_requests_per_client=args.max_requests_per_client,
+                           max_connections_per_client=args.max_connections_per_client)
         try:
             await server.start()
         except OSError as exc:
@@ -920,6 +927,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-wait-ms", type=float, default=_env("MESHINFER_BATCH_WAIT_MS", "50"),
                    help="most a decode pass waits for the steps of conversations known to be coming, so "
                         "they share it; also at most half a recent pass (0: never wait) [$MESHINFER_BATCH_WAIT_MS]")
+    s.add_argument("--max-connections-per-host", type=int, default=_env("MESHINFER_MAX_CONNECTIONS_PER_HOST", "256"),
+                   help="connections one remote IP address may hold open to this peer; more get HTTP 503 at the "
+                        "upgrade (raise it for many clients behind one NAT) [$MESHINFER_MAX_CONNECTIONS_PER_HOST]")
     s.add_argument("--key", default=_env("MESHINFER_KEY"), help="Ed25519 key file (created if missing)")
     s.add_argument("--mesh-key-file", default=mesh_key_default,
                    help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
@@ -995,6 +1005,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-requests-per-client", type=int, default=_env("MESHINFER_API_MAX_REQUESTS", "8"),
                    help="chat requests one client address may have in flight, beyond which it gets 429 "
                         "(0: no limit) [$MESHINFER_API_MAX_REQUESTS]")
+    s.add_argument("--max-connections-per-client", type=int, default=_env("MESHINFER_API_MAX_CONNECTIONS", "64"),
+                   help="connections one client address may hold open; more are answered 503 (0: no limit; "
+                        "raise it behind a reverse proxy or a shared NAT) [$MESHINFER_API_MAX_CONNECTIONS]")
     s.add_argument("--mesh-key-file", default=mesh_key_default,
                    help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
     s.add_argument("--insecure", action="store_true", help="allow plain ws:// to other machines (unencrypted)")

@@ -398,6 +398,11 @@ class PeerTable:
         now = self._clock()
         return [replace(ad, ttl_s=max(0.0, until - now)) for ad, until in self._records.values()]
 
+    def seqs(self) -> dict[str, int]:
+        """``seq`` of each live record by peer id (cheaper than :meth:`adverts`)."""
+        self.expire()
+        return {pid: ad.seq for pid, (ad, _) in self._records.items()}
+
     def __len__(self) -> int:
         self.expire()
         return len(self._records)

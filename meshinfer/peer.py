@@ -43,6 +43,28 @@ log = logging.getLogger(__name__)
 
 #: Seconds a connection has to send its ``hello`` before it is closed.
 HELLO_TIMEOUT_S = 10.0
+#: Seconds a connection has for its TLS and HTTP upgrade handshake (websockets' ``open_timeout``):
+#: a connection that never finishes its headers (slowloris) is dropped after it.
+HANDSHAKE_TIMEOUT_S = 10.0
+#: Default most connections one remote IP address may hold open on a peer at once
+#: (``ClientLimits.connections``, ``join --max-connections-per-host``); more get HTTP 503 at the
+#: upgrade. An honest client holds one per peer; the default leaves room for many clients behind
+#: one NAT and for every peer of a machine, and keeps one host far below the 1,024 open files
+#: a process often gets.
+DEFAULT_CONNECTIONS_PER_HOST = 256
+#: Most adverts of one gossip frame that are looked at; the rest are dropped unread. An honest
+#: payload holds at most :data:`GOSSIP_BUDGET_BYTES` (32 KiB, about 80 adverts).
+MAX_GOSSIP_ADVERTS = 128
+#: Gossip frames one connection may send per second, sustained (token bucket, bursts of 2 s);
+#: further ones are dropped unread. An honest peer sends one per gossip round (2 s by default).
+GOSSIP_FRAMES_PER_S = 10.0
+#: Gossiped adverts one connection may make this peer parse and check the signature of per
+#: second, sustained (token bucket, bursts of 2 s). Adverts not newer than the record held, and
+#: second copies of a peer in one frame, cost nothing and are skipped; past the budget the rest
+#: of the frame is dropped unread. A check and a parse take about 0.1 ms, so a flood costs a peer
+#: under 1% of a core per connection. An honest neighbour sends its own advert first, then its
+#: table every gossip round (2 s): 64 a second covers a full table of 128 changed adverts a round.
+GOSSIP_VERIFIES_PER_S = 64.0
 #: Seconds a connection that holds no conversation (a client, or a peer that has not proven its
 #: key) may stay silent before it is closed: idle connections cannot pile up to the open-file limit.
 IDLE_LINK_TIMEOUT_S = 120.0
@@ -158,6 +180,8 @@ class ClientLimits:
 
     Attributes:
         conversations: conversations open at once, all its connections together.
+        connections: connections open at once (accepted by this peer); beyond it the websocket
+            upgrade is answered with HTTP 503. Clients behind one NAT share it.
         steps_per_s: step frames per second, sustained (token bucket, bursts of 2 s).
         bytes_per_s: frame bytes per second, sustained (token bucket, bursts of 2 s).
         kv_share: share of the peer's KV capacity (tokens) the host's open conversations may
@@ -165,6 +189,7 @@ class ClientLimits:
     """
 
     conversations: int = 64
+    connections: int = DEFAULT_CONNECTIONS_PER_HOST
     steps_per_s: float = 200.0
     bytes_per_s: float = 32 * 2 ** 20
     kv_share: float = 0.5
@@ -263,6 +288,7 @@ class Peer:
         self.reachability_note = ""  # why, in words
         self._forwards: dict[tuple[Link, int], tuple[Link, int]] = {}  # relay: (opener link, circ) -> (hidden peer's link, circ)
         self._backwards: dict[tuple[Link, int], tuple[Link, int]] = {}  # the reverse map
+        self._host_connections: dict[str, int] = {}  # remote IP -> accepted connections open (from the upgrade on)
         self.scheduler = StepScheduler(  # all looked up per call, so a subclass or test may replace them
             executor, lambda: self.shard, finish=lambda *a: self._finish_step(*a),
             logits_mode=lambda w: self._logits_mode(w), spawn=self._spawn, max_batch=self.settings.max_batch,
@@ -420,7 +446,8 @@ class Peer:
         """Accept connections on ``host:port``; set :attr:`addrs` (``public_addrs``, else the bound address)."""
         s = self.settings
         self._server = await websockets.serve(self._accept, s.host, s.port, max_size=self.max_frame_bytes,
-                                              ssl=ssl_context, ping_interval=20, ping_timeout=20, compression=None)
+                                              ssl=ssl_context, ping_interval=20, ping_timeout=20, compression=None,
+                                              open_timeout=HANDSHAKE_TIMEOUT_S, process_request=self._admit)
         port = self._server.sockets[0].getsockname()[1]
         host = s.host if s.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         if host != s.host and not s.public_addrs:
@@ -454,6 +481,24 @@ class Peer:
             self.executor.close()
 
     # ------------------------------------------------------------------ connections
+    def _admit(self, ws, request):
+        """Answer the upgrade with HTTP 503 when the remote host already holds
+        ``client_limits.connections`` connections; else count this one until its socket closes."""
+        host = str(ws.remote_address[0]) if ws.remote_address else "?"
+        limit, held = self.settings.client_limits.connections, self._host_connections.get(host, 0)
+        if held >= limit:
+            self.metrics.error("too_many_connections")
+            return ws.respond(503, f"{host} already holds {limit} connections to this peer, the most one host "
+                                   f"may hold; close some and retry\n")
+        self._host_connections[host] = held + 1
+        ws.connection_lost_waiter.add_done_callback(lambda _f: self._release_host(host))
+        return None
+
+    def _release_host(self, host: str) -> None:
+        left = self._host_connections.pop(host, 1) - 1
+        if left > 0:
+            self._host_connections[host] = left
+
     async def _accept(self, ws) -> None:
         link = Link(ws, max_bytes=self.max_frame_bytes, on_message=self._on_message,
                     name=f"{ws.remote_address}")
@@ -787,9 +832,23 @@ class Peer:
             raise ProtocolError("gossip is only accepted from peers")
         if link.remote_id is None:
             raise Unauthenticated("gossip: this peer has not proven its key; send auth after welcome")
-        raw = f.get("adverts", list)
-        ads = []
-        for d in raw[:1024]:
+        frames = link.info.setdefault("gossips", _Bucket(GOSSIP_FRAMES_PER_S, 2 * GOSSIP_FRAMES_PER_S))
+        if not frames.take(1):
+            log.debug("dropping a gossip frame from %s: over %g a second", link.remote_id[:12], GOSSIP_FRAMES_PER_S)
+            return
+        budget = link.info.setdefault("verifies", _Bucket(GOSSIP_VERIFIES_PER_S, 2 * GOSSIP_VERIFIES_PER_S))
+        known = self.table.seqs()
+        ads, seen = [], set()
+        for d in f.get("adverts", list)[:MAX_GOSSIP_ADVERTS]:
+            peer_id = d.get("peer_id") if isinstance(d, dict) else None
+            peer_id = peer_id if isinstance(peer_id, str) else None  # a malformed one fails in from_wire
+            if peer_id in seen or (peer_id is not None and _not_newer(d, known)):
+                continue  # a second copy, or one the table would not take: not worth parsing
+            if not budget.take(1):
+                log.debug("dropping gossip of %s unread: over %g adverts/s", link.remote_id[:12], GOSSIP_VERIFIES_PER_S)
+                break
+            if peer_id is not None:
+                seen.add(peer_id)
             try:
                 ads.append(PeerAdvert.from_wire(d))
             except (ProtocolError, LayerRangeError) as exc:
@@ -801,14 +860,18 @@ class Peer:
 
         ``proven``: their peers just proved their keys in a handshake with this peer. Once the
         table holds :data:`MAX_KNOWN_PEERS`, only such a peer gets in, in place of the unproven
-        record closest to expiry that has no link and no conversation here.
+        record closest to expiry that has no link and no conversation here. Adverts that could
+        not get in, or are not newer than the record held, are dropped before their signature is
+        checked.
         """
-        known = {a.peer_id for a in self.table.adverts()}
+        known = self.table.seqs()
         full = len(known) >= MAX_KNOWN_PEERS
         keep = []
         for ad in ads:
             if full and not proven and ad.peer_id not in known:
                 continue  # it could not get in: skip the signature check
+            if ad.seq <= known.get(ad.peer_id, -1) and not proven:
+                continue  # not newer than what is held: the table would not take it
             size = protocol.wire_size(ad.to_wire())
             if size > MAX_ADVERT_BYTES:
                 log.debug("dropping the advert of %s: %d bytes, over %d", ad.peer_id[:12], size, MAX_ADVERT_BYTES)
@@ -1484,6 +1547,13 @@ def last_hop_reply(ids: list[int], want: str) -> dict:
     if want == "tokens":
         fields["tokens"] = ids
     return fields
+
+
+def _not_newer(d: dict, known: dict[str, int]) -> bool:
+    """Whether the raw advert ``d`` names a peer in ``known`` (peer id -> seq held) with a seq
+    no larger than the one held."""
+    held, seq = known.get(d.get("peer_id")), d.get("seq")
+    return held is not None and type(seq) is int and seq <= held
 
 
 def _url_host(host: str) -> str:

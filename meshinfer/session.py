@@ -38,6 +38,13 @@ CLIENT_MAX_FRAME_BYTES = 64 << 20
 DIAL_TIMEOUT_S = 5.0
 #: RTT probes per peer; the median is used.
 RTT_PROBES = 3
+#: Most connections a client keeps to peers that no open conversation routes through (the
+#: nearest by RTT are kept; the others are closed after each refresh and probe). Links to peers
+#: gone from the table are closed too, so peers that come and go (rotating fake identities)
+#: cannot pile up a long-lived client's sockets (``serve``) to its open-file limit.
+MAX_IDLE_LINKS = 32
+#: Seconds a pruned link may take to close before its socket is aborted.
+LINK_CLOSE_TIMEOUT_S = 1.0
 #: Failure backoff of a peer: 5 s after its first failure, doubling up to 5 minutes.
 BASE_BACKOFF_S, MAX_BACKOFF_S = 5.0, 300.0
 #: A step's deadline: this floor plus DEADLINE_FACTOR x the route's estimated time for the
@@ -82,6 +89,15 @@ class ChatResult(Generation):
     detections: list[dict] = field(default_factory=list)
     unverified: list[dict] = field(default_factory=list)
     speculative: dict = field(default_factory=dict)
+
+
+async def _shut(link: Link) -> None:
+    """Close ``link``, aborting it when the remote does not finish the close within
+    :data:`LINK_CLOSE_TIMEOUT_S` (a fake peer may never answer)."""
+    try:
+        await asyncio.wait_for(link.close(), LINK_CLOSE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        link.ws.transport.abort()
 
 
 class MeshClient:
@@ -332,6 +348,7 @@ class MeshClient:
                 await link.close()
             self.table = {ad.peer_id: ad for ad in ads}
             self.not_allowed = frozenset(ad.peer_id for ad in signed) - set(self.table)
+            await self._prune_links()
             return ads
         raise (Unauthenticated if refused else PeerUnavailable)("no bootstrap peer answered: " + "; ".join(errors))
 
@@ -352,7 +369,20 @@ class MeshClient:
 
         peers = list(self.table.values()) if peers is None else list(peers)
         await asyncio.gather(*(probe(p) for p in peers))
+        await self._prune_links()
         return dict(self.rtts_ms)
+
+    async def _prune_links(self) -> None:
+        """Close links that no open conversation routes through to peers gone from the table,
+        then all but the :data:`MAX_IDLE_LINKS` nearest (by RTT) of the rest; forget RTTs of
+        peers gone from the table. Cancelling it may leave a link half closed."""
+        busy = {pid for conv in self._convs.values() for pid in conv.route.peer_ids}
+        idle = [pid for pid in self._links if pid not in busy]
+        gone = [pid for pid in idle if pid not in self.table]
+        kept = sorted((pid for pid in idle if pid in self.table), key=lambda pid: self.rtts_ms.get(pid, math.inf))
+        await asyncio.gather(*(_shut(self._links.pop(pid)) for pid in gone + kept[MAX_IDLE_LINKS:]))
+        for pid in set(self.rtts_ms) - set(self.table):
+            del self.rtts_ms[pid]
 
     async def plan(self, *, exclude: frozenset[str] = frozenset(), min_free_kv_tokens: int = 0,
                    compat_key=None) -> Route:

@@ -30,7 +30,7 @@ from meshkit import generate_through, mesh, split, tiny_model
 from meshinfer import peer as peer_module
 from meshinfer import protocol, transport
 from meshinfer.config import LayerRange
-from meshinfer.discovery import HELLO_LABEL, MAX_TTL_S, NONCE_BYTES, peer_id_of, sign_advert
+from meshinfer.discovery import HELLO_LABEL, MAX_TTL_S, NONCE_BYTES, peer_id_of, sign_advert, verify_advert
 from meshinfer.errors import LayerRangeError, ProtocolError
 from meshinfer.generate import greedy_generate, load_shard
 from meshinfer.peer import ClientLimits
@@ -345,7 +345,14 @@ async def test_hello_as_peer_with_a_malformed_advert_is_refused(tiny):
         await assert_healthy(tiny, peers)
 
 
-async def test_gossip_floods_and_bad_numbers_are_dropped(tiny):
+def unbounded_gossip(monkeypatch) -> None:
+    """Lift the per-connection gossip budgets: the test fills a table in a few frames."""
+    monkeypatch.setattr(peer_module, "GOSSIP_VERIFIES_PER_S", 1e6)
+    monkeypatch.setattr(peer_module, "MAX_GOSSIP_ADVERTS", 1024)
+
+
+async def test_gossip_floods_and_bad_numbers_are_dropped(tiny, monkeypatch):
+    unbounded_gossip(monkeypatch)  # every advert below is looked at
     async with serving(tiny) as peers:
         peer = peers[0]
         digest = peer.weights_hash
@@ -369,7 +376,8 @@ async def test_gossip_floods_and_bad_numbers_are_dropped(tiny):
         await assert_healthy(tiny, peers)
 
 
-async def test_rogue_peer_cannot_grow_the_peer_table_beyond_its_cap(tiny):
+async def test_rogue_peer_cannot_grow_the_peer_table_beyond_its_cap(tiny, monkeypatch):
+    unbounded_gossip(monkeypatch)
     async with serving(tiny) as peers:
         peer = peers[0]
         digest = peer.weights_hash
@@ -1487,7 +1495,8 @@ async def test_a_replayed_advert_of_a_restarted_peer_never_replaces_its_new_one(
         await assert_healthy(tiny, peers)
 
 
-async def test_a_full_table_takes_a_peer_that_proves_its_key(tiny):
+async def test_a_full_table_takes_a_peer_that_proves_its_key(tiny, monkeypatch):
+    unbounded_gossip(monkeypatch)
     from meshkit import start_peer
 
     path, digest, tok, _ = tiny
@@ -1548,4 +1557,114 @@ async def test_an_idle_connection_that_holds_nothing_is_closed(tiny, monkeypatch
         finally:
             await idle.close()
             await holder.close()
+        await assert_healthy(tiny, peers)
+
+
+# --------------------------------------------------------------------------- connections and gossip work per host
+async def test_connections_from_one_host_are_capped_and_other_hosts_are_served(tiny):
+    limits = ClientLimits(connections=4)
+    async with serving(tiny, client_limits=limits) as peers:
+        peer = peers[0]
+        mine = [await Raw.connect(peer, local_addr=("127.0.0.2", 0)) for _ in range(4)]
+        try:
+            with pytest.raises(websockets.InvalidStatus) as refused:
+                await Raw.connect(peer, local_addr=("127.0.0.2", 0))
+            assert refused.value.response.status_code == 503
+            assert refused.value.response.body.decode() == (
+                "127.0.0.2 already holds 4 connections to this peer, the most one host may hold; close some and retry\n")
+            assert (await mine[0].request("ping"))["t"] == "pong"  # the ones held are still served
+            await converse(tiny, peers)  # and so is another host (127.0.0.1)
+            await mine.pop().close()
+            async with asyncio.timeout(10.0):  # a closed connection frees its place
+                while peer._host_connections.get("127.0.0.2", 0) > 3:
+                    await asyncio.sleep(0.02)
+            mine.append(await Raw.connect(peer, local_addr=("127.0.0.2", 0)))
+        finally:
+            for raw in mine:
+                await raw.close()
+        async with asyncio.timeout(10.0):
+            while "127.0.0.2" in peer._host_connections:
+                await asyncio.sleep(0.02)
+        await assert_healthy(tiny, peers)
+
+
+async def test_a_connection_that_never_finishes_its_upgrade_headers_is_dropped(tiny, monkeypatch):
+    monkeypatch.setattr(peer_module, "HANDSHAKE_TIMEOUT_S", 1.0)
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        port = int(peer.addrs[0].rsplit(":", 1)[1])
+        slow = []
+        for _ in range(20):  # slowloris: a request line and one header, then silence
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            slow.append((reader, writer))
+        try:
+            await converse(tiny, peers)  # served meanwhile
+            async with asyncio.timeout(30.0):  # 1 s each, however loaded the machine is
+                for reader, _ in slow:
+                    assert await reader.read() == b""  # closed without a response
+        finally:
+            for _, writer in slow:
+                writer.close()
+        await assert_healthy(tiny, peers)
+
+
+def gossip_flood_frames(digest: str, n_frames: int, max_bytes: int, n_keys: int = 64) -> list[bytes]:
+    """Gossip frames as large as ``max_bytes`` allows (about 1,024 adverts on the default model, 300
+    on the tiny one): signed adverts of ``n_keys`` fake peers, over and over, each frame's newer than
+    the last, so that every one needs a parse and a signature check unless the peer knows better."""
+    keys = [new_key() for _ in range(n_keys)]
+    per_frame = (max_bytes - 1024) // len(msgpack.packb(rogue_advert(digest, seq=1_000, ttl_s=60.0)))
+    frames = []
+    for i in range(n_frames):
+        ads = [rogue_advert(digest, key=key, seq=1_000 + i, ttl_s=60.0) for key in keys]
+        frames.append(pack("gossip", adverts=(ads * per_frame)[:per_frame]))
+    return frames
+
+
+async def timed_converse(tiny, peers) -> float:
+    t0 = time.perf_counter()
+    await converse(tiny, peers)
+    return time.perf_counter() - t0
+
+
+async def test_a_flood_of_large_gossip_frames_costs_a_bounded_share_of_the_peer(tiny, monkeypatch):
+    checks = []  # signature checks of adverts, counted (the CPU a frame costs, whatever the machine's speed)
+    monkeypatch.setattr(peer_module, "verify_advert", lambda ad: checks.append(ad) or verify_advert(ad))
+    max_frame_bytes = MAX_STEP * WIDTH * 4 + peer_module.FRAME_OVERHEAD_BYTES
+    frames = gossip_flood_frames(tiny[1], 40, max_frame_bytes)  # 8 s of it; made before peers run (a slow loop)
+    async with serving(tiny, bounds=(0, 2, 4), advert_ttl_s=10.0) as peers:  # the default TTL: a slow round is no outage
+        assert peers[0].max_frame_bytes == max_frame_bytes
+        normal = min([await timed_converse(tiny, peers) for _ in range(3)])
+        raws = [await plant(p, []) for p in peers]
+        stop = asyncio.Event()
+
+        async def flood(raw: Raw) -> int:
+            sent = 0
+            while not stop.is_set():  # 5 frames a second, each about 300 signed adverts
+                await raw.ws.send(frames[sent % len(frames)])
+                sent += 1
+                await asyncio.sleep(0.2)
+            return sent
+
+        checks.clear()
+        t0 = time.perf_counter()
+        floods = [asyncio.get_running_loop().create_task(flood(raw)) for raw in raws]
+        try:
+            await asyncio.sleep(1.0)
+            attacked = max([await timed_converse(tiny, peers) for _ in range(3)])
+        finally:
+            stop.set()
+            sent = await asyncio.gather(*floods)
+            for raw in raws:
+                await raw.close()
+        seconds = time.perf_counter() - t0
+        print(f"normal {normal:.3f} s, under attack {attacked:.3f} s, {sum(sent)} frames, {len(checks)} checks")
+        assert attacked < 10 * normal + 5.0  # it took a minute (or timed out) before
+        budget = len(raws) * peer_module.GOSSIP_VERIFIES_PER_S * (seconds + 2)  # + the bursts
+        assert len(checks) <= 2 * budget, (len(checks), budget)  # honest gossip is checked too; 300 a frame before
+        for p in peers:
+            for ad in p.table.adverts():
+                if ad.peer_id not in {q.peer_id for q in peers}:
+                    p.table.remove(ad.peer_id)
         await assert_healthy(tiny, peers)

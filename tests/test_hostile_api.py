@@ -248,3 +248,211 @@ async def test_one_client_address_gets_429_beyond_its_requests_in_flight(tiny):
         assert server._in_flight == {}
     with pytest.raises(ValueError, match="max_requests_per_client must be 0 .no limit. or more, got -1"):
         ApiServer(None, max_requests_per_client=-1)
+
+
+# --------------------------------------------------------------------------- connections, headers and bodies per address
+async def http_exchange(port: int, request: bytes, *, local: str = "127.0.0.1") -> bytes:
+    """Send ``request`` on a fresh connection from ``local``; everything the server answers until it closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(local, 0))
+    try:
+        writer.write(request)
+        return await asyncio.wait_for(reader.read(), 30.0)
+    finally:
+        writer.close()
+
+
+async def test_connections_from_one_address_are_capped_and_others_are_served(tiny):
+    async with api_over(tiny, max_connections_per_client=3) as (peers, server):
+        held = [await asyncio.open_connection("127.0.0.1", server.port, local_addr=("127.0.0.2", 0))
+                for _ in range(3)]
+        try:
+            answer = await http_exchange(server.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", local="127.0.0.2")
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in head
+            assert json.loads(body)["error"] == {
+                "message": "127.0.0.2 already holds 3 connections to this server, the most one client may hold; "
+                           "close some and retry",
+                "type": "server_error", "param": None, "code": "too_many_connections"}
+            async with aiohttp.ClientSession() as http, http.get(f"{server.url}/models") as r:
+                assert r.status == 200  # another address is served
+        finally:
+            for _, writer in held:
+                writer.close()
+        async with asyncio.timeout(10.0):  # closed connections free their places
+            while server._connections.get("127.0.0.2"):
+                await asyncio.sleep(0.02)
+        answer = await http_exchange(server.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                                     local="127.0.0.2")
+        assert answer.startswith(b"HTTP/1.1 200 ")
+
+
+async def test_a_connection_that_never_finishes_its_headers_is_closed(tiny, monkeypatch):
+    from meshinfer import api
+
+    monkeypatch.setattr(api, "HEADERS_TIMEOUT_S", 1.0)
+    async with api_over(tiny) as (peers, server):
+        slow = []
+        for _ in range(20):  # slowloris: a request line and one header, then silence
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            slow.append((reader, writer))
+        try:
+            async with aiohttp.ClientSession() as http, http.get(f"{server.url}/models") as r:
+                assert r.status == 200  # served meanwhile
+            async with asyncio.timeout(30.0):  # 1 s each, however loaded the machine is
+                for reader, _ in slow:
+                    assert await reader.read() == b""  # closed without an answer
+        finally:
+            for _, writer in slow:
+                writer.close()
+        assert server._connections == {}
+
+
+async def test_a_body_over_the_limit_is_413_naming_the_limit(tiny):
+    from meshinfer.api import MAX_BODY_BYTES
+
+    async with api_over(tiny) as (peers, server), aiohttp.ClientSession() as http:
+        status, answer = await post(http, server, b" " * (MAX_BODY_BYTES + 1))
+    assert (status, answer["error"]["code"]) == (413, "request_too_large")
+    assert answer["error"]["message"] == "the request body is over the limit of 4194304 bytes (4 MiB)"
+
+
+SERVE_SCRIPT = """
+import asyncio, sys
+sys.path.insert(0, {tests!r})
+from meshkit import mesh, split, tiny_model
+from meshinfer.api import ApiServer
+from meshinfer.generate import load_shard
+from meshinfer.session import MeshClient
+
+async def main():
+    path, digest, tok, _ = tiny_model(__import__("pathlib").Path({directory!r}))
+    async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest,
+                    bundle=tok.to_bundle(), advert_ttl_s=30.0) as peers:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            server = ApiServer(client, host="127.0.0.1", port=0)
+            await server.start()
+            print(server.port, digest, flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the test closes stdin
+            await server.close()
+
+asyncio.run(main())
+"""
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads RSS from /proc")
+async def test_big_prompts_in_flight_from_one_address_neither_stall_others_nor_keep_memory(tmp_path):
+    """8 x 4 MB prompts from one address: others waited 31-44 s, and serve grew from 314 MB to
+    3.1 GB that it never gave back. Now one address has one such body in flight (429 for the rest)."""
+    import os
+    import subprocess
+    import sys
+
+    script = SERVE_SCRIPT.format(tests=os.path.dirname(__file__), directory=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 120.0)
+        port, digest = int(line.split()[0]), line.split()[1]
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        small = json.dumps({"model": digest, "messages": MESSAGES, "max_tokens": 2}).encode()
+        big = json.dumps({"model": digest, "max_tokens": 2, "messages": [
+            {"role": "user", "content": "word " * ((4 << 20) // 5 - 40)}]}).encode()
+        assert len(big) <= 4 << 20
+        if True:  # each request on its own session and connection, from the address given
+            async def chat(body: bytes, local: str = "127.0.0.1") -> tuple[int, float]:
+                t0 = time.perf_counter()
+                conn = aiohttp.TCPConnector(local_addr=(local, 0), force_close=True)
+                async with aiohttp.ClientSession(connector=conn) as one, one.post(url, data=body) as r:
+                    await r.read()
+                    return r.status, time.perf_counter() - t0
+
+            assert (await chat(small))[0] == 200
+            normal = min([(await chat(small))[1] for _ in range(3)])
+            before = rss_bytes(proc.pid)
+            attack = [asyncio.ensure_future(chat(big, "127.0.0.2")) for _ in range(8)]
+            await asyncio.sleep(0.5)
+            status, victim = await chat(small)
+            statuses = sorted(s for s, _ in await asyncio.gather(*attack))
+            await asyncio.sleep(1.0)
+            after = rss_bytes(proc.pid)
+        print(f"normal {normal:.2f} s, victim {victim:.2f} s; attack {statuses}; RSS {before >> 20} -> {after >> 20} MB")
+        assert status == 200 and victim < 10 * normal + 10.0
+        assert statuses.count(429) >= 6  # one body of 4 MB in flight per address
+        assert after - before < 512 << 20
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(30.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def fake_peers(digest: str, n: int):
+    """A websocket server answering as ``n`` signed identities at once, one per path: it passes
+    the client's handshake and answers pings, and does nothing else. Yields (adverts, the open
+    connections that said hello as a client)."""
+    import msgpack
+    import websockets
+
+    from meshinfer.discovery import new_nonce, welcome_proof
+    from test_hostile import pack
+
+    keys, ads, clients = [new_key() for _ in range(n)], {}, set()
+
+    async def answer(ws) -> None:
+        try:
+            await converse(ws)
+        finally:
+            clients.discard(ws)
+
+    async def converse(ws) -> None:
+        key = keys[int(ws.request.path.strip("/"))]
+        async for frame in ws:
+            msg = msgpack.unpackb(frame)
+            if msg.get("t") == "hello":
+                if msg.get("role") == "client":
+                    clients.add(ws)
+                nonce = new_nonce()
+                await ws.send(pack("welcome", re=msg.get("id"), advert=ads[int(ws.request.path.strip("/"))],
+                                   nonce=nonce, proof=welcome_proof(key, msg["nonce"], nonce), private=False,
+                                   max_step_tokens=512, max_frame_bytes=1 << 20))
+            elif msg.get("t") == "ping":
+                await ws.send(pack("pong", re=msg.get("id")))
+
+    async with websockets.serve(answer, "127.0.0.1", 0, compression=None) as server:
+        port = server.sockets[0].getsockname()[1]
+        for i, key in enumerate(keys):  # another model: probed by every plan, never on a route
+            ads[i] = rogue_advert("0" * 64, key=key, addrs=[f"ws://127.0.0.1:{port}/{i}"], ttl_s=1.0, seq=i + 1)
+        yield list(ads.values()), clients
+
+
+async def test_serve_closes_links_to_peers_that_come_and_go(tiny):
+    """Rotating fake identities kept connected: serve's client leaked a connection per probed peer
+    (open files 16 -> 1,023), then answered 503 for good. Now links to peers gone from the table
+    are closed, and at most ``MAX_IDLE_LINKS`` links that carry no conversation are kept."""
+    from meshinfer.session import MAX_IDLE_LINKS
+    from test_hostile import plant
+
+    _, digest, _, _ = tiny
+    body = json.dumps({"model": digest, "messages": MESSAGES, "max_tokens": 2}).encode()
+    async with api_over(tiny, route_ttl_s=0.0) as (peers, server), aiohttp.ClientSession() as http:
+        most_links = most_sockets = 0
+        for wave in range(4):  # 4 waves of 40 identities, each living about a second
+            async with fake_peers(digest, 40) as (ads, clients):
+                raw = await plant(peers[0], ads)
+                assert (await post(http, server, body))[0] == 200
+                most_links = max(most_links, len(server.client._links))
+                most_sockets = max(most_sockets, len(clients))
+                await raw.close()
+                await asyncio.sleep(1.5)  # they expire from the peer's table
+                assert (await post(http, server, body))[0] == 200
+                assert set(server.client._links) <= {p.peer_id for p in peers}  # links to the gone ones are closed
+        assert most_links <= MAX_IDLE_LINKS + len(peers), most_links
+        assert most_sockets <= MAX_IDLE_LINKS, most_sockets
