@@ -891,6 +891,8 @@ class Conversation:
             if self._warm is not None:  # a failed step's error is the one to see
                 await asyncio.gather(self._warm, return_exceptions=True)
                 self._warm = None
+            if self.drafter is not None:  # no drafting ahead past the reply
+                await self.drafter.stop_ahead()
         result.route = self.hop_stats()
         result.failovers = list(self.failovers)
         result.detections = list(self.detections)
