@@ -450,7 +450,7 @@ def _draft_model(args):
 
 def _draft_ahead(args) -> bool | str:
     """``--draft-ahead`` as :class:`~meshinfer.session.MeshClient` takes it: "auto", True or False."""
-    value = getattr(args, "draft_ahead", "auto")
+    value = getattr(args, "draft_ahead", "off")
     if value not in ("auto", "on", "off"):
         raise ValueError(f"--draft-ahead (or $MESHINFER_DRAFT_AHEAD) must be auto, on or off, got {value!r}")
     return {"on": True, "off": False}.get(value, "auto")
@@ -859,9 +859,10 @@ def _add_draft_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-dtype", default=_env("MESHINFER_DRAFT_DTYPE", DEFAULT_DRAFT_DTYPE),
                    choices=PRECISION_NAMES, help="precision of the draft model (quantized ones: CPU only) "
                                                  "[$MESHINFER_DRAFT_DTYPE]")
-    s.add_argument("--draft-ahead", default=_env("MESHINFER_DRAFT_AHEAD", "auto"), choices=("auto", "on", "off"),
+    s.add_argument("--draft-ahead", default=_env("MESHINFER_DRAFT_AHEAD", "off"), choices=("auto", "on", "off"),
                    help="draft the next step's tokens while the mesh verifies a step: auto does when the "
-                        "route's round trip holds a draft pass [$MESHINFER_DRAFT_AHEAD]")
+                        "route's round trip holds a draft pass; off by default, since it measured no faster "
+                        "on the benchmark machine (docs/benchmarks.md) [$MESHINFER_DRAFT_AHEAD]")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -127,7 +127,7 @@ class MeshClient:
                  mesh_key: bytes | None = None, insecure: bool = False, tls_ca: str | None = None,
                  allow_ids: frozenset[str] | None = None,
                  spot_check_rate: float = audit.DEFAULT_SPOT_CHECK_RATE, dial_timeout_s: float = DIAL_TIMEOUT_S,
-                 draft_model: DraftModel | None = None, draft_ahead: bool | str = "auto") -> None:
+                 draft_model: DraftModel | None = None, draft_ahead: bool | str = False) -> None:
         if not bootstrap:
             raise InvalidInput("no peers to contact: pass --peers ws://HOST:PORT")
         self.bootstrap = list(bootstrap)
@@ -546,6 +546,8 @@ class Conversation:
             against the route's before the conversation opens.
         draft_ahead: draft the next step's tokens while the mesh verifies a step (True, False,
             or "auto": when the route's round trip holds a draft pass, see :meth:`_ahead_pays`).
+            Off by default: on the 2-core benchmark machine it measured no faster than drafting
+            after each step (docs/benchmarks.md).
 
     Raises:
         InvalidInput: ``draft_tokens`` out of range.
@@ -567,7 +569,7 @@ class Conversation:
                  spot_check_rate: float = audit.DEFAULT_SPOT_CHECK_RATE,
                  spot_check_seed: int | None = None, speculate: bool = True,
                  draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_model: DraftModel | None = None,
-                 draft_ahead: bool | str = "auto") -> None:
+                 draft_ahead: bool | str = False) -> None:
         import uuid
 
         if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:

@@ -371,7 +371,7 @@ async def test_auto_drafts_ahead_only_when_the_round_trip_holds_a_draft_pass(tin
     model = drafts["same"]
     async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest,
                     bundle=tok.to_bundle()) as peers:
-        async with MeshClient(list(peers[0].addrs), draft_model=model) as client:
+        async with MeshClient(list(peers[0].addrs), draft_model=model, draft_ahead="auto") as client:
             route = await client.plan()
             compute = sum(h.peer.compute_ms_per_token * len(h.layers) / len(h.peer.layers) for h in route.hops)
             wan = replace(route, estimated_ms_per_token=compute + 150.0)  # a 100 ms RTT route
