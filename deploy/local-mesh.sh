@@ -50,7 +50,7 @@ command -v meshinfer >/dev/null || { echo "meshinfer is not installed: run with 
 
 MODEL_PATH=$(meshinfer pull "$MODEL" | tail -n 1)
 LAYERS=$(python -c "
-from meshinfer.weights import open_weights
+from meshinfer.engine.weights import open_weights
 print(open_weights('$MODEL_PATH').config.num_hidden_layers)")
 OWN_LOG_DIR=0
 if [ -z "${LOG_DIR:-}" ]; then LOG_DIR=$(mktemp -d -t meshinfer-mesh.XXXXXX); OWN_LOG_DIR=1; fi

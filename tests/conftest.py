@@ -13,8 +13,8 @@ def model_path(name: str) -> Path:
     Uses ``$MESHINFER_HOME`` (default ``~/.cache/meshinfer``). Fails the test (never skips)
     when the model cannot be fetched and verified.
     """
-    from meshinfer.errors import MeshError
-    from meshinfer.weights.registry import pull
+    from meshinfer.core.errors import MeshError
+    from meshinfer.engine.weights.registry import pull
 
     try:
         return pull(name, progress=False)

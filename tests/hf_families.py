@@ -90,7 +90,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def run_chain(shards, ids: list[int], follow: list[int]) -> torch.Tensor:
     """Prefill ``ids`` through a chain of meshinfer shards, then feed ``follow`` one token per
     step; float32 logits ``(len(ids) + len(follow), V)``."""
-    from meshinfer.generate import new_cache
+    from meshinfer.engine.generate import new_cache
 
     caches = [new_cache(s) for s in shards]
 

@@ -9,10 +9,10 @@ from typing import Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshinfer.config import LayerRange
-from meshinfer.executor import DeviceExecutor
-from meshinfer.models.llama import Shard
-from meshinfer.peer import Peer, PeerSettings
+from meshinfer.core.config import LayerRange
+from meshinfer.engine.executor import DeviceExecutor
+from meshinfer.engine.models.llama import Shard
+from meshinfer.peer.node import Peer, PeerSettings
 
 FAST = dict(gossip_interval_s=0.1, advert_ttl_s=1.0, request_timeout_s=5.0)
 
@@ -61,7 +61,7 @@ async def mesh(shards: Sequence[Shard], *, weights_hash: str, bundle: dict | Non
 class AlwaysDraft:
     """A draft policy (``Conversation.policy``) that drafts all it may each step. Tests of exact
     verification use it: on a tiny model over loopback the real policy
-    (:class:`meshinfer.speculative.DraftPolicy`) may rightly find that drafting does not pay."""
+    (:class:`meshinfer.client.speculative.DraftPolicy`) may rightly find that drafting does not pay."""
 
     def choose(self, limit: int) -> int:
         return limit
@@ -78,7 +78,7 @@ def split(shard_factory, bounds: Sequence[int]) -> list[Shard]:
 
 
 def file_hash(path: Path) -> str:
-    from meshinfer.weights.identity import weights_hash
+    from meshinfer.engine.weights.identity import weights_hash
 
     return weights_hash(path)
 
@@ -97,8 +97,8 @@ async def crash(peer: Peer) -> None:
 
 def tiny_model(directory: Path, *, context: int = 256, seed: int = 0) -> tuple:
     """(gguf path, weights hash, tokenizer, whole-model shard) of a tiny random qwen2 model."""
-    from meshinfer.generate import load_shard
-    from meshinfer.tokenizer import Tokenizer
+    from meshinfer.engine.generate import load_shard
+    from meshinfer.text.tokenizer import Tokenizer
     from tiny import random_weights, tiny_config, write_gguf
 
     cfg = tiny_config("qwen2", context=context)
@@ -111,7 +111,7 @@ async def generate_through(peers: Sequence[Peer], tok, messages: list, *, max_to
                            **client_options) -> tuple:
     """One greedy conversation through the mesh of ``peers``; returns (route, prompt ids, result).
     ``deadline_floor_s``: the conversation's (None: the default)."""
-    from meshinfer.session import MeshClient
+    from meshinfer.client.session import MeshClient
 
     async with MeshClient(list(peers[0].addrs), **client_options) as client:
         route = await client.plan()
@@ -131,8 +131,8 @@ async def generate_through_a_middle_crash(path: Path, digest: str, bundle: dict,
     while the middle hop crashes after 10 tokens; (result, the crashed peer). The deadline floor
     is generous, so only the crash, never a slow step on a loaded machine, causes a failover.
     ``policy``: the conversation's draft policy (e.g. :class:`AlwaysDraft`), None for the client's."""
-    from meshinfer.generate import load_shard
-    from meshinfer.session import MeshClient
+    from meshinfer.engine.generate import load_shard
+    from meshinfer.client.session import MeshClient
 
     a, b, c, d = bounds
     first = await start_peer(load_shard(path, LayerRange(a, b)), weights_hash=digest, bundle=bundle)

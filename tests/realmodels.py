@@ -7,10 +7,10 @@ from functools import lru_cache
 from pathlib import Path
 
 from conftest import model_path
-from meshinfer.config import LayerRange
-from meshinfer.models.llama import Shard
-from meshinfer.models.quant import parse_precision
-from meshinfer.weights import open_weights
+from meshinfer.core.config import LayerRange
+from meshinfer.engine.models.llama import Shard
+from meshinfer.engine.models.quant import parse_precision
+from meshinfer.engine.weights import open_weights
 
 #: Reference cases (token ids from an independent float32 implementation; tests/data/cases/README.md),
 #: kept in the repository so that no test reads outside it.
@@ -29,7 +29,7 @@ def full_tensors(name: str) -> tuple:
 
 def shard_of(name: str, start: int, stop: int, precision: str = "f32", device: str = "cpu") -> Shard:
     """A shard built from the cached tensors: exactly the tensors a real load would read,
-    at ``precision`` (see ``meshinfer.models.quant``), on ``device``."""
+    at ``precision`` (see ``meshinfer.engine.models.quant``), on ``device``."""
     cfg, tensors = full_tensors(name)
     layers = LayerRange(start, stop)
     wanted = [(n, t) for n, t in tensors.items()

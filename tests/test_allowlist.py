@@ -8,11 +8,11 @@ import json
 import pytest
 
 from meshkit import generate_through, start_peer, tiny_model, wait_for_tables
-from meshinfer import discovery
-from meshinfer.config import LayerRange
-from meshinfer.errors import InvalidInput, NoRoute, PeerUnavailable, Unauthenticated
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.session import MeshClient
+from meshinfer.wire import discovery
+from meshinfer.core.config import LayerRange
+from meshinfer.core.errors import InvalidInput, NoRoute, PeerUnavailable, Unauthenticated
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.client.session import MeshClient
 
 MESSAGES = [{"role": "user", "content": "who may join?"}]
 
@@ -112,7 +112,7 @@ async def test_with_the_list_on_every_peer_the_mesh_works(tiny):
 
 
 def test_allow_keys_option_environment_and_id_command(tmp_path, monkeypatch, capsys):
-    from meshinfer.cli import build_parser, main
+    from meshinfer.app.cli import build_parser, main
 
     monkeypatch.setenv("MESHINFER_ALLOW_KEYS", "/keys/allowed.txt")
     assert [build_parser().parse_args([cmd]).allow_keys for cmd in ("join", "chat", "status", "serve")] == \

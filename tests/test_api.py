@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from meshkit import crash, mesh, split, start_peer, tiny_model, wait_for_tables
-from meshinfer import protocol
-from meshinfer.config import LayerRange
-from meshinfer.api import ApiServer, model_id, parse_chat_request, ApiError
-from meshinfer.errors import InvalidInput, ProtocolError
-from meshinfer.generate import load_shard
-from meshinfer.reply import TextStream
-from meshinfer.sampling import SamplingParams, pick_token
-from meshinfer.session import MeshClient
+from meshinfer.wire import protocol
+from meshinfer.core.config import LayerRange
+from meshinfer.app.api import ApiServer, model_id, parse_chat_request, ApiError
+from meshinfer.core.errors import InvalidInput, ProtocolError
+from meshinfer.engine.generate import load_shard
+from meshinfer.app.reply import TextStream
+from meshinfer.core.sampling_params import SamplingParams
+from meshinfer.engine.sampling import pick_token
+from meshinfer.client.session import MeshClient
 
 MESSAGES = [{"role": "user", "content": "hello there, tiny model"}]
 #: Advert lifetime, seconds: long enough that a loaded test machine never sees a peer expire mid-test.
@@ -392,7 +393,7 @@ EMOJI = [{"role": "user", "content": "Repeat exactly, nothing else: 🦀🪐🧬
 def default_model():
     from conftest import model_path
     from meshkit import file_hash
-    from meshinfer.tokenizer import Tokenizer
+    from meshinfer.text.tokenizer import Tokenizer
     from realmodels import DEFAULT
 
     path = model_path(DEFAULT)
@@ -409,7 +410,7 @@ async def raw_stream(server, body) -> list[bytes]:
 
 @pytest.mark.realmodel
 async def test_real_model_two_peers_match_chat_and_stream_whole_utf8_characters(default_model, tmp_path):
-    from meshinfer.tokenizer import StreamDecoder
+    from meshinfer.text.tokenizer import StreamDecoder
     from realmodels import DEFAULT, load_cases, shard_of
     from test_mesh_real import chat_json
 
@@ -438,7 +439,7 @@ async def test_real_model_two_peers_match_chat_and_stream_whole_utf8_characters(
 
 
 def test_cli_refuses_bad_serve_and_sampling_flags_in_one_line(capsys):
-    from meshinfer.cli import main
+    from meshinfer.app.cli import main
 
     assert main(["serve", "--port", "70000"]) == 2
     assert capsys.readouterr().err.strip() == "error: --port 70000 is not a TCP port"

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from meshkit import file_hash, generate_through, mesh, split, tiny_model
-from meshinfer.config import LayerRange
-from meshinfer.generate import load_shard
-from meshinfer.kv_cache import KVCache
-from meshinfer.peer import ClientLimits
-from meshinfer.scheduler import BATCH_STEP_TOKENS, StepScheduler
-from meshinfer.tokenizer import Tokenizer
+from meshinfer.core.config import LayerRange
+from meshinfer.engine.generate import load_shard
+from meshinfer.engine.kv_cache import KVCache
+from meshinfer.peer.node import ClientLimits
+from meshinfer.peer.scheduler import BATCH_STEP_TOKENS, StepScheduler
+from meshinfer.text.tokenizer import Tokenizer
 from realmodels import DEFAULT, first_near_tie, load_cases, shard_of
 from test_hostile import Raw, f32, hidden_after, last_token, rogue_advert
 

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from meshinfer.config import PRECISION_NAMES
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.tokenizer import Tokenizer
+from meshinfer.core.config import PRECISION_NAMES
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.text.tokenizer import Tokenizer
 from tiny import random_weights, tiny_config, write_gguf
 
 

@@ -7,11 +7,11 @@ import asyncio
 import pytest
 
 from meshkit import mesh, start_peer, tiny_model, wait_for_tables
-from meshinfer.config import LayerRange
-from meshinfer.errors import CacheFull, ContextOverflow
-from meshinfer.peer import ClientLimits
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.session import MeshClient
+from meshinfer.core.config import LayerRange
+from meshinfer.core.errors import CacheFull, ContextOverflow
+from meshinfer.peer.node import ClientLimits
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.client.session import MeshClient
 
 
 @pytest.fixture(scope="module")

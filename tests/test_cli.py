@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.tokenizer import Tokenizer
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.text.tokenizer import Tokenizer
 from tiny import random_weights, tiny_config, write_gguf
 
 
@@ -281,7 +281,7 @@ def test_pull_prints_path_last(tmp_path):
 
 
 def test_bench_measures_single_peer_and_split(tiny_gguf, tmp_path):
-    from meshinfer.bench import even_splits
+    from meshinfer.app.bench import even_splits
 
     assert even_splits(24, 5) == [(0, 3), (4, 8), (9, 13), (14, 18), (19, 23)]
     out = meshinfer("bench", "--model", str(tiny_gguf), "--splits", "1,2", "--max-tokens", "3", "--repeats", "1",
@@ -330,7 +330,7 @@ def test_bench_concurrency_reports_aggregate_tokens_per_s(tiny_gguf, tmp_path):
 def test_chat_says_when_it_reads_a_long_prompt(capsys):
     from types import SimpleNamespace
 
-    from meshinfer.cli import LONG_PROMPT_TOKENS, _announce_prefill
+    from meshinfer.app.cli import LONG_PROMPT_TOKENS, _announce_prefill
 
     route, text = SimpleNamespace(hops=[1, 2]), SimpleNamespace(json=False)
     prompt = list(range(LONG_PROMPT_TOKENS + 10))
@@ -349,7 +349,7 @@ def test_an_explicit_empty_system_message_is_kept(system, turns):
     with an empty one in --messages); no --system adds none."""
     from argparse import Namespace
 
-    from meshinfer.cli import _messages
+    from meshinfer.app.cli import _messages
 
     args = Namespace(messages=None, system=system, prompt="hi")
     assert _messages(args) == turns + [{"role": "user", "content": "hi"}]

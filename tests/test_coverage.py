@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshinfer.config import LayerRange, ModelConfig
-from meshinfer.coverage import choose_layers, coverage, coverage_strip, layers_that_fit
-from meshinfer.protocol import DRAINING, READY, PeerAdvert
+from meshinfer.core.config import LayerRange, ModelConfig
+from meshinfer.client.coverage import choose_layers, coverage, coverage_strip, layers_that_fit
+from meshinfer.wire.protocol import DRAINING, READY, PeerAdvert
 
 
 def ad(pid: str, a: int, b: int, *, state: str = READY, seq: int = 0, L: int = 24) -> PeerAdvert:

@@ -1,7 +1,7 @@
 """The deploy recipes agree with the code: compose file, systemd unit, Dockerfile, local-mesh script.
 
 No container engine runs here; these checks parse the files and feed every ``meshinfer`` command
-they hold to the real CLI parser (``meshinfer.cli.build_parser``).
+they hold to the real CLI parser (``meshinfer.app.cli.build_parser``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from meshinfer.cli import _listen, build_parser
+from meshinfer.app.cli import _listen, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -197,7 +197,7 @@ def protocol_doc_section(title: str) -> str:
 
 
 def test_every_message_type_has_a_row_in_the_protocol_doc():
-    from meshinfer.protocol import MESSAGE_TYPES
+    from meshinfer.wire.protocol import MESSAGE_TYPES
 
     documented = set()
     for line in protocol_doc_section("Messages").splitlines():
@@ -208,7 +208,7 @@ def test_every_message_type_has_a_row_in_the_protocol_doc():
 
 
 def test_every_error_code_is_listed_in_the_protocol_doc():
-    from meshinfer import errors
+    from meshinfer.core import errors
 
     codes = {cls.code for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, errors.MeshError)}
     listed = set(re.findall(r"`(\w+)`", protocol_doc_section("Error codes")))

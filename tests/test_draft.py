@@ -14,12 +14,12 @@ import time
 import pytest
 
 from meshkit import AlwaysDraft, crash, mesh, split, start_peer, tiny_model, wait_for_tables
-from meshinfer.config import LayerRange
-from meshinfer.draft import DraftModel, ModelDrafter, load_draft_model
-from meshinfer.errors import IncompatibleDraft, ModelNotFound, WeightsError
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.reply import plan_for
-from meshinfer.session import MeshClient
+from meshinfer.core.config import LayerRange
+from meshinfer.client.draft import DraftModel, ModelDrafter, load_draft_model
+from meshinfer.core.errors import IncompatibleDraft, ModelNotFound, WeightsError
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.app.reply import plan_for
+from meshinfer.client.session import MeshClient
 from tiny import random_weights, tiny_config, write_gguf
 
 STORY = [{"role": "user", "content": "tell me a long story about meshes and hops"}]
@@ -248,7 +248,7 @@ async def test_conversations_on_a_route_share_the_draft_policy_of_their_drafter(
 
 async def test_decode_steps_do_not_wait_for_the_drafters_prefill(tiny):
     """Plain steps run while the drafter still reads the prompt; drafting starts once it has."""
-    from meshinfer.draft import PromptLookup
+    from meshinfer.client.draft import PromptLookup
 
     class SlowLookup(PromptLookup):
         def __init__(self) -> None:
@@ -392,8 +392,8 @@ async def test_draft_model_output_equals_plain_on_the_real_models_over_2_peers(n
     for an f32 mesh of 2 peers: a general chat and an arithmetic one."""
     from conftest import model_path
     from meshkit import file_hash
-    from meshinfer.bench import GENERAL_PROMPTS
-    from meshinfer.tokenizer import Tokenizer
+    from meshinfer.app.bench import GENERAL_PROMPTS
+    from meshinfer.text.tokenizer import Tokenizer
     from realmodels import full_tensors, shard_of
 
     path = model_path(name)

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from meshinfer.errors import DeviceError
-from meshinfer.executor import DeviceExecutor, cuda_advice, parse_device
+from meshinfer.core.errors import DeviceError
+from meshinfer.engine.executor import DeviceExecutor, cuda_advice, parse_device
 
 
 async def test_every_call_runs_on_the_one_device_thread():

@@ -8,11 +8,11 @@ import threading
 import pytest
 
 from meshkit import crash, file_hash, start_peer, wait_for_tables
-from meshinfer.config import LayerRange
-from meshinfer.errors import NoRoute, PeerUnavailable
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.session import MeshClient
-from meshinfer.tokenizer import Tokenizer
+from meshinfer.core.config import LayerRange
+from meshinfer.core.errors import NoRoute, PeerUnavailable
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.client.session import MeshClient
+from meshinfer.text.tokenizer import Tokenizer
 from tiny import random_weights, tiny_config, write_gguf
 
 N_TOKENS = 50

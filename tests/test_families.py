@@ -13,9 +13,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from meshinfer.config import SUPPORTED_ARCHITECTURES, LayerRange
-from meshinfer.errors import WeightsError
-from meshinfer.generate import greedy_generate, load_shard, new_cache
+from meshinfer.core.config import SUPPORTED_ARCHITECTURES, LayerRange
+from meshinfer.core.errors import WeightsError
+from meshinfer.engine.generate import greedy_generate, load_shard, new_cache
 
 import hf_families as hff  # needs transformers (the test extra)
 from hf_families import rel, run_chain
@@ -159,7 +159,7 @@ def test_phi3_batched_pass_takes_each_sequences_own_longrope_factors(tmp_path):
 async def test_two_peers_split_mid_model_give_the_tokens_of_generate(family):
     """Every family's GGUF in a real 2-peer mesh (the synthetic tokenizer and ChatML template)."""
     from meshkit import file_hash, generate_through, mesh
-    from meshinfer.tokenizer import Tokenizer
+    from meshinfer.text.tokenizer import Tokenizer
 
     _, paths, _ = family
     path, tok = paths["gguf"], Tokenizer.from_gguf(paths["gguf"])
@@ -212,7 +212,7 @@ def test_qwen3_moe_with_dense_layers_among_the_sparse_is_refused(tmp_path):
 
 
 def test_supported_architectures_each_have_a_block_builder():
-    from meshinfer.models.families import BLOCKS
+    from meshinfer.engine.models.families import BLOCKS
 
     assert tuple(BLOCKS) == SUPPORTED_ARCHITECTURES
 

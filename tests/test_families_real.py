@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import model_path
-from meshinfer.config import LayerRange
-from meshinfer.generate import greedy_generate, load_shard
+from meshinfer.core.config import LayerRange
+from meshinfer.engine.generate import greedy_generate, load_shard
 from realmodels import first_near_tie, load_cases
 from hf_families import rel, run_chain
 

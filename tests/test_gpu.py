@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from meshkit import file_hash, mesh, tiny_model
-from meshinfer.config import LayerRange
-from meshinfer.errors import DeviceError
-from meshinfer.executor import parse_device
-from meshinfer.generate import load_shard, new_cache
-from meshinfer.session import MeshClient
+from meshinfer.core.config import LayerRange
+from meshinfer.core.errors import DeviceError
+from meshinfer.engine.executor import parse_device
+from meshinfer.engine.generate import load_shard, new_cache
+from meshinfer.client.session import MeshClient
 from realmodels import DEFAULT, first_near_tie, load_cases, shard_of
 from test_batching import compare_batched_with_single
 
@@ -132,7 +132,7 @@ def test_reference_cases_on_the_device_default_model():
 @pytest.mark.realmodel
 async def test_a_cpu_and_device_route_gives_the_reference_tokens_default_model():
     from conftest import model_path
-    from meshinfer.tokenizer import Tokenizer
+    from meshinfer.text.tokenizer import Tokenizer
 
     path = model_path(DEFAULT)
     shards = [shard_of(DEFAULT, 0, 12), shard_of(DEFAULT, 12, 24, device=DEVICE)]

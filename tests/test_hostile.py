@@ -27,14 +27,15 @@ import websockets
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshkit import generate_through, mesh, split, tiny_model
-from meshinfer import peer as peer_module
-from meshinfer import protocol, transport
-from meshinfer.config import LayerRange
-from meshinfer.discovery import HELLO_LABEL, MAX_TTL_S, NONCE_BYTES, peer_id_of, sign_advert, verify_advert
-from meshinfer.errors import LayerRangeError, ProtocolError
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.peer import ClientLimits
-from meshinfer.protocol import PeerAdvert
+from meshinfer.peer import node as peer_module
+from meshinfer.wire import protocol, transport, tensors
+from meshinfer.core.config import LayerRange
+from meshinfer.wire.discovery import (HELLO_LABEL, MAX_TTL_S, NONCE_BYTES, peer_id_of, sign_advert,
+    verify_advert)
+from meshinfer.core.errors import LayerRangeError, ProtocolError
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.peer.node import ClientLimits
+from meshinfer.wire.protocol import PeerAdvert
 
 MESSAGES = [{"role": "user", "content": "a hostile world"}]
 CONTEXT = 256  # tokens, the tiny model's context
@@ -215,7 +216,7 @@ def new_key() -> Ed25519PrivateKey:
 
 
 def f32(t: torch.Tensor, **changes) -> dict:
-    return protocol.tensor_to_wire(t) | changes
+    return tensors.tensor_to_wire(t) | changes
 
 
 # --------------------------------------------------------------------------- frames and envelopes
@@ -714,7 +715,7 @@ async def test_non_finite_hidden_states_are_an_error_never_a_token(tiny, dtype, 
             await raw.request("open", conv="n", layers=[2, 4], max_tokens=16, prev=ad["peer_id"])
             h = hidden_after(tiny, [7, 8, 9], 2).clone()
             h[0, 1, 5] = bad
-            await raw.send("step", conv="n", seq=1, start=0, hidden=protocol.tensor_to_wire(h, dtype), want="token")
+            await raw.send("step", conv="n", seq=1, start=0, hidden=tensors.tensor_to_wire(h, dtype), want="token")
             reply = await raw.recv()
             assert (reply["t"], reply["code"], reply["seq"]) == ("error", "invalid_input", 1)
             assert reply["message"] == "layers 2-3 produced NaN or inf at positions 0..2"
@@ -1420,7 +1421,7 @@ async def plant(peer, adverts: list[dict]) -> Raw:
 
 
 async def test_a_peer_of_silent_addresses_costs_planning_one_dial_timeout(tiny):
-    from meshinfer.session import MeshClient
+    from meshinfer.client.session import MeshClient
 
     dial_timeout_s = 3.0
     with silent_addresses(4) as addrs:
@@ -1442,8 +1443,8 @@ async def test_a_peer_of_silent_addresses_costs_planning_one_dial_timeout(tiny):
 
 
 async def test_listing_models_never_waits_for_a_route_being_planned(tiny):
-    from meshinfer.api import MeshModels
-    from meshinfer.session import MeshClient
+    from meshinfer.app.api import MeshModels
+    from meshinfer.client.session import MeshClient
 
     with silent_addresses(1) as addrs:
         async with serving(tiny) as peers:

@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from meshkit import mesh, split, tiny_model
-from meshinfer import protocol
-from meshinfer.api import ApiServer
-from meshinfer.errors import LyingPeer
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.peer import ClientLimits
-from meshinfer.sampling import SamplingParams, pick_token
-from meshinfer.session import MeshClient
+from meshinfer.wire import protocol
+from meshinfer.app.api import ApiServer
+from meshinfer.core.errors import LyingPeer
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.peer.node import ClientLimits
+from meshinfer.core.sampling_params import SamplingParams
+from meshinfer.engine.sampling import pick_token
+from meshinfer.client.session import MeshClient
 from test_hostile import Raw, new_key, rogue_advert
 
 MESSAGES = [{"role": "user", "content": "a hostile world"}]
@@ -100,7 +101,7 @@ async def test_malformed_text_and_deep_nesting_are_400_not_500(tiny, name, raw, 
     assert status == 400, (name, body)
     assert body["error"]["type"] == "invalid_request_error"
     assert ok == 200
-    assert not [r for r in caplog.records if r.levelname == "ERROR" and r.name == "meshinfer.api"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR" and r.name == "meshinfer.app.api"]
 
 
 def test_a_tiny_temperature_samples_the_argmax_not_garbage():
@@ -287,7 +288,7 @@ async def test_connections_from_one_address_are_capped_and_others_are_served(tin
 
 
 async def test_a_connection_that_never_finishes_its_headers_is_closed(tiny, monkeypatch):
-    from meshinfer import api
+    from meshinfer.app import api
 
     monkeypatch.setattr(api, "HEADERS_TIMEOUT_S", 1.0)
     async with api_over(tiny) as (peers, server):
@@ -309,7 +310,7 @@ async def test_a_connection_that_never_finishes_its_headers_is_closed(tiny, monk
 
 
 async def test_a_body_over_the_limit_is_413_naming_the_limit(tiny):
-    from meshinfer.api import MAX_BODY_BYTES
+    from meshinfer.app.api import MAX_BODY_BYTES
 
     async with api_over(tiny) as (peers, server), aiohttp.ClientSession() as http:
         status, answer = await post(http, server, b" " * (MAX_BODY_BYTES + 1))
@@ -404,7 +405,7 @@ async def fake_peers(digest: str, n: int):
     import msgpack
     import websockets
 
-    from meshinfer.discovery import new_nonce, welcome_proof
+    from meshinfer.wire.discovery import new_nonce, welcome_proof
     from test_hostile import pack
 
     keys, ads, clients = [new_key() for _ in range(n)], {}, set()
@@ -440,7 +441,7 @@ async def test_serve_closes_links_to_peers_that_come_and_go(tiny):
     """Rotating fake identities kept connected: serve's client leaked a connection per probed peer
     (open files 16 -> 1,023), then answered 503 for good. Now links to peers gone from the table
     are closed, and at most ``MAX_IDLE_LINKS`` links that carry no conversation are kept."""
-    from meshinfer.session import MAX_IDLE_LINKS
+    from meshinfer.client.session import MAX_IDLE_LINKS
     from test_hostile import plant
 
     _, digest, _, _ = tiny

@@ -1,4 +1,4 @@
-"""Tests of meshinfer.weights.identity: weights_hash, its caches, shard_identity."""
+"""Tests of meshinfer.engine.weights.identity: weights_hash, its caches, shard_identity."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from meshinfer.errors import ModelNotFound, WeightsError
-from meshinfer.weights import identity
-from meshinfer.weights.identity import shard_identity, weights_hash
+from meshinfer.core.errors import ModelNotFound, WeightsError
+from meshinfer.engine.weights import identity
+from meshinfer.engine.weights.identity import shard_identity, weights_hash
 
 
 @pytest.fixture(autouse=True)

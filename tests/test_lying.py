@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from meshkit import start_peer, tiny_model, wait_for_tables
-from meshinfer import audit, protocol
-from meshinfer.config import LayerRange
-from meshinfer.errors import LyingPeer
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.session import MeshClient
+from meshinfer.client import spotcheck
+from meshinfer.peer import verify
+from meshinfer.wire import tensors
+from meshinfer.core.config import LayerRange
+from meshinfer.core.errors import LyingPeer
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.client.session import MeshClient
 
 MESSAGES = [{"role": "user", "content": "tell me a long story about meshes and hops"}]
 N_TOKENS = 12
@@ -62,7 +64,7 @@ def noise(relative: float, *, from_position: int = 0):
     return lie
 
 
-async def run_with_liar(tiny, *, lie_shard=None, lie_compute=None, rate=audit.DEFAULT_SPOT_CHECK_RATE, seed=0):
+async def run_with_liar(tiny, *, lie_shard=None, lie_compute=None, rate=spotcheck.DEFAULT_SPOT_CHECK_RATE, seed=0):
     """Generate N_TOKENS through a route forced through the liar; (result, conversation, liar, twins)."""
     path, digest, tok, ids, _ = tiny
     shard = lambda a, b: load_shard(path, LayerRange(a, b))  # noqa: E731
@@ -138,7 +140,7 @@ async def test_an_extra_position_is_caught_by_the_position_count(tiny):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
 async def test_honest_mesh_with_spot_checks_detects_nothing(tiny, temperature):
-    from meshinfer.sampling import SamplingParams
+    from meshinfer.core.sampling_params import SamplingParams
 
     path, digest, tok, ids, expected = tiny
     shard = lambda a, b: load_shard(path, LayerRange(a, b))  # noqa: E731
@@ -167,22 +169,22 @@ async def test_honest_mesh_with_spot_checks_detects_nothing(tiny, temperature):
 def test_cheap_checks_name_the_sender():
     C = 8
     ok = torch.ones(1, 3, C)
-    audit.check_hidden(ok, width=C, sender="abc")
+    verify.check_hidden(ok, width=C, sender="abc")
     cases = [(ok.double(), "dtype torch.float64"), (ok[0], "shape (3, 8)"), (torch.ones(1, 3, C + 1), "not (1, T, 8)"),
              (torch.full((1, 3, C), math.nan), "NaN or inf"), (torch.zeros(1, 3, C), "RMS 0"),
              (torch.full((1, 3, C), 1e6), "RMS 1e+06")]
     for x, text in cases:
         with pytest.raises(LyingPeer, match="previous hop abc") as err:
-            audit.check_hidden(x, width=C, sender="abc")
+            verify.check_hidden(x, width=C, sender="abc")
         assert text in str(err.value) and err.value.suspect == "abc"
 
 
 def test_relative_error_and_tolerance():
     y = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(0))
-    assert audit.relative_error(y, y) == 0.0
-    assert audit.relative_error(y, y[:, :4]) == math.inf
-    assert 0.5e-2 < audit.relative_error(y, y * 1.01) < 1.5e-2
-    assert audit.TOLERANCE["f32"] < 1e-2  # one-percent noise must stay detectable
+    assert spotcheck.relative_error(y, y) == 0.0
+    assert spotcheck.relative_error(y, y[:, :4]) == math.inf
+    assert 0.5e-2 < spotcheck.relative_error(y, y * 1.01) < 1.5e-2
+    assert spotcheck.TOLERANCE["f32"] < 1e-2  # one-percent noise must stay detectable
 
 
 @pytest.mark.realmodel
@@ -192,7 +194,7 @@ async def test_default_model_liar_is_caught_and_output_is_exact():
     from conftest import model_path
     from meshkit import file_hash
     from realmodels import DEFAULT, load_cases, shard_of
-    from meshinfer.tokenizer import Tokenizer
+    from meshinfer.text.tokenizer import Tokenizer
 
     path = model_path(DEFAULT)
     digest, tok = file_hash(path), Tokenizer.from_gguf(path)
@@ -225,8 +227,8 @@ async def test_default_model_liar_is_caught_and_output_is_exact():
 
 async def test_verify_and_get_log_requests_are_bounded_and_exact(tiny):
     """``verify`` recomputes exactly what a whole-model pass gives; bad requests get one-line errors."""
-    from meshinfer.errors import InvalidInput as Bad, LayerRangeError, ProtocolError
-    from meshinfer.generate import load_shard as load
+    from meshinfer.core.errors import InvalidInput as Bad, LayerRangeError, ProtocolError
+    from meshinfer.engine.generate import load_shard as load
 
     path, digest, tok, ids, _ = tiny
     whole = load(path)
@@ -237,19 +239,19 @@ async def test_verify_and_get_log_requests_are_bounded_and_exact(tiny):
             link = await client.link(peer.advert())
             ask = lambda **f: link.request("verify", timeout_s=10, **f)  # noqa: E731
             h = whole(torch.tensor([ids[:10]]), 0, None, run=LayerRange(0, 1))  # (1, 10, C) after layer 0
-            _, f = await ask(layers=[1, 4], hidden=protocol.tensor_to_wire(h), check=6)
+            _, f = await ask(layers=[1, 4], hidden=tensors.tensor_to_wire(h), check=6)
             logits = whole(torch.tensor([ids[:10]]), 0, None, logits="all")  # (1, 10, V)
             assert f.get("tokens", list) == [int(t) for t in logits[0, 6:].argmax(-1)]
-            _, f = await ask(layers=[1, 3], hidden=protocol.tensor_to_wire(h), check=0)
+            _, f = await ask(layers=[1, 3], hidden=tensors.tensor_to_wire(h), check=0)
             want = whole(h, 0, None, run=LayerRange(1, 3))
-            assert audit.relative_error(want, protocol.tensor_from_wire(f.get("hidden", dict),
+            assert spotcheck.relative_error(want, tensors.tensor_from_wire(f.get("hidden", dict),
                                                                             max_elements=1 << 20)) < 1e-6
             with pytest.raises(LayerRangeError, match="verify: this peer serves layers 1-3, asked for 0-3"):
                 await ask(layers=[0, 4], tokens=[1, 2], check=0)
             with pytest.raises(ProtocolError, match="tensor: 544 elements exceed the limit of 512"):
-                await ask(layers=[1, 4], hidden=protocol.tensor_to_wire(torch.ones(1, 17, 32)), check=0)
+                await ask(layers=[1, 4], hidden=tensors.tensor_to_wire(torch.ones(1, 17, 32)), check=0)
             with pytest.raises(ProtocolError, match="field 'check' = 3 is outside"):
-                await ask(layers=[1, 4], hidden=protocol.tensor_to_wire(torch.ones(1, 3, 32)), check=3)
+                await ask(layers=[1, 4], hidden=tensors.tensor_to_wire(torch.ones(1, 3, 32)), check=3)
             with pytest.raises(Bad, match="get_log: no such conversation on this connection"):
                 await link.request("get_log", timeout_s=10, conv="nope", start=0, stop=1)
     finally:

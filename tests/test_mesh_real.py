@@ -10,8 +10,8 @@ import pytest
 
 from conftest import model_path
 from meshkit import file_hash, mesh
-from meshinfer.session import MeshClient
-from meshinfer.tokenizer import Tokenizer
+from meshinfer.client.session import MeshClient
+from meshinfer.text.tokenizer import Tokenizer
 from realmodels import DEFAULT, first_near_tie, load_cases, shard_of
 
 pytestmark = pytest.mark.realmodel

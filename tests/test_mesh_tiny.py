@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from meshkit import file_hash, mesh, split, start_peer, tiny_model, wait_for_tables
-from meshinfer import protocol
-from meshinfer.config import LayerRange
-from meshinfer.errors import CacheFull, ContextOverflow, LayerRangeError, NoRoute, PositionError
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.peer import launch_peer, PeerSettings
-from meshinfer.session import MeshClient
-from meshinfer.tokenizer import Tokenizer
-from meshinfer.transport import dial
+from meshinfer.wire import protocol
+from meshinfer.core.config import LayerRange
+from meshinfer.core.errors import (CacheFull, ContextOverflow, LayerRangeError, NoRoute,
+    PositionError)
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.peer.node import launch_peer, PeerSettings
+from meshinfer.client.session import MeshClient
+from meshinfer.text.tokenizer import Tokenizer
+from meshinfer.wire.transport import dial
 
 
 async def test_a_failing_bootstrap_address_is_a_warning_once_per_reason(tiny, caplog):
@@ -26,7 +27,7 @@ async def test_a_failing_bootstrap_address_is_a_warning_once_per_reason(tiny, ca
     a = await start_peer(whole, weights_hash=digest)
     url = a.addrs[0].replace("ws://", "wss://")
     try:
-        with caplog.at_level(logging.DEBUG, logger="meshinfer.peer"):
+        with caplog.at_level(logging.DEBUG, logger="meshinfer.peer.node"):
             b = await start_peer(whole, weights_hash=digest, bootstrap=(url,))
             await asyncio.sleep(12 * b.settings.gossip_interval_s)  # a dozen rounds of retries
             await b.close()
@@ -97,7 +98,7 @@ async def test_client_never_sends_or_receives_hidden_states(tiny, monkeypatch):
 
     shards = split(lambda r: load_shard(path, r), [0, 2, 4])
     async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle()) as peers:
-        import meshinfer.transport as transport
+        import meshinfer.wire.transport as transport
         async with MeshClient(list(peers[0].addrs)) as client:
             route = await client.plan()
             await client.tokenizer(route)

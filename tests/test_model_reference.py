@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshinfer.generate import greedy_generate, new_cache
-from meshinfer.models.llama import Shard
+from meshinfer.engine.generate import greedy_generate, new_cache
+from meshinfer.engine.models.llama import Shard
 from realmodels import DEFAULT, SMOL, first_near_tie, full_tensors, load_cases, shard_of
 
 pytestmark = pytest.mark.realmodel

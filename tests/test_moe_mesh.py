@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 
 from meshkit import AlwaysDraft, file_hash, generate_through, generate_through_a_middle_crash, mesh, split
-from meshinfer import protocol
-from meshinfer.config import LayerRange
-from meshinfer.discovery import verify_advert
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.session import MeshClient
-from meshinfer.tokenizer import Tokenizer
+from meshinfer.wire import protocol, tensors
+from meshinfer.core.config import LayerRange
+from meshinfer.wire.discovery import verify_advert
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.client.session import MeshClient
+from meshinfer.text.tokenizer import Tokenizer
 
 import hf_families as hff  # noqa: E402  (needs transformers)
 from test_batching import PROMPTS, UNLIMITED, alone_then_together  # noqa: E402
@@ -34,7 +34,7 @@ def moe(tmp_path_factory):
 async def test_two_peers_give_the_tokens_of_generate_with_float32_hidden_states(moe, monkeypatch):
     path, digest, tok, whole = moe
     wire_dtypes = []
-    real = protocol.tensor_to_wire
+    real = tensors.tensor_to_wire
 
     def spy(t, dtype="f32"):
         out = real(t, dtype)

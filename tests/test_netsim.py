@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from meshinfer.netsim import NetSim
+from meshinfer.app.netsim import NetSim
 
 
 async def echo_server():
@@ -73,10 +73,10 @@ def test_bad_settings_are_refused():
 
 async def test_a_conversation_through_the_proxy(tmp_path):
     from meshkit import file_hash, mesh
-    from meshinfer.config import LayerRange
-    from meshinfer.generate import greedy_generate, load_shard
-    from meshinfer.session import MeshClient
-    from meshinfer.tokenizer import Tokenizer
+    from meshinfer.core.config import LayerRange
+    from meshinfer.engine.generate import greedy_generate, load_shard
+    from meshinfer.client.session import MeshClient
+    from meshinfer.text.tokenizer import Tokenizer
     from tiny import random_weights, tiny_config, write_gguf
 
     cfg = tiny_config("qwen2", context=128)

@@ -12,12 +12,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshkit import mesh, split, start_peer, tiny_model
-from meshinfer import discovery
-from meshinfer.errors import InvalidInput, PositionError
-from meshinfer.generate import load_shard
-from meshinfer.logs import JsonFormatter, configure, context
-from meshinfer.session import MeshClient
-from meshinfer.transport import dial
+from meshinfer.wire import discovery
+from meshinfer.core.errors import InvalidInput, PositionError
+from meshinfer.engine.generate import load_shard
+from meshinfer.core.logs import JsonFormatter, configure, context
+from meshinfer.client.session import MeshClient
+from meshinfer.wire.transport import dial
 
 MESSAGES = [{"role": "user", "content": "count my steps"}]
 MAX_TOKENS = 6
@@ -140,7 +140,7 @@ async def test_peer_logs_in_json_carry_the_conversation_id(tiny):
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter())
-    logger = logging.getLogger("meshinfer.peer")
+    logger = logging.getLogger("meshinfer.peer.node")
     old_level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from meshkit import generate_through, mesh, start_peer, tiny_model, wait_for_tables
-from meshinfer.config import PRECISION_NAMES, LayerRange
-from meshinfer.errors import InvalidInput, NoRoute
-from meshinfer.generate import greedy_generate, load_shard, parse_precision
-from meshinfer.models.quant import (DENSE_MIN_ROWS, Int4Linear, Int8Embedding, Int8Linear, dequantize_int4,
-                                    int4_layout_known, quantize_int4, quantize_int8, quantized_linear, unpack_int4)
-from meshinfer.session import MeshClient
-from meshinfer.weights import converted
+from meshinfer.core.config import PRECISION_NAMES, LayerRange
+from meshinfer.core.errors import InvalidInput, NoRoute
+from meshinfer.engine.generate import greedy_generate, load_shard, parse_precision
+from meshinfer.engine.models.quant import (DENSE_MIN_ROWS, Int4Linear, Int8Embedding, Int8Linear,
+    dequantize_int4, int4_layout_known, quantize_int4, quantize_int8, quantized_linear,
+    unpack_int4)
+from meshinfer.client.session import MeshClient
+from meshinfer.engine.weights import converted
 
 QUANTIZED = ["q8-bf16", "q4-g32-bf16"]
 #: Documented tolerance of a quantized module against ``bf16(x) @ dequantized(W).T`` in float32:
@@ -112,7 +113,7 @@ def test_many_rows_take_the_dense_path_and_agree_with_the_kernel(make, monkeypat
                          ids=["int8", "int4"])
 def test_the_dense_path_dequantizes_a_large_weight_in_row_chunks(make, monkeypatch):
     """The output head (151,936 rows) must not be dequantized at once (272 MB in bf16)."""
-    from meshinfer.models import quant
+    from meshinfer.engine.models import quant
 
     m = make()
     m.set_float_weight(torch.randn(320, 128, generator=torch.Generator().manual_seed(3)))
@@ -185,7 +186,7 @@ def test_conversion_cache_round_trips_and_rebuilds_a_corrupt_file(tiny, tmp_path
     data = bytearray(layer1.read_bytes())
     data[-3] ^= 0xFF  # one byte of the last tensor's payload
     layer1.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="meshinfer.weights.converted"):
+    with caplog.at_level(logging.WARNING, logger="meshinfer.engine.weights.converted"):
         rebuilt = load_shard(path, dtype="q4-g32-bf16", cache_dir=tmp_path)
     assert f"converted cache {layer1} is corrupt (digest mismatch); rebuilding" in caplog.text
     assert all(torch.equal(v, state[k]) for k, v in rebuilt.state_dict().items())
@@ -242,7 +243,7 @@ async def test_quantized_mesh_equals_single_process(tiny):
 @pytest.mark.parametrize("make", [lambda: Int8Linear(64, 160, False), lambda: Int4Linear(64, 160, False, 32),
                                   lambda: Int8Embedding(160, 64, torch.float32)], ids=["int8", "int4", "embedding"])
 def test_quantizing_in_row_chunks_equals_quantizing_at_once(make, monkeypatch):
-    from meshinfer.models import quant
+    from meshinfer.engine.models import quant
 
     w = torch.randn(160, 64)
     whole = make()
@@ -258,7 +259,7 @@ def test_an_unwritable_conversion_cache_only_costs_time(tiny, tmp_path, caplog):
     path, _, _, _ = tiny
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the cache folder should be")
-    with caplog.at_level(logging.WARNING, logger="meshinfer.generate"):
+    with caplog.at_level(logging.WARNING, logger="meshinfer.engine.generate"):
         shard = load_shard(path, dtype="q8-bf16", cache_dir=blocker)
     assert "could not write the converted cache under" in caplog.text
     assert torch.equal(shard(torch.tensor([[1, 2, 3]]), 0), load_shard(path, dtype="q8-bf16")(torch.tensor([[1, 2, 3]]), 0))
@@ -270,8 +271,8 @@ def test_spot_check_tolerance_covers_one_shot_vs_token_by_token(tiny, precision,
     """A hop's output must not depend on how its positions were split into steps beyond the
     spot-check tolerance; a long prompt (DENSE_MIN_ROWS tokens or more) prefills through the
     dense bf16 path, its decode steps through the kernels."""
-    from meshinfer.audit import TOLERANCE
-    from meshinfer.generate import new_cache
+    from meshinfer.client.spotcheck import TOLERANCE
+    from meshinfer.engine.generate import new_cache
 
     path, _, tok, _ = tiny
     a = load_shard(path, LayerRange(0, 2), dtype=precision)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshinfer.generate import greedy_generate
+from meshinfer.engine.generate import greedy_generate
 from realmodels import DEFAULT, full_tensors, load_cases, shard_of
 
 pytestmark = pytest.mark.realmodel
@@ -67,7 +67,7 @@ def test_quantized_split_equals_whole_model_at_that_precision(q8, precision):
 
 
 def _chain_greedy(a, b, prompt: list[int], steps: int) -> list[int]:
-    from meshinfer.generate import new_cache
+    from meshinfer.engine.generate import new_cache
 
     ca, cb = new_cache(a), new_cache(b)
     logits = b(a(torch.tensor([prompt]), 0, ca), 0, cb)  # (1, 1, V)

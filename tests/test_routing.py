@@ -6,19 +6,12 @@ import random
 
 import pytest
 
-from meshinfer import routing
-from meshinfer.config import LayerRange
-from meshinfer.errors import NoRoute
-from meshinfer.protocol import DRAINING, JOINING, READY, PeerAdvert
-from meshinfer.routing import (
-    DEFAULT_UNKNOWN_RTT_MS,
-    HOP_OVERHEAD_MS,
-    Route,
-    complete_routes_summary,
-    estimate_ms_per_token,
-    link_rtt_ms,
-    plan_route,
-)
+from meshinfer.client import routing
+from meshinfer.core.config import LayerRange
+from meshinfer.core.errors import NoRoute
+from meshinfer.wire.protocol import DRAINING, JOINING, READY, PeerAdvert
+from meshinfer.client.routing import (DEFAULT_UNKNOWN_RTT_MS, HOP_OVERHEAD_MS, Route,
+    complete_routes_summary, estimate_ms_per_token, link_rtt_ms, plan_route)
 
 HASH_A = "1d9614638d18" + "a" * 52
 HASH_B = "0a0b1c2d3e4f" + "b" * 52

@@ -13,13 +13,14 @@ import pytest
 
 from meshkit import AlwaysDraft, generate_through_a_middle_crash, mesh, split, tiny_model
 from test_hostile import Raw, last_token, serving
-from meshinfer import protocol, speculative
-from meshinfer.bench import CODE_EDIT_MESSAGES
-from meshinfer.config import LayerRange
-from meshinfer.errors import InvalidInput, ProtocolError
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.session import MeshClient
-from meshinfer.speculative import DraftPolicy, accept, expected_tokens, propose
+from meshinfer.wire import protocol
+from meshinfer.client import speculative
+from meshinfer.app.bench import CODE_EDIT_MESSAGES
+from meshinfer.core.config import LayerRange
+from meshinfer.core.errors import InvalidInput, ProtocolError
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.client.session import MeshClient
+from meshinfer.client.speculative import DraftPolicy, accept, expected_tokens, propose
 
 REPEAT = [{"role": "user", "content": "abc abc abc abc abc abc abc abc"}]
 PLAIN = [{"role": "user", "content": "hello there, tiny model"}]
@@ -212,7 +213,7 @@ async def test_spot_checks_of_verification_steps_find_no_liar(tiny):
 
 async def test_sampled_generation_does_not_speculate_and_is_reproducible(tiny):
     """Drafts are verified against argmax, so a sampled conversation decodes one token per step."""
-    from meshinfer.sampling import SamplingParams
+    from meshinfer.core.sampling_params import SamplingParams
 
     path, digest, tok, _ = tiny
     async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest,
@@ -325,7 +326,7 @@ async def test_a_stuck_hop_still_holding_rejected_drafts_is_found():
     of the step before): failover must still name it."""
     from types import SimpleNamespace
 
-    from meshinfer.session import Conversation
+    from meshinfer.client.session import Conversation
 
     hops = [SimpleNamespace(peer_id=p) for p in ("a", "b", "c")]
     conv = Conversation(MeshClient(["ws://127.0.0.1:1"]), SimpleNamespace(hops=hops), max_tokens_total=64)
@@ -347,7 +348,7 @@ async def test_speculative_equals_plain_greedy_on_the_default_model():
     reference case (drafts mostly rejected) on 3 peers."""
     from conftest import model_path
     from meshkit import file_hash
-    from meshinfer.tokenizer import Tokenizer
+    from meshinfer.text.tokenizer import Tokenizer
     from realmodels import DEFAULT, first_near_tie, load_cases, shard_of
 
     path = model_path(DEFAULT)

@@ -10,10 +10,10 @@ import stat
 import pytest
 
 from meshkit import start_peer, tiny_model, wait_for_tables
-from meshinfer import protocol, tls
-from meshinfer.errors import InvalidInput, PeerUnavailable, Unauthenticated
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.session import MeshClient
+from meshinfer.wire import protocol, tls, tensors
+from meshinfer.core.errors import InvalidInput, PeerUnavailable, Unauthenticated
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.client.session import MeshClient
 
 MESSAGES = [{"role": "user", "content": "a secret word"}]
 
@@ -87,7 +87,7 @@ async def generate(bootstrap: str, tok, n: int = 8):
 
 
 async def test_two_peers_over_wss_equal_greedy_generate(tiny, certs):
-    from meshinfer.config import LayerRange
+    from meshinfer.core.config import LayerRange
 
     _, _, tok, whole = tiny
     second = await tls_peer(tiny, LayerRange(2, 4), certs[1])
@@ -109,11 +109,11 @@ async def test_two_peers_over_wss_equal_greedy_generate(tiny, certs):
 async def test_hidden_states_are_not_in_clear_over_wss(tiny, certs, monkeypatch, use_tls):
     """Hop 1 reaches hop 2 through a relay that records the bytes: a slice of the float32
     hidden states hop 1 sent is visible over ws:// and not over wss://."""
-    from meshinfer.config import LayerRange
+    from meshinfer.core.config import LayerRange
 
     path, digest, tok, _ = tiny
     sent: list[bytes] = []
-    to_wire = protocol.tensor_to_wire
+    to_wire = tensors.tensor_to_wire
 
     def spy(t, dtype="f32"):
         wire = to_wire(t, dtype)
@@ -151,7 +151,7 @@ async def test_hidden_states_are_not_in_clear_over_wss(tiny, certs, monkeypatch,
 
 
 async def test_a_peer_whose_certificate_is_not_the_signed_one_is_refused(tiny, certs):
-    from meshinfer.config import LayerRange
+    from meshinfer.core.config import LayerRange
 
     peer = await tls_peer(tiny, LayerRange(0, 4), certs[0])
     try:
@@ -167,7 +167,7 @@ async def test_a_peer_whose_certificate_is_not_the_signed_one_is_refused(tiny, c
 
 
 async def test_a_relay_with_its_own_certificate_is_refused(tiny, certs):
-    from meshinfer.config import LayerRange
+    from meshinfer.core.config import LayerRange
 
     peer = await tls_peer(tiny, LayerRange(0, 4), certs[0])
     mitm = Recorder(peer.port, ssl_context=tls.server_context(*certs[1]))
@@ -216,7 +216,7 @@ def ca_signed(tmp_path, host: str) -> tuple[str, str, str]:
 
 
 async def test_a_ca_signed_certificate_is_checked_against_tls_ca(tiny, certs, tmp_path):
-    from meshinfer.config import LayerRange
+    from meshinfer.core.config import LayerRange
 
     ca, cert, key = ca_signed(tmp_path, "127.0.0.1")
     peer = await tls_peer(tiny, LayerRange(0, 4), (cert, key))

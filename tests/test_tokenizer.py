@@ -1,4 +1,4 @@
-"""Tests of meshinfer.tokenizer against the real GGUF tokenizers and the reference cases."""
+"""Tests of meshinfer.text.tokenizer against the real GGUF tokenizers and the reference cases."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import gguf
 import pytest
 
 from conftest import model_path
-from meshinfer.errors import InvalidInput, TemplateError, WeightsError
-from meshinfer.tokenizer import StreamDecoder, Tokenizer
+from meshinfer.core.errors import InvalidInput, TemplateError, WeightsError
+from meshinfer.text.tokenizer import StreamDecoder, Tokenizer
 from realmodels import CASES as CASES_DIR
 
 pytestmark = pytest.mark.realmodel

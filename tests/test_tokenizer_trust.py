@@ -10,12 +10,12 @@ import time
 import pytest
 
 from meshkit import start_peer, tiny_model, wait_for_tables
-from meshinfer.config import LayerRange
-from meshinfer.errors import IncompatiblePeer, TemplateError
-from meshinfer.generate import load_shard
-from meshinfer.session import MeshClient
-from meshinfer.template_sandbox import RENDER_BASE_S, TemplateSandbox
-from meshinfer.tokenizer import Tokenizer, bundle_sha256
+from meshinfer.core.config import LayerRange
+from meshinfer.core.errors import IncompatiblePeer, TemplateError
+from meshinfer.engine.generate import load_shard
+from meshinfer.client.session import MeshClient
+from meshinfer.text.template_sandbox import RENDER_BASE_S, TemplateSandbox
+from meshinfer.text.tokenizer import Tokenizer, bundle_sha256
 
 MESSAGES = [{"role": "user", "content": "say hello"}]
 

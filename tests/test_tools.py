@@ -10,10 +10,10 @@ import json
 import pytest
 
 from meshkit import mesh, split
-from meshinfer.api import ApiError, model_id, parse_chat_request
-from meshinfer.errors import InvalidInput
-from meshinfer.generate import load_shard
-from meshinfer.toolcalls import ToolCall, ToolCallStream, parse_call
+from meshinfer.app.api import ApiError, model_id, parse_chat_request
+from meshinfer.core.errors import InvalidInput
+from meshinfer.engine.generate import load_shard
+from meshinfer.text.toolcalls import ToolCall, ToolCallStream, parse_call
 from test_api import STEADY_TTL_S, raw_post, served
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -262,7 +262,7 @@ def qwen():
 
     from conftest import model_path
     from meshkit import file_hash
-    from meshinfer.tokenizer import Tokenizer
+    from meshinfer.text.tokenizer import Tokenizer
     from realmodels import DEFAULT
 
     path = model_path(DEFAULT)
@@ -281,7 +281,7 @@ def hf_ids(hf, messages, tools) -> list[int]:
 @pytest.mark.realmodel
 @pytest.mark.parametrize("name", CHATS)
 def test_tools_and_tool_messages_render_as_transformers_renders_them(qwen, name):
-    from meshinfer.tokenizer import Tokenizer
+    from meshinfer.text.tokenizer import Tokenizer
 
     _, _, tok, hf = qwen
     messages, tools = CHATS[name]
@@ -315,7 +315,7 @@ def test_control_token_text_in_tools_and_calls_stays_text(qwen):
 @pytest.mark.realmodel
 def test_which_real_templates_support_tools(qwen):
     from conftest import model_path
-    from meshinfer.tokenizer import Tokenizer
+    from meshinfer.text.tokenizer import Tokenizer
     from realmodels import SMOL
 
     smol = Tokenizer.from_gguf(model_path(SMOL))  # plain ChatML, no tools
@@ -385,7 +385,7 @@ async def test_weather_round_trip_with_the_openai_client_on_the_real_model(qwen)
 
 def test_the_sandbox_counts_tools_and_calls_in_its_output_limit():
     """Tool definitions are the request's own text: a 1.5 MB one renders (the fixed allowance is 1 MiB)."""
-    from meshinfer.template_sandbox import RENDER_EXTRA_CHARS, TemplateSandbox
+    from meshinfer.text.template_sandbox import RENDER_EXTRA_CHARS, TemplateSandbox
 
     big = {"type": "function", "function": {"name": "f", "description": "d" * (RENDER_EXTRA_CHARS * 3 // 2)}}
     source = "{% for t in tools %}{{ t | tojson }}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"

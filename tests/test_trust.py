@@ -11,11 +11,11 @@ import pytest
 import websockets
 
 from meshkit import generate_through, mesh, split, start_peer, tiny_model
-from meshinfer import discovery, protocol
-from meshinfer.errors import Unauthenticated
-from meshinfer.generate import greedy_generate, load_shard
-from meshinfer.peer import PRIVATE_MESH
-from meshinfer.session import MeshClient
+from meshinfer.wire import discovery, protocol
+from meshinfer.core.errors import Unauthenticated
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.peer.node import PRIVATE_MESH
+from meshinfer.client.session import MeshClient
 
 MESSAGES = [{"role": "user", "content": "a private word"}]
 KEY = b"correct horse battery staple 32b"
@@ -119,7 +119,7 @@ def test_mesh_key_file_must_hold_enough_bytes(tmp_path):
 
 
 def test_mesh_key_file_option_and_environment(monkeypatch):
-    from meshinfer.cli import build_parser
+    from meshinfer.app.cli import build_parser
 
     assert build_parser().parse_args(["status", "--mesh-key-file", "m.key"]).mesh_key_file == "m.key"
     monkeypatch.setenv("MESHINFER_MESH_KEY_FILE", "/keys/mesh.key")

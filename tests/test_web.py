@@ -21,10 +21,10 @@ import urllib.request
 import pytest
 
 from meshkit import crash, mesh, split, start_peer, tiny_model
-from meshinfer.api import ApiServer
-from meshinfer.config import LayerRange
-from meshinfer.generate import load_shard
-from meshinfer.session import MeshClient
+from meshinfer.app.api import ApiServer
+from meshinfer.core.config import LayerRange
+from meshinfer.engine.generate import load_shard
+from meshinfer.client.session import MeshClient
 
 #: Seconds a page has to show what a test waits for (a loaded 2-core machine is slow).
 WAIT_S = 90
@@ -387,7 +387,7 @@ def real_served():
     """The real default model split over 2 peers (layers 0-11 and 12-23) and an API server."""
     from conftest import model_path
     from meshkit import file_hash
-    from meshinfer.tokenizer import Tokenizer
+    from meshinfer.text.tokenizer import Tokenizer
     from realmodels import DEFAULT, shard_of
 
     path = model_path(DEFAULT)

@@ -2,7 +2,7 @@
 
 Everything runs on tiny random models (``tests/tiny.py``) and hand-built GGUF files. Byte
 positions for patching corrupt files come from ``gguf.GGUFReader``, an implementation
-independent of ``meshinfer.weights.gguf_file``.
+independent of ``meshinfer.engine.weights.gguf_file``.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from meshinfer.config import LayerRange
-from meshinfer.errors import (CacheFull, InvalidInput, LayerRangeError, PositionError,
-                              UnsupportedTensorType, WeightsError)
-from meshinfer.generate import load_shard, new_cache
-from meshinfer.kv_cache import GROW_TOKENS, KVCache
-from meshinfer.tokenizer import Tokenizer
-from meshinfer.weights import open_weights
-from meshinfer.weights.gguf_file import GGUFFile
+from meshinfer.core.config import LayerRange
+from meshinfer.core.errors import (CacheFull, InvalidInput, LayerRangeError, PositionError,
+    UnsupportedTensorType, WeightsError)
+from meshinfer.engine.generate import load_shard, new_cache
+from meshinfer.engine.kv_cache import GROW_TOKENS, KVCache
+from meshinfer.text.tokenizer import Tokenizer
+from meshinfer.engine.weights import open_weights
+from meshinfer.engine.weights.gguf_file import GGUFFile
 from tiny import add_model_metadata, random_weights, tiny_config, write_gguf, write_hf_dir
 
 ARCHS = ("qwen2", "llama")  # qwen2: q/k/v bias, untied head; llama: tied head, Q/K permutation
@@ -129,7 +129,7 @@ def test_quantized_types_dequantize_like_gguf(tmp_path, qtype):
 
 
 def test_dequantize_in_row_chunks_equals_one_call(tmp_path, monkeypatch):
-    import meshinfer.weights.gguf_file as gguf_file
+    import meshinfer.engine.weights.gguf_file as gguf_file
 
     x = np.random.default_rng(4).uniform(-1, 1, (5, 64)).astype(np.float32)  # (rows, cols)
     tensors = {"q": (gguf.quants.quantize(x, Q.Q4_1), Q.Q4_1), "f": (x.astype(np.float64), None)}

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshinfer.config import ModelConfig
+from meshinfer.core.config import ModelConfig
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

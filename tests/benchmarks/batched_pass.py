@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from meshinfer.generate import load_shard
-from meshinfer.kv_cache import KVCache
-from meshinfer.weights.registry import resolve_model
+from meshinfer.engine.generate import load_shard
+from meshinfer.engine.kv_cache import KVCache
+from meshinfer.engine.weights.registry import resolve_model
 
 PREFIX_TOKENS = 41
 

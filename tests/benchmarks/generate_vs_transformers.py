@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtypes", default="f32,bf16")
     args = ap.parse_args()
-    from meshinfer.weights.registry import resolve_model
+    from meshinfer.engine.weights.registry import resolve_model
 
     path = str(resolve_model(args.model))
     rows = []

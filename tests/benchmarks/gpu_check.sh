@@ -16,13 +16,13 @@ PY=${1:-python}
 DEVICE=${DEVICE:-cuda}
 cd "$(dirname "$0")/../.."
 "$PY" -c "
-from meshinfer.executor import parse_device
+from meshinfer.engine.executor import parse_device
 import torch
 parse_device('$DEVICE')
 print(f'torch {torch.__version__}, CUDA {torch.version.cuda},',
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
 HAVE_MODEL=$("$PY" -c "
-from meshinfer.weights.registry import is_verified
+from meshinfer.engine.weights.registry import is_verified
 print(int(is_verified('qwen2.5-coder-0.5b-instruct-q4_k_m')))")
 if [ "$HAVE_MODEL" = 1 ]; then MARK="gpu"; else MARK="gpu and not realmodel"; fi
 MESHINFER_TEST_DEVICE=$DEVICE "$PY" -m pytest -q -m "$MARK" tests/test_gpu.py

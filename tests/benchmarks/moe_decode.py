@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import torch
 
-from meshinfer.config import LayerRange, ModelConfig
-from meshinfer.generate import greedy_generate
-from meshinfer.models.llama import Shard
+from meshinfer.core.config import LayerRange, ModelConfig
+from meshinfer.engine.generate import greedy_generate
+from meshinfer.engine.models.llama import Shard
 
 #: The widths every model shares: C=512, 8 layers, H=8, Hkv=4, D=64; MoE: E=8, k=2, Fm=256.
 WIDTHS = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,

@@ -3,7 +3,7 @@
 For the default model's largest projection shapes it times ``Int8Linear`` and ``Int4Linear``
 (group 32) on ``M`` rows both ways: through the kernel (``torch._weight_int8pack_mm``,
 ``torch._weight_int4pack_mm_for_cpu``) and through the dense path the modules take from
-``meshinfer.models.quant.DENSE_MIN_ROWS`` rows on (weight dequantized to bf16, one bf16
+``meshinfer.engine.models.quant.DENSE_MIN_ROWS`` rows on (weight dequantized to bf16, one bf16
 matmul). Best of ``--runs`` calls each; prints a markdown table.
 
     python tests/benchmarks/prefill_kernels.py --threads 2 --rows 32,64,128,256,512
@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from meshinfer.models import quant
+from meshinfer.engine.models import quant
 from quant_kernels import best_ms  # this folder is on sys.path when the script runs
 
 SHAPES = {"gate/up 4864x896": (4864, 896), "down 896x4864": (896, 4864), "q/o 896x896": (896, 896)}

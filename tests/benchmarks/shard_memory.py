@@ -32,9 +32,9 @@ def child(path: str, start: int, stop: int) -> dict:
     """Load layers ``[start, stop)`` of ``path`` in this process; return the measurements."""
     import torch
 
-    from meshinfer.config import LayerRange
-    from meshinfer.generate import load_shard
-    from meshinfer.weights import open_weights
+    from meshinfer.core.config import LayerRange
+    from meshinfer.engine.generate import load_shard
+    from meshinfer.engine.weights import open_weights
 
     torch.set_num_threads(1)
     baseline = _rss_mib()  # interpreter + torch + meshinfer imported, nothing loaded
@@ -66,9 +66,9 @@ def main() -> None:
         print(json.dumps(child(path, int(start), int(stop))))
         return
 
-    from meshinfer.config import LayerRange
-    from meshinfer.weights.gguf_file import GGUFFile
-    from meshinfer.weights.registry import resolve_model
+    from meshinfer.core.config import LayerRange
+    from meshinfer.engine.weights.gguf_file import GGUFFile
+    from meshinfer.engine.weights.registry import resolve_model
 
     path = os.fspath(resolve_model(args.model, pull_missing=False, progress=False))
     n_layers = GGUFFile(path).config.num_hidden_layers

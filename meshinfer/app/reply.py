@@ -1,0 +1,135 @@
+"""One chat reply through the mesh: the path ``meshinfer chat`` and ``meshinfer serve`` share.
+
+:func:`plan_for` plans a route (optionally only over peers holding given weights) and fetches
+its tokenizer; :func:`reply` generates on a conversation and streams the text through a
+:class:`TextStream`, which holds back incomplete UTF-8 characters and any text that may turn
+out to start a stop sequence; :func:`one_reply` wraps it in a fresh conversation that is
+closed (freeing the hops' caches) however the reply ends, cancellation included.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from meshinfer.core.errors import NoRoute
+from meshinfer.client.routing import Route
+from meshinfer.core.sampling_params import SamplingParams
+from meshinfer.client.session import ChatResult, Conversation, MeshClient
+from meshinfer.text.tokenizer import StreamDecoder, Tokenizer
+
+
+class TextStream:
+    """Generated ids in, text safe to show out: whole characters, never part of a stop sequence.
+
+    Args:
+        tokenizer: the route's tokenizer.
+        stop: stop sequences (non-empty strings); the first one found ends the text, and
+            neither it nor anything after it is emitted.
+
+    Attributes:
+        text: everything emitted so far.
+        stopped: True once a stop sequence was found.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+        self._decoder = StreamDecoder(tokenizer)
+        self.stop = tuple(s for s in stop if s)
+        self._pending = ""
+        self.text = ""
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add one generated id; return the text it releases (may be ``""``)."""
+        if self.stopped:
+            return ""
+        self._pending += self._decoder.push(token_id)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Release what is held back at the end of generation (an incomplete character shows as U+FFFD)."""
+        if not self.stopped:
+            self._pending += self._decoder.flush()
+        return self._release(final=True)
+
+    def _release(self, *, final: bool) -> str:
+        hits = [i for i in (self._pending.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            out, self._pending, self.stopped = self._pending[:min(hits)], "", True
+        else:
+            keep = 0 if final else self._held()
+            out = self._pending[:len(self._pending) - keep]
+            self._pending = self._pending[len(out):]
+        self.text += out
+        return out
+
+    def _held(self) -> int:
+        """Length of the longest end of the pending text that begins some stop sequence."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self._pending)), best, -1):
+                if self._pending.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+
+async def plan_for(client: MeshClient, *, weights_hash: str | None = None) -> tuple[Route, Tokenizer]:
+    """Plan the fastest route (only over peers holding ``weights_hash`` when given) and get its tokenizer.
+
+    Raises:
+        NoRoute: no complete route (of those weights).
+        PeerUnavailable: no bootstrap peer answered.
+        IncompatiblePeer: the first hop's tokenizer belongs to other weights.
+    """
+    exclude: frozenset[str] = frozenset()
+    if weights_hash is not None:
+        await client.refresh()
+        exclude = frozenset(pid for pid, ad in client.table.items() if ad.weights_hash != weights_hash)
+    route = await client.plan(exclude=exclude)
+    if weights_hash is not None and route.compat_key[0] != weights_hash:
+        raise NoRoute(f"no complete route of weights {weights_hash[:12]}")
+    return route, await client.tokenizer(route)
+
+
+async def reply(conv: Conversation, tok: Tokenizer, prompt_ids: Sequence[int], *, max_tokens: int,
+                sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+                on_text: Callable[[str], None] | None = None) -> ChatResult:
+    """Generate a reply on ``conv``; ``on_text`` gets each piece of text as it is released.
+
+    The result's ``text`` is the text released (without any stop sequence); ``finish_reason``
+    is "stop" (end-of-generation id or stop sequence) or "length" (``max_tokens`` reached).
+
+    Raises:
+        ContextOverflow: the prompt plus ``max_tokens`` exceed the conversation's context.
+        MeshError: see :meth:`Conversation.generate`.
+    """
+    stream = TextStream(tok, stop)
+
+    def take(token: int) -> bool:
+        piece = stream.push(token)
+        if piece and on_text:
+            on_text(piece)
+        return stream.stopped
+
+    result = await conv.generate(prompt_ids, max_tokens=max_tokens, eos_ids=tok.eos_ids, on_token=take,
+                                 sampling=sampling)
+    tail = stream.finish()
+    if tail and on_text:
+        on_text(tail)
+    result.text = stream.text
+    return result
+
+
+async def one_reply(client: MeshClient, route: Route, tok: Tokenizer, prompt_ids: Sequence[int], *,
+                    max_tokens: int, conversation_options: dict | None = None, **options) -> ChatResult:
+    """:func:`reply` in a new conversation holding ``len(prompt_ids) + max_tokens`` tokens.
+
+    The conversation is closed on every hop afterwards, also when this coroutine is cancelled
+    (a client that went away) or raises. ``conversation_options`` go to
+    :meth:`MeshClient.conversation` (``speculate``, ``draft_tokens``), ``options`` to :func:`reply`.
+    """
+    conv = client.conversation(route, max_tokens_total=len(prompt_ids) + max_tokens, **(conversation_options or {}))
+    try:
+        return await reply(conv, tok, prompt_ids, max_tokens=max_tokens, **options)
+    finally:
+        await conv.close()

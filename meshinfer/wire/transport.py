@@ -1,0 +1,562 @@
+"""A websocket connection carrying meshinfer frames, shared by peers and clients.
+
+:class:`Link` adds three things to a ``websockets`` connection: request/response matching
+(a request carries ``id``, its reply ``re``), a reader loop that decodes every frame through
+:mod:`meshinfer.wire.protocol` and hands it to a callback, and a bounded outbox written by its own
+task, so that a remote that stops reading costs at most :data:`OUTBOX_BYTES` and
+:data:`SEND_TIMEOUT_S` before its connection is cut, and never stalls anyone else.
+Malformed frames get an ``error`` reply; a connection that keeps sending them is closed with
+code 1008.
+
+:class:`CircuitSocket` is a websocket-shaped end of a *circuit*: frames to and from a peer
+that nobody can dial, carried as ``relay`` / ``relay_back`` frames over a link to one of its
+relays. A :class:`Link` over it is an ordinary link (handshake, requests, outbox), so every
+end-to-end check runs through the relay unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import ssl
+import time
+from typing import Any, Awaitable, Callable, Iterable, TypeVar
+
+import websockets
+from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
+
+from meshinfer.wire import protocol, tls
+from meshinfer.core.errors import MeshError, PeerUnavailable, ProtocolError
+
+log = logging.getLogger(__name__)
+
+#: Malformed frames tolerated on one connection before it is closed (code 1008).
+MAX_BAD_FRAMES = 64
+#: Websocket close codes (RFC 6455 section 7.4.1; 4000-4999 are private use).
+CLOSE_POLICY, CLOSE_VERSION, CLOSE_SHUTDOWN = 1008, 4002, 1001
+#: Bytes of frames queued for one connection before a sender waits (:meth:`Link.send`) or the
+#: connection is cut (:meth:`Link.post`). A frame larger than this is still taken when the
+#: outbox is empty (a tokenizer bundle, a long prefill chunk).
+OUTBOX_BYTES = 4 << 20
+#: Longest a frame may wait for room in an outbox, or for the socket to take it, seconds, plus
+#: the time its bytes (and those queued before it) take at :data:`MIN_READ_BYTES_PER_S`: a
+#: remote that reads slower is cut off (its transport aborted) as a slow reader.
+SEND_TIMEOUT_S = 10.0
+#: Slowest reading a remote is allowed, bytes per second (512 kbit/s: a 1.8 MB prefill chunk of
+#: the default model may take 38 s to go out).
+MIN_READ_BYTES_PER_S = 64 * 1024
+#: Longest :meth:`Link.close` waits for queued frames (an error reply, a goodbye) to go out, seconds.
+CLOSE_FLUSH_TIMEOUT_S = 2.0
+#: Bytes a relay frame adds around the frame it carries (type, circuit id, target peer id).
+RELAY_OVERHEAD_BYTES = 1024
+#: Message types that carry circuits.
+CIRCUIT_TYPES = frozenset({"relay", "relay_back", "relay_close"})
+
+Handler = Callable[["Link", str, "protocol.Fields"], Awaitable[None]]
+T = TypeVar("T")
+
+
+class Link:
+    """One websocket connection with request/response matching.
+
+    Args:
+        ws: an open ``websockets`` connection (client or server side).
+        max_bytes: largest frame accepted, bytes (also enforced by ``websockets``' ``max_size``).
+        on_message: ``await on_message(link, type, fields)`` for every frame that is not a reply.
+        name: label for logs.
+
+    Attributes:
+        remote_id: the remote peer id once known (None for clients).
+        role: ``"peer"`` or ``"client"`` once the handshake is done.
+        tls_fingerprint: on a dialed ``wss://`` link, hex SHA-256 of the server's certificate.
+    """
+
+    def __init__(self, ws, *, max_bytes: int, on_message: Handler, name: str = "") -> None:
+        self.ws = ws
+        self.max_bytes = max_bytes
+        self.on_message = on_message
+        self.name = name
+        self.remote_id: str | None = None
+        self.role: str | None = None
+        self.info: dict[str, Any] = {}
+        self.tls_fingerprint = ""  # SHA-256 hex of the server's certificate, on a dialed wss:// link
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._bad_frames = 0
+        self.last_frame_bytes = 0
+        self.last_frame_at = time.monotonic()  # when the last frame (not a websocket ping) arrived
+        self.closed = asyncio.Event()
+        self.meter = None  # a PeerMetrics counting frame bytes and errors, when the owner sets one
+        self._outbox: collections.deque[bytes] = collections.deque()
+        self._outbox_bytes = 0
+        self._wake = asyncio.Event()  # set when a frame is queued: the writer has work
+        self._room = asyncio.Event()  # set when the writer took a frame off: senders may fit now
+        self._drained = asyncio.Event()  # set while the outbox is empty
+        self._drained.set()
+        self._cut = ""  # why the connection was cut as a slow reader, once it was
+        self.circuits: dict[tuple[str, int], CircuitSocket] = {}  # ("out"/"in", circuit id) -> its end here
+        self._circuit_ids = itertools.count(1)
+
+    @property
+    def relay_id(self) -> str | None:
+        """The peer id of the relay this link runs through, or None for a direct connection."""
+        return getattr(self.ws, "relay_id", None)
+
+    def next_circuit_id(self) -> int:
+        """A circuit id not used before on this link (for circuits it opens or forwards)."""
+        return next(self._circuit_ids)
+
+    @property
+    def _label(self) -> str:
+        return self.name or self.remote_id or "?"
+
+    def _usable(self) -> None:
+        """Raise :class:`PeerUnavailable` when frames can no longer go out on this connection."""
+        if self._cut:
+            raise PeerUnavailable(f"connection to {self._label} was cut: {self._cut}")
+        if self.closed.is_set() or self.ws.state is not State.OPEN:
+            raise PeerUnavailable(f"connection to {self._label} is closed")
+
+    def _check_size(self, data: bytes) -> None:
+        """Raise :class:`InvalidInput` for a frame larger than a relay in between forwards."""
+        limit = getattr(self.ws, "max_send_bytes", None)
+        if limit is not None and len(data) > limit:
+            from meshinfer.core.errors import InvalidInput
+            raise InvalidInput(f"a {len(data)}-byte frame is larger than relay {(self.relay_id or '?')[:12]} "
+                               f"forwards ({limit} bytes)")
+
+    def _fits(self, n: int) -> bool:
+        return not self._outbox or self._outbox_bytes + n <= OUTBOX_BYTES
+
+    @staticmethod
+    def _patience_s(nbytes: int) -> float:
+        """Seconds ``nbytes`` may take to go out before the remote counts as a slow reader."""
+        return SEND_TIMEOUT_S + nbytes / MIN_READ_BYTES_PER_S
+
+    def _queue(self, data: bytes) -> None:
+        self._outbox.append(data)
+        self._outbox_bytes += len(data)
+        self._drained.clear()
+        self._wake.set()
+
+    async def send(self, msg_type: str, **fields: Any) -> None:
+        """Queue one frame for the writer, waiting while the outbox holds :data:`OUTBOX_BYTES`.
+
+        Returns once the frame is queued, not written. Only await this on behalf of the remote
+        itself or from a task of its own (a conversation's worker): a read loop that relays to
+        another party uses :meth:`post`. Cancelling it while it waits queues nothing.
+
+        Raises:
+            PeerUnavailable: the connection is closed, or it made no room within
+                :data:`SEND_TIMEOUT_S` seconds plus the queued bytes at :data:`MIN_READ_BYTES_PER_S`
+                (then it is cut as a slow reader).
+        """
+        data = protocol.encode(msg_type, **fields)
+        self._usable()
+        self._check_size(data)
+        patience_s = self._patience_s(self._outbox_bytes + len(data))
+        deadline = time.monotonic() + patience_s
+        while not self._fits(len(data)):
+            self._room.clear()
+            try:
+                await asyncio.wait_for(self._room.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                self._cut_off(f"{self._outbox_bytes} bytes unread for {patience_s:.0f} s")
+            self._usable()
+        self._queue(data)
+
+    def post(self, msg_type: str, *, cut: bool = True, **fields: Any) -> bool:
+        """Queue one frame without waiting; for a frame sent on behalf of another party.
+
+        Returns False, queuing nothing, when the connection is closed, when the frame is larger
+        than a relay in between forwards, or when it does not fit in its outbox: then the
+        connection is cut as a slow reader, unless ``cut`` is False (a relay drops the circuit
+        instead of the link that many circuits share).
+        """
+        data = protocol.encode(msg_type, **fields)
+        try:
+            self._usable()
+            self._check_size(data)
+        except MeshError:
+            return False
+        if not self._fits(len(data)):
+            if not cut:
+                return False
+            self._cut_off(f"{self._outbox_bytes} bytes unread, over the outbox limit of {OUTBOX_BYTES}")
+            return False
+        self._queue(data)
+        return True
+
+    def _cut_off(self, reason: str) -> None:
+        """Abort the connection of a remote that does not read; wake everyone waiting on it."""
+        if not self._cut:
+            self._cut = reason
+            log.warning("cutting off %s, a slow reader: %s", self._label, reason)
+            self.ws.transport.abort()
+        self._room.set()
+
+    async def _write_loop(self) -> None:
+        """Write queued frames in order; cut the connection when one is not taken in time (:meth:`_patience_s`).
+
+        On return (closed, cut, or cancelled with :meth:`run`) nothing more is written: waiting
+        senders and :meth:`close` are released."""
+        try:
+            while True:
+                while not self._outbox:
+                    self._drained.set()
+                    self._wake.clear()
+                    await self._wake.wait()
+                data = self._outbox.popleft()
+                self._outbox_bytes -= len(data)
+                self._room.set()
+                try:
+                    await asyncio.wait_for(self.ws.send(data), self._patience_s(len(data)))
+                except asyncio.TimeoutError:
+                    self._cut_off(f"a {len(data)}-byte frame was not taken within {self._patience_s(len(data)):.0f} s")
+                    return
+                except ConnectionClosed:
+                    return
+                except Exception as exc:  # a bug: the frames behind this one would never go out
+                    log.exception("writing a frame to %s failed", self._label)
+                    self._cut_off(f"writing a frame failed: {type(exc).__name__}")
+                    return
+                if self.meter is not None:
+                    self.meter.frame_out(len(data))
+        finally:
+            self._drained.set()
+            self._room.set()
+
+    async def request(self, msg_type: str, *, timeout_s: float, **fields: Any) -> tuple[str, Any]:
+        """Send a request and wait for its reply (``type``, fields).
+
+        Raises:
+            PeerUnavailable: closed connection or no reply within ``timeout_s`` seconds.
+            MeshError: the reply is an ``error`` frame; its code and message are kept.
+        """
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            await self.send(msg_type, id=rid, **fields)
+            msg_type, f = await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise PeerUnavailable(f"{self.name or self.remote_id} did not answer {msg_type} "
+                                  f"within {timeout_s:.1f} s") from exc
+        finally:
+            self._pending.pop(rid, None)
+        if msg_type == "error":
+            raise remote_error(f)
+        return msg_type, f
+
+    async def run(self) -> None:
+        """Read frames until the connection closes; never raises for what the remote sends.
+
+        Runs the writer of the outbox alongside and cancels it on return; cancelling this
+        stops both.
+        """
+        writer = asyncio.get_running_loop().create_task(self._write_loop(), name=f"writer {self._label}")
+        try:
+            async for frame in self.ws:
+                await self._dispatch(frame)
+        except ConnectionClosed:
+            pass
+        finally:
+            for sock in list(self.circuits.values()):  # their carrier is gone
+                sock.closed_by_remote()
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+            self._outbox.clear()
+            self._outbox_bytes = 0
+            self._drained.set()
+            self.closed.set()
+            self._room.set()
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(PeerUnavailable(f"connection to {self.name or self.remote_id} closed"))
+
+    async def _dispatch(self, frame: bytes | str) -> None:
+        context: dict[str, Any] = {}
+        try:
+            self.last_frame_bytes = len(frame)
+            self.last_frame_at = time.monotonic()
+            if self.meter is not None:
+                self.meter.frame_in(len(frame))
+            msg_type, f = protocol.decode(frame, max_bytes=self.max_bytes)
+            context = _reply_context(f)
+            re = f.get("re", int, None)
+            if re is not None and re in self._pending:
+                fut = self._pending.pop(re)
+                if not fut.done():
+                    fut.set_result((msg_type, f))
+                return
+            if msg_type in CIRCUIT_TYPES and self._to_circuit(msg_type, f):
+                return
+            await self.on_message(self, msg_type, f)
+        except MeshError as exc:
+            await self._reply_error(exc, context)
+        except ConnectionClosed:
+            raise
+        except Exception as exc:  # a bug must not kill the connection of other conversations
+            log.exception("unexpected error handling a frame from %s", self.name or self.remote_id)
+            await self._reply_error(MeshError(f"internal error: {type(exc).__name__}"), context)
+
+    def _to_circuit(self, msg_type: str, f: Any) -> bool:
+        """Hand a circuit frame to its end on this side; False when no circuit here has its id
+        (a relay's frame to forward, a new circuit, or a late frame: the owner decides)."""
+        if msg_type == "relay" and "to" in f.d:
+            return False  # a request to forward, for the relay's owner
+        if isinstance(self.ws, CircuitSocket):
+            raise ProtocolError("a circuit does not carry circuits")
+        back = msg_type == "relay_back" or (msg_type == "relay_close" and f.get("back", bool, False))
+        sock = self.circuits.get(("out" if back else "in", f.int("circ", lo=0, hi=1 << 62)))
+        if sock is None:
+            return False
+        if msg_type == "relay_close":
+            sock.closed_by_remote()
+        else:
+            sock.feed(f.get("data", bytes))
+        return True
+
+    def open_circuit(self, to: str, *, max_bytes: int) -> "CircuitSocket":
+        """The opener's end of a new circuit through this link (to a relay) to peer ``to``."""
+        limit = self.info.get("max_frame_bytes")
+        sock = CircuitSocket(self, self.next_circuit_id(), side="out", to=to, max_bytes=max_bytes,
+                             max_send_bytes=None if limit is None else limit - RELAY_OVERHEAD_BYTES)
+        self.circuits[("out", sock.circ)] = sock
+        return sock
+
+    async def _reply_error(self, exc: MeshError, context: dict[str, Any]) -> None:
+        if isinstance(exc, ProtocolError):
+            self._bad_frames += 1
+        code = getattr(exc, "code", "mesh_error")
+        if self.meter is not None:
+            self.meter.error(code)
+        try:
+            await self.send("error", code=code, message=str(exc)[:protocol.MAX_STR_LEN], **context)
+        except PeerUnavailable:
+            return
+        if code == "version_mismatch":
+            await self.close(CLOSE_VERSION, str(exc)[:120])
+        elif self._bad_frames >= MAX_BAD_FRAMES:
+            await self.close(CLOSE_POLICY, f"{self._bad_frames} malformed frames")
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        """Let queued frames go out (at most :data:`CLOSE_FLUSH_TIMEOUT_S` seconds), then close
+        the connection; safe to call twice. Cancelling it may leave the close handshake undone."""
+        if not self.closed.is_set() and not self._cut:
+            try:
+                await asyncio.wait_for(self._drained.wait(), CLOSE_FLUSH_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                pass
+        try:
+            await self.ws.close(code, reason)
+        except Exception:  # already closed or broken
+            pass
+
+
+class _Aborter:
+    """The ``transport`` of a :class:`CircuitSocket`: aborting it ends the circuit."""
+
+    def __init__(self, sock: "CircuitSocket") -> None:
+        self.sock = sock
+
+    def abort(self) -> None:
+        self.sock.end()
+
+
+class CircuitSocket:
+    """One end of a circuit, shaped like the ``websockets`` connection a :class:`Link` wraps.
+
+    Frames go out as ``relay`` (the opener's end, ``side="out"``, naming the target peer
+    ``to``) or ``relay_back`` (the hidden peer's end, ``side="in"``) frames over ``carrier``,
+    the link to the relay; frames the carrier receives for this circuit arrive through
+    :meth:`feed`. At most :data:`OUTBOX_BYTES` plus one frame of ``max_bytes`` wait unread:
+    beyond that, or for a frame over ``max_bytes``, the circuit ends.
+
+    Attributes:
+        relay_id: the relay's peer id (the carrier's remote).
+        max_send_bytes: the largest frame the relay forwards, or None when unknown.
+    """
+
+    def __init__(self, carrier: Link, circ: int, *, side: str, to: str | None = None, max_bytes: int,
+                 max_send_bytes: int | None = None, remote_address: tuple = ("relayed", 0)) -> None:
+        self.carrier, self.circ, self.side, self.to = carrier, circ, side, to
+        self.max_bytes, self.max_send_bytes = max_bytes, max_send_bytes
+        self.relay_id = carrier.remote_id
+        self.remote_address, self.local_address = remote_address, ("relayed", 0)
+        self.transport = _Aborter(self)
+        self.state = State.OPEN
+        self._inbox: collections.deque[bytes | None] = collections.deque()
+        self._inbox_bytes = 0
+        self._ready = asyncio.Event()
+
+    def feed(self, data: bytes) -> None:
+        """A frame of this circuit from the carrier; ends the circuit when too much waits unread."""
+        if self.state is not State.OPEN:
+            return
+        if len(data) > self.max_bytes or self._inbox_bytes + len(data) > OUTBOX_BYTES + self.max_bytes:
+            log.warning("circuit %d through %s: %d bytes waiting, %d more; ending it", self.circ,
+                        (self.relay_id or "?")[:12], self._inbox_bytes, len(data))
+            self.end()
+            return
+        self._inbox.append(data)
+        self._inbox_bytes += len(data)
+        self._ready.set()
+
+    def closed_by_remote(self) -> None:
+        """The other end, the relay or the carrier closed the circuit: stop without telling back."""
+        self._stop()
+
+    def end(self) -> None:
+        """Close the circuit and tell the other end through the relay (best effort)."""
+        if self.state is State.OPEN:
+            self.carrier.post("relay_close", circ=self.circ, back=self.side == "in", cut=False)
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.state is State.OPEN:
+            self.state = State.CLOSED
+            self._inbox.append(None)
+            self._ready.set()
+        self.carrier.circuits.pop((self.side, self.circ), None)
+
+    async def send(self, data: bytes) -> None:
+        """Queue ``data`` on the carrier (waiting while its outbox is full)."""
+        if self.state is not State.OPEN:
+            raise ConnectionClosed(None, None)
+        try:
+            if self.side == "out":
+                await self.carrier.send("relay", to=self.to, circ=self.circ, data=data)
+            else:
+                await self.carrier.send("relay_back", circ=self.circ, data=data)
+        except MeshError as exc:
+            self._stop()
+            raise ConnectionClosed(None, None) from exc
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        self.end()
+
+    def __aiter__(self) -> "CircuitSocket":
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._inbox:
+            self._ready.clear()
+            await self._ready.wait()
+        data = self._inbox.popleft()
+        if data is None:
+            self._inbox.append(None)  # stays closed for any later reader
+            raise StopAsyncIteration
+        self._inbox_bytes -= len(data)
+        return data
+
+
+def circuit_link(sock: CircuitSocket, *, on_message: Handler, name: str) -> Link:
+    """A :class:`Link` over ``sock`` with its reader task started (kept in ``link.reader``)."""
+    link = Link(sock, max_bytes=sock.max_bytes, on_message=on_message, name=name)
+    link.reader = asyncio.get_running_loop().create_task(link.run(), name=f"circuit {name}")
+    return link
+
+
+def _reply_context(f: Any) -> dict[str, Any]:
+    """``re`` / ``conv`` / ``seq`` of a request, when well-formed, so an error reply can be matched."""
+    out = {}
+    for key, kind in (("id", int), ("conv", str), ("seq", int)):
+        value = f.d.get(key)
+        if isinstance(value, kind) and not isinstance(value, bool) and (kind is not str or len(value) <= 64):
+            out["re" if key == "id" else key] = value
+    return out
+
+
+def remote_error(f: Any) -> MeshError:
+    """Rebuild an exception from an ``error`` frame, keeping the remote's code and message."""
+    from meshinfer.core import errors
+
+    code = f.str("code", "mesh_error")
+    message = f.str("message", "")
+    if code == errors.LyingPeer.code:
+        return errors.LyingPeer(message, suspect=f.str("suspect", None))
+    for cls in vars(errors).values():
+        if isinstance(cls, type) and issubclass(cls, MeshError) and getattr(cls, "code", None) == code:
+            return cls(message)
+    exc = MeshError(message)
+    exc.code = code
+    return exc
+
+
+def _dial_reason(url: str, exc: BaseException) -> str:
+    """Why dialing ``url`` failed, in words, with a hint when the scheme looks wrong: a TLS
+    handshake with a plain ``ws://`` peer, or a plain request to a ``wss://`` peer."""
+    reason = str(exc) or type(exc).__name__
+    if url.startswith("wss://") and isinstance(exc, (ssl.SSLError, ConnectionResetError, EOFError)):
+        return f"TLS handshake failed ({reason}); if the peer serves plain websockets, use ws://"
+    if url.startswith("ws://") and isinstance(exc, websockets.exceptions.InvalidMessage):
+        return f"{reason}; if the peer serves TLS (join --tls), use wss://"
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"no answer within the open timeout ({reason})"
+    return reason
+
+
+async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s: float = 5.0,
+               insecure: bool = False, tls_ca: str | None = None) -> Link:
+    """Open a websocket to ``url`` and start its reader task (kept in ``link.reader``).
+
+    ``wss://`` checks no CA: ``link.tls_fingerprint`` holds the SHA-256 of the certificate the
+    server presented, for the handshake to pin against the peer's signed advert. Plain ``ws://``
+    to a non-loopback host is refused unless ``insecure`` (see :mod:`meshinfer.wire.tls`). With
+    ``tls_ca`` (a PEM file of CA certificates) the server's certificate must also chain to one
+    of them and name the host in ``url``.
+
+    Raises:
+        InvalidInput: plain ``ws://`` to another machine without ``insecure``; an unreadable ``tls_ca``.
+        PeerUnavailable: the address cannot be reached within ``open_timeout_s`` seconds.
+    """
+    tls.check_plain_url(url, insecure=insecure)
+    ssl_context = tls.client_context(tls_ca) if url.startswith("wss://") else None
+    try:
+        ws = await websockets.connect(url, max_size=max_bytes, open_timeout=open_timeout_s, ssl=ssl_context,
+                                      ping_interval=20, ping_timeout=20, compression=None)
+    except (OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException, ValueError) as exc:
+        raise PeerUnavailable(f"cannot reach {url}: {_dial_reason(url, exc)}") from exc
+    link = Link(ws, max_bytes=max_bytes, on_message=on_message, name=url)
+    link.tls_fingerprint = tls.peer_fingerprint(ws)
+    link.reader = asyncio.get_running_loop().create_task(link.run(), name=f"link {url}")
+    return link
+
+
+async def first_success(attempts: Iterable[Awaitable[T]], *, discard: Callable[[T], Awaitable[Any]]) -> T:
+    """Run ``attempts`` (dials of one peer's addresses) at once; the first that succeeds.
+
+    The others are cancelled; one that succeeded anyway is passed to ``discard`` (to close
+    it). Cancelling this cancels every attempt.
+
+    Raises:
+        PeerUnavailable: every attempt failed; the message joins their errors (``MeshError``s,
+            in the order they failed), or says "no address" when there was none.
+    """
+    tasks = [asyncio.ensure_future(a) for a in attempts]
+    pending, winner, errors = set(tasks), None, []
+    try:
+        while pending and winner is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=tasks.index):
+                exc = task.exception()
+                if exc is None:
+                    winner = winner or task
+                elif isinstance(exc, MeshError):
+                    errors.append(str(exc))
+                else:
+                    raise exc
+        if winner is None:
+            raise PeerUnavailable("; ".join(errors or ["no address"]))
+        return winner.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            if task is not winner and not task.cancelled() and task.exception() is None:
+                await discard(task.result())
