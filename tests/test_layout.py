@@ -36,7 +36,7 @@ TORCH_FREE = ["meshinfer.core.config", "meshinfer.core.errors", "meshinfer.core.
               "meshinfer.core.generation", "meshinfer.core.sampling_params",
               "meshinfer.wire.protocol", "meshinfer.wire.discovery", "meshinfer.client.routing",
               "meshinfer.client.coverage", "meshinfer.client.speculative", "meshinfer.text.tokenizer",
-              "meshinfer.text.toolcalls"]
+              "meshinfer.text.toolcalls", "meshinfer.peer.batching"]
 
 
 def _module_name(path: Path) -> str:

@@ -7,25 +7,11 @@ device executor; while a pass runs, the steps that arrive queue up, and the next
 them together. A lone conversation runs exactly as before (one :meth:`Shard.forward`), with
 no added wait.
 
-Policy, in :meth:`StepScheduler._take`:
-
-- the oldest pending step runs in the next pass, except that right after a prefill pass the
-  oldest small step goes first: decode steps wait for at most one prefill however many are
-  queued, and prefills keep their order with at most one batch of decode steps between two
-  (no starvation);
-- steps of at most :data:`BATCH_STEP_TOKENS` tokens that run the same layers join that
-  one, up to ``max_batch`` conversations (plain decode and speculative verification steps
-  mix: each gets the logits it needs);
-- a longer step (prefill) runs alone.
-
-Holding a pass (:meth:`StepScheduler._hold`): the conversations of a pass come back together
-(their clients answer each token with the next step within about one round trip), but their
-steps arrive one by one. A pass that started on the first arrival would carry only it, and the
-rest would wait a whole pass for the next one: the conversations drift into small batches.
-So while a conversation whose last step succeeded here ("coming") has not sent its next
-step, a decode pass waits for it, at most :data:`HOLD_FRACTION` of a recent pass's time and
-at most ``max_hold_s`` after its first step arrived. A conversation that misses the wait is
-no longer counted as coming until its next step arrives (one that ended costs one wait).
+Policy, in :mod:`meshinfer.peer.batching` (pure, no torch): before each pass the scheduler
+gives :meth:`BatchPolicy.schedule` the pending steps' facts and the conversations that are
+coming, and runs the pass it names (:meth:`StepScheduler._next`) or waits as long as it says,
+waking early when a step arrives or a conversation ends. Small steps of different
+conversations that run the same layers share a pass; a prefill runs alone.
 
 Error isolation: each step is checked (:meth:`Shard.check_step`) before the batch is built,
 so a bad step fails alone; if the batched pass itself raises, every step of the batch is
@@ -43,24 +29,11 @@ from typing import Any, Callable
 import torch
 
 from meshinfer.core.errors import MeshError
+from meshinfer.peer.batching import BATCH_STEP_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_HOLD_S, BatchPolicy, Step
+
+__all__ = ["BATCH_STEP_TOKENS", "DEFAULT_MAX_BATCH", "DEFAULT_MAX_HOLD_S", "BatchStats", "StepJob", "StepScheduler"]
 
 log = logging.getLogger(__name__)
-
-#: Steps of at most this many tokens may share a pass (decode is 1; short speculative
-#: verification steps fit too). Longer steps are prefill chunks and run alone: their
-#: matmuls already read each weight once for many rows.
-BATCH_STEP_TOKENS = 8
-#: Default most conversations in one batched pass (``PeerSettings.max_batch``).
-DEFAULT_MAX_BATCH = 32
-#: A decode pass waits for coming conversations at most this fraction of the recent decode
-#: pass time: a wait that gains nothing costs at most half a pass, one that fills the batch
-#: saves a whole pass for the late steps.
-HOLD_FRACTION = 0.5
-#: Default cap on that wait, seconds (``PeerSettings.max_hold_s``): on loopback the steps of a
-#: batch arrive within a few ms of each other, across the Internet within the clients' jitter.
-DEFAULT_MAX_HOLD_S = 0.05
-#: Weight of the newest decode pass in the running mean of pass time that sizes the wait.
-PASS_TIME_EWMA = 0.2
 
 
 @dataclass
@@ -100,7 +73,7 @@ class BatchStats:
         batched_steps: steps that ran inside a batched pass.
         largest_batch: most conversations seen in one pass.
         fallbacks: batched passes that raised and were rerun one step at a time.
-        holds: passes that waited for coming conversations (:meth:`StepScheduler._hold`).
+        holds: passes that waited for coming conversations (:meth:`StepScheduler._next`).
         hold_s: seconds spent in those waits, in total.
     """
 
@@ -136,18 +109,12 @@ class StepScheduler:
 
     def __init__(self, executor, get_shard: Callable, *, finish: Callable, logits_mode: Callable[[str], str],
                  spawn: Callable, max_batch: int = DEFAULT_MAX_BATCH, max_hold_s: float = DEFAULT_MAX_HOLD_S) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        if not max_hold_s >= 0:
-            raise ValueError(f"max_hold_s must be 0 or more seconds, got {max_hold_s}")
         self.executor, self.get_shard = executor, get_shard
         self.finish, self.logits_mode, self.spawn = finish, logits_mode, spawn
-        self.max_batch, self.max_hold_s = max_batch, max_hold_s
+        self.policy = BatchPolicy(max_batch=max_batch, max_hold_s=max_hold_s)
         self.stats = BatchStats()
         self._pending: list[StepJob] = []
         self._coming: dict[int, Any] = {}  # id(conv) -> conv: last step succeeded, next not yet here
-        self._after_prefill = False  # the last pass taken ran a prefill step: a small step goes next
-        self._pass_s = 0.0  # running mean of decode pass time (PASS_TIME_EWMA), seconds
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
 
@@ -193,88 +160,56 @@ class StepScheduler:
             self._wake.clear()
             await asyncio.sleep(0)  # steps that arrived in this loop turn join the same pass
             while True:
-                await self._hold()
-                group = self._take()
+                group = await self._next()
                 if not group:
                     break
                 await self._run(group)
 
-    async def _hold(self) -> None:
-        """Wait while conversations that share the next decode pass's layers are coming.
+    async def _next(self) -> list[StepJob]:
+        """The steps of the next pass ([] when none is pending), once :meth:`BatchPolicy.schedule`
+        stops holding it.
 
-        Returns at once without a pending step, for a prefill, with batching off or the batch
-        full; else when every coming conversation has sent its step, or :meth:`_hold_limit_s`
-        after the pass's first step (:meth:`_head`) arrived. Conversations still missing then
-        stop counting as coming.
+        A hold returns early when a step arrives or a conversation ends (:meth:`forget`), and
+        the policy is asked again. Conversations it gives up on stop counting as coming.
         """
         t0, held = time.perf_counter(), False
         while True:
             self._wake.clear()
-            missing = self._missing()
-            if not missing:
-                break
-            remaining = self._head().queued_at + self._hold_limit_s() - time.perf_counter()
-            if remaining <= 0:
-                for conv in missing:
-                    self._coming.pop(id(conv), None)
+            decision = self.policy.schedule(self._steps(), self._coming_layers(), time.perf_counter())
+            for conv in decision.give_up:
+                self._coming.pop(conv, None)
+            if decision.hold_s <= 0:
                 break
             held = True
             try:
-                await asyncio.wait_for(self._wake.wait(), remaining)
+                await asyncio.wait_for(self._wake.wait(), decision.hold_s)
             except asyncio.TimeoutError:
                 pass
         if held:  # (not the time the checks took: on a loaded machine they can pass 0.1 ms)
             self.stats.holds += 1
             self.stats.hold_s += time.perf_counter() - t0
-
-    def _missing(self) -> list:
-        """Coming conversations that would join the next pass but have not sent their step."""
-        self._pending = [j for j in self._pending if not j.future.done()]  # withdrawn by cancellation
-        if not self._pending or self.max_batch == 1 or not self._coming:
-            return []
-        first = self._head()
-        if first.tokens > BATCH_STEP_TOKENS:
-            return []
-        key = self._key(first.conv)
-        room = self.max_batch - sum(1 for j in self._pending
-                                    if j.tokens <= BATCH_STEP_TOKENS and self._key(j.conv) == key)
-        if room <= 0:
-            return []
-        here = {id(j.conv) for j in self._pending}
-        missing = [c for i, c in self._coming.items() if i not in here and self._key(c) == key]
-        return missing[:room]
-
-    def _hold_limit_s(self) -> float:
-        """The longest a pass waits after its first step (:meth:`_head`) arrived, seconds."""
-        return min(self.max_hold_s, HOLD_FRACTION * self._pass_s)
-
-    def _head(self) -> StepJob:
-        """The step the next pass is built around (``_pending`` must not be empty): the oldest,
-        except right after a prefill pass, when the oldest small step goes first. So however many
-        prefill chunks one client queues, another conversation's decode step waits for at most one."""
-        if self._after_prefill:
-            for job in self._pending:
-                if job.tokens <= BATCH_STEP_TOKENS:
-                    return job
-        return self._pending[0]
+        return self._pop(decision.run)
 
     def _take(self) -> list[StepJob]:
-        """The next pass: :meth:`_head` plus the compatible small steps pending with it."""
+        """The next pass without holding (:meth:`BatchPolicy.take`): the policy's head step plus the
+        compatible small steps pending with it."""
+        return self._pop(self.policy.take(self._steps(timed=False)))
+
+    def _steps(self, *, timed: bool = True) -> list[Step]:
+        """The policy's facts of the pending steps, oldest first, after dropping the steps withdrawn
+        by cancellation. Without ``timed``, arrival times are left out (taking a pass reads none)."""
         self._pending = [j for j in self._pending if not j.future.done()]  # withdrawn by cancellation
-        if not self._pending:
-            return []
-        first = self._head()
-        group = [first]
-        if first.tokens <= BATCH_STEP_TOKENS and self.max_batch > 1:
-            key = self._key(first.conv)
-            for job in self._pending:
-                if len(group) >= self.max_batch:
-                    break
-                if job is not first and job.tokens <= BATCH_STEP_TOKENS and self._key(job.conv) == key:
-                    group.append(job)
-        self._after_prefill = first.tokens > BATCH_STEP_TOKENS
-        taken = {id(j) for j in group}
-        self._pending = [j for j in self._pending if id(j) not in taken]
+        return [Step(id(j.conv), self._key(j.conv), j.tokens, j.queued_at if timed else 0.0) for j in self._pending]
+
+    def _coming_layers(self) -> dict[int, tuple]:
+        """``id(conv)`` -> layers of each coming conversation, in the order they became coming."""
+        return {i: self._key(c) for i, c in self._coming.items()}
+
+    def _pop(self, run: tuple[int, ...]) -> list[StepJob]:
+        """Remove the pending steps at indexes ``run`` (a pass the policy took) and return them in that order."""
+        group = [self._pending[i] for i in run]
+        taken = set(run)
+        self._pending = [j for i, j in enumerate(self._pending) if i not in taken]
         return group
 
     @staticmethod
@@ -290,8 +225,7 @@ class StepScheduler:
                 if not job.future.done():
                     job.future.set_exception(exc)
             return
-        if group[0].tokens <= BATCH_STEP_TOKENS:  # a decode pass: it sizes the wait for the next
-            self._pass_s = took if not self._pass_s else (1 - PASS_TIME_EWMA) * self._pass_s + PASS_TIME_EWMA * took
+        self.policy.ran(group[0].tokens, took)  # a decode pass sizes the wait for the next
         ran = sum(1 for r in results if not isinstance(r, _Skipped))
         self.stats.passes += 1
         self.stats.largest_batch = max(self.stats.largest_batch, ran)
