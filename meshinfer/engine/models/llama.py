@@ -348,19 +348,8 @@ class Shard(nn.Module):
             ValueError: ``xs``, ``starts``, ``caches`` (and per-sequence ``logits``) differ in
                 length or are empty, a cache appears twice, or a logits mode is unknown.
         """
-        modes = [logits] * len(xs) if isinstance(logits, str) else list(logits)
-        if not xs or not len(xs) == len(starts) == len(caches) == len(modes):
-            raise ValueError(f"forward_batch needs as many inputs, starts, caches and logits modes (got {len(xs)}, "
-                             f"{len(starts)}, {len(caches)}, {len(modes)}), at least one")
-        if set(modes) - {"last", "all"}:
-            raise ValueError(f"logits must be 'last' or 'all', got {sorted(set(modes) - {'last', 'all'})}")
-        if len({id(c) for c in caches}) != len(caches):
-            raise ValueError("forward_batch: each sequence needs its own cache")
         run = run or self.range
-        for x, start, cache in zip(xs, starts, caches):
-            self.check_step(x, start, cache, run)
-            if x.shape[0] != 1:
-                raise InvalidInput(f"forward_batch takes one sequence per input, got batch {x.shape[0]}")
+        modes = self._check_batch(xs, starts, caches, run, logits)
         for x, cache in zip(xs, caches):
             cache.reserve(x.shape[1])
         segments, offset = [], 0
@@ -379,11 +368,34 @@ class Shard(nn.Module):
             seg.cache.commit(seg.length)
         if run.stop < self.cfg.num_hidden_layers:
             return [h[:, s.offset:s.offset + s.length] for s in segments]  # B x (1, T_i, C)
+        return self._batch_logits(h, segments, modes)
+
+    def _check_batch(self, xs: Sequence[torch.Tensor], starts: Sequence[int], caches: Sequence[LayerCache],
+                     run: LayerRange, logits: str | Sequence[str]) -> list[str]:
+        """Validate :meth:`forward_batch`'s arguments before any cache changes; return one logits
+        mode per sequence. Raises as :meth:`forward_batch` documents."""
+        modes = [logits] * len(xs) if isinstance(logits, str) else list(logits)
+        if not xs or not len(xs) == len(starts) == len(caches) == len(modes):
+            raise ValueError(f"forward_batch needs as many inputs, starts, caches and logits modes (got {len(xs)}, "
+                             f"{len(starts)}, {len(caches)}, {len(modes)}), at least one")
+        if set(modes) - {"last", "all"}:
+            raise ValueError(f"logits must be 'last' or 'all', got {sorted(set(modes) - {'last', 'all'})}")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("forward_batch: each sequence needs its own cache")
+        for x, start, cache in zip(xs, starts, caches):
+            self.check_step(x, start, cache, run)
+            if x.shape[0] != 1:
+                raise InvalidInput(f"forward_batch takes one sequence per input, got batch {x.shape[0]}")
+        return modes
+
+    def _batch_logits(self, h: torch.Tensor, segments: Sequence[Segment], modes: Sequence[str]) -> list[torch.Tensor]:
+        """Float32 logits of the rows each packed sequence wants: its last (``"last"``) or all
+        (``"all"``). ``h`` is ``(1, N, C)``; returns ``B`` tensors ``(1, 1 or T_i, V)``."""
         rows, spans = [], []  # the rows each sequence wants logits for, and where they land
         for seg, mode in zip(segments, modes):
             first = seg.offset if mode == "all" else seg.offset + seg.length - 1
             spans.append((len(rows), len(rows) + seg.offset + seg.length - first))
             rows.extend(range(first, seg.offset + seg.length))
-        picked = h if len(rows) == h.shape[1] else h[:, torch.tensor(rows, device=device)]  # (1, R, C)
+        picked = h if len(rows) == h.shape[1] else h[:, torch.tensor(rows, device=h.device)]  # (1, R, C)
         out = self._head(picked)  # (1, R, V)
         return [out[:, a:b] for a, b in spans]  # B x (1, 1 or T_i, V)
