@@ -111,7 +111,7 @@ async def generate_through(peers: Sequence[Peer], tok, messages: list, *, max_to
                            **client_options) -> tuple:
     """One greedy conversation through the mesh of ``peers``; returns (route, prompt ids, result).
     ``deadline_floor_s``: the conversation's (None: the default)."""
-    from meshinfer.client.session import MeshClient
+    from meshinfer.client.mesh import MeshClient
 
     async with MeshClient(list(peers[0].addrs), **client_options) as client:
         route = await client.plan()
@@ -132,7 +132,7 @@ async def generate_through_a_middle_crash(path: Path, digest: str, bundle: dict,
     is generous, so only the crash, never a slow step on a loaded machine, causes a failover.
     ``policy``: the conversation's draft policy (e.g. :class:`AlwaysDraft`), None for the client's."""
     from meshinfer.engine.generate import load_shard
-    from meshinfer.client.session import MeshClient
+    from meshinfer.client.mesh import MeshClient
 
     a, b, c, d = bounds
     first = await start_peer(load_shard(path, LayerRange(a, b)), weights_hash=digest, bundle=bundle)

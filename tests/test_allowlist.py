@@ -12,7 +12,7 @@ from meshinfer.wire import discovery
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import InvalidInput, NoRoute, PeerUnavailable, Unauthenticated
 from meshinfer.engine.generate import greedy_generate, load_shard
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 
 MESSAGES = [{"role": "user", "content": "who may join?"}]
 

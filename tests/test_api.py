@@ -22,7 +22,7 @@ from meshinfer.engine.generate import load_shard
 from meshinfer.app.reply import TextStream
 from meshinfer.core.sampling_params import SamplingParams
 from meshinfer.engine.sampling import pick_token
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 
 MESSAGES = [{"role": "user", "content": "hello there, tiny model"}]
 #: Advert lifetime, seconds: long enough that a loaded test machine never sees a peer expire mid-test.

@@ -11,7 +11,7 @@ from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import CacheFull, ContextOverflow
 from meshinfer.peer.node import ClientLimits
 from meshinfer.engine.generate import greedy_generate, load_shard
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from meshinfer.client.draft import DraftModel, ModelDrafter, load_draft_model
 from meshinfer.core.errors import IncompatibleDraft, ModelNotFound, WeightsError
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.app.reply import plan_for
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 from tiny import random_weights, tiny_config, write_gguf
 
 STORY = [{"role": "user", "content": "tell me a long story about meshes and hops"}]

@@ -11,7 +11,7 @@ from meshkit import crash, file_hash, start_peer, wait_for_tables
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import NoRoute, PeerUnavailable
 from meshinfer.engine.generate import greedy_generate, load_shard
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 from meshinfer.text.tokenizer import Tokenizer
 from tiny import random_weights, tiny_config, write_gguf
 

@@ -26,7 +26,7 @@ from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import DeviceError
 from meshinfer.engine.executor import parse_device
 from meshinfer.engine.generate import load_shard, new_cache
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 from realmodels import DEFAULT, first_near_tie, load_cases, shard_of
 from test_batching import compare_batched_with_single
 

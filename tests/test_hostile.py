@@ -1421,7 +1421,7 @@ async def plant(peer, adverts: list[dict]) -> Raw:
 
 
 async def test_a_peer_of_silent_addresses_costs_planning_one_dial_timeout(tiny):
-    from meshinfer.client.session import MeshClient
+    from meshinfer.client.mesh import MeshClient
 
     dial_timeout_s = 3.0
     with silent_addresses(4) as addrs:
@@ -1444,7 +1444,7 @@ async def test_a_peer_of_silent_addresses_costs_planning_one_dial_timeout(tiny):
 
 async def test_listing_models_never_waits_for_a_route_being_planned(tiny):
     from meshinfer.app.api import MeshModels
-    from meshinfer.client.session import MeshClient
+    from meshinfer.client.mesh import MeshClient
 
     with silent_addresses(1) as addrs:
         async with serving(tiny) as peers:

@@ -24,7 +24,7 @@ from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.peer.node import ClientLimits
 from meshinfer.core.sampling_params import SamplingParams
 from meshinfer.engine.sampling import pick_token
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 from test_hostile import Raw, new_key, rogue_advert
 
 MESSAGES = [{"role": "user", "content": "a hostile world"}]
@@ -441,7 +441,7 @@ async def test_serve_closes_links_to_peers_that_come_and_go(tiny):
     """Rotating fake identities kept connected: serve's client leaked a connection per probed peer
     (open files 16 -> 1,023), then answered 503 for good. Now links to peers gone from the table
     are closed, and at most ``MAX_IDLE_LINKS`` links that carry no conversation are kept."""
-    from meshinfer.client.session import MAX_IDLE_LINKS
+    from meshinfer.client.links import MAX_IDLE_LINKS
     from test_hostile import plant
 
     _, digest, _, _ = tiny

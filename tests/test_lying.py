@@ -21,7 +21,7 @@ from meshinfer.wire import tensors
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import LyingPeer
 from meshinfer.engine.generate import greedy_generate, load_shard
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 
 MESSAGES = [{"role": "user", "content": "tell me a long story about meshes and hops"}]
 N_TOKENS = 12

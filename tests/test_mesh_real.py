@@ -10,7 +10,7 @@ import pytest
 
 from conftest import model_path
 from meshkit import file_hash, mesh
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 from meshinfer.text.tokenizer import Tokenizer
 from realmodels import DEFAULT, first_near_tie, load_cases, shard_of
 

@@ -15,7 +15,7 @@ from meshinfer.core.errors import (CacheFull, ContextOverflow, LayerRangeError, 
     PositionError)
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.peer.node import launch_peer, PeerSettings
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 from meshinfer.text.tokenizer import Tokenizer
 from meshinfer.wire.transport import dial
 

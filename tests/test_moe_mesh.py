@@ -14,7 +14,7 @@ from meshinfer.wire import protocol, tensors
 from meshinfer.core.config import LayerRange
 from meshinfer.wire.discovery import verify_advert
 from meshinfer.engine.generate import greedy_generate, load_shard
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 from meshinfer.text.tokenizer import Tokenizer
 
 import hf_families as hff  # noqa: E402  (needs transformers)

@@ -75,7 +75,7 @@ async def test_a_conversation_through_the_proxy(tmp_path):
     from meshkit import file_hash, mesh
     from meshinfer.core.config import LayerRange
     from meshinfer.engine.generate import greedy_generate, load_shard
-    from meshinfer.client.session import MeshClient
+    from meshinfer.client.mesh import MeshClient
     from meshinfer.text.tokenizer import Tokenizer
     from tiny import random_weights, tiny_config, write_gguf
 

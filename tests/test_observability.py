@@ -16,7 +16,7 @@ from meshinfer.wire import discovery
 from meshinfer.core.errors import InvalidInput, PositionError
 from meshinfer.engine.generate import load_shard
 from meshinfer.core.logs import JsonFormatter, configure, context
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 from meshinfer.wire.transport import dial
 
 MESSAGES = [{"role": "user", "content": "count my steps"}]

@@ -15,7 +15,7 @@ from meshinfer.engine.generate import greedy_generate, load_shard, parse_precisi
 from meshinfer.engine.models.quant import (DENSE_MIN_ROWS, Int4Linear, Int8Embedding, Int8Linear,
     dequantize_int4, int4_layout_known, quantize_int4, quantize_int8, quantized_linear,
     unpack_int4)
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 from meshinfer.engine.weights import converted
 
 QUANTIZED = ["q8-bf16", "q4-g32-bf16"]

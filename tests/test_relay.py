@@ -15,7 +15,7 @@ from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import PeerUnavailable
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.peer.node import Peer
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 from meshinfer.text.tokenizer import Tokenizer
 from tiny import random_weights, tiny_config, write_gguf
 
@@ -215,7 +215,7 @@ async def test_a_relay_that_alters_tokens_is_caught_by_the_spot_checks(model):
 
 
 async def test_a_relay_forwards_only_to_a_peer_that_lists_it(model):
-    from meshinfer.client.session import CLIENT_MAX_FRAME_BYTES
+    from meshinfer.client.links import CLIENT_MAX_FRAME_BYTES
     from meshinfer.wire.transport import circuit_link
 
     path, digest, *_ = model

@@ -19,7 +19,7 @@ from meshinfer.app.bench import CODE_EDIT_MESSAGES
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import InvalidInput, ProtocolError
 from meshinfer.engine.generate import greedy_generate, load_shard
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 from meshinfer.client.speculative import DraftPolicy, accept, expected_tokens, propose
 
 REPEAT = [{"role": "user", "content": "abc abc abc abc abc abc abc abc"}]
@@ -326,7 +326,7 @@ async def test_a_stuck_hop_still_holding_rejected_drafts_is_found():
     of the step before): failover must still name it."""
     from types import SimpleNamespace
 
-    from meshinfer.client.session import Conversation
+    from meshinfer.client.conversation import Conversation
 
     hops = [SimpleNamespace(peer_id=p) for p in ("a", "b", "c")]
     conv = Conversation(MeshClient(["ws://127.0.0.1:1"]), SimpleNamespace(hops=hops), max_tokens_total=64)

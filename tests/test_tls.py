@@ -13,7 +13,7 @@ from meshkit import start_peer, tiny_model, wait_for_tables
 from meshinfer.wire import protocol, tls, tensors
 from meshinfer.core.errors import InvalidInput, PeerUnavailable, Unauthenticated
 from meshinfer.engine.generate import greedy_generate, load_shard
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 
 MESSAGES = [{"role": "user", "content": "a secret word"}]
 

@@ -13,7 +13,7 @@ from meshkit import start_peer, tiny_model, wait_for_tables
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import IncompatiblePeer, TemplateError
 from meshinfer.engine.generate import load_shard
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 from meshinfer.text.template_sandbox import RENDER_BASE_S, TemplateSandbox
 from meshinfer.text.tokenizer import Tokenizer, bundle_sha256
 

@@ -15,7 +15,7 @@ from meshinfer.wire import discovery, protocol
 from meshinfer.core.errors import Unauthenticated
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.peer.node import PRIVATE_MESH
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 
 MESSAGES = [{"role": "user", "content": "a private word"}]
 KEY = b"correct horse battery staple 32b"

@@ -24,7 +24,7 @@ from meshkit import crash, mesh, split, start_peer, tiny_model
 from meshinfer.app.api import ApiServer
 from meshinfer.core.config import LayerRange
 from meshinfer.engine.generate import load_shard
-from meshinfer.client.session import MeshClient
+from meshinfer.client.mesh import MeshClient
 
 #: Seconds a page has to show what a test waits for (a loaded 2-core machine is slow).
 WAIT_S = 90

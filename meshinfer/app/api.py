@@ -38,7 +38,8 @@ from meshinfer.app.meshview import MeshView
 from meshinfer.app.reply import plan_for, reply
 from meshinfer.client.routing import Route, complete_routes_summary
 from meshinfer.core.sampling_params import SEED_MODULUS, SamplingParams
-from meshinfer.client.session import Conversation, MeshClient
+from meshinfer.client.conversation import Conversation
+from meshinfer.client.mesh import MeshClient
 from meshinfer.text.tokenizer import Tokenizer
 from meshinfer.text.toolcalls import ToolCallStream
 

@@ -133,7 +133,7 @@ async def _route(client, n_peers: int):
 
 
 async def _measure(url: str, n_peers: int, max_tokens: int, repeats: int) -> dict:
-    from meshinfer.client.session import MeshClient
+    from meshinfer.client.mesh import MeshClient
 
     async with MeshClient([url]) as client:
         route = await _route(client, n_peers)
@@ -188,7 +188,7 @@ async def _concurrent(client, route, ids: list[int], n: int, max_tokens: int) ->
 
 async def _measure_concurrency(url: str, n_peers: int, counts: list[int], max_tokens: int,
                                progress=None) -> list[dict]:
-    from meshinfer.client.session import MeshClient
+    from meshinfer.client.mesh import MeshClient
 
     async with MeshClient([url]) as client:
         route = await _route(client, n_peers)
@@ -403,7 +403,7 @@ async def _spec_measure(base_port: int, proxy_ports: list[int], rtts_ms: list[fl
                         max_tokens: int, repeats: int, draft_tokens: int, context: int, draft, progress,
                         modes: Sequence[str], draft_ahead) -> list[dict]:
     from meshinfer.app.netsim import NetSim
-    from meshinfer.client.session import MeshClient
+    from meshinfer.client.mesh import MeshClient
 
     modes = [m for m in modes if not m.startswith("draft") or draft is not None]
     proxies = [await NetSim("127.0.0.1", base_port + i, port=p).start() for i, p in enumerate(proxy_ports)]
@@ -529,7 +529,7 @@ def long_prompt(tok, n_tokens: int) -> list[int]:
 
 
 async def _ttft_measure(url: str, n_peers: int, long_tokens: int, repeats: int) -> dict:
-    from meshinfer.client.session import MeshClient
+    from meshinfer.client.mesh import MeshClient
 
     async def ttft(client, route, ids) -> float:
         conv = client.conversation(route, max_tokens_total=len(ids) + 1, speculate=False)

@@ -350,7 +350,7 @@ async def _auto_layers(args, settings):
         layers_that_fit)
     from meshinfer.engine.executor import parse_device
     from meshinfer.peer.node import free_memory_bytes
-    from meshinfer.client.session import MeshClient
+    from meshinfer.client.mesh import MeshClient
     from meshinfer.engine.weights import open_weights
     from meshinfer.engine.weights.identity import weights_hash
     from meshinfer.engine.weights.registry import resolve_model
@@ -403,7 +403,7 @@ async def _chat(args) -> int:
 
 async def _chat_with(args, messages: list[dict], interactive: bool, draft) -> int:
     from meshinfer.app.reply import one_reply, plan_for
-    from meshinfer.client.session import MeshClient
+    from meshinfer.client.mesh import MeshClient
 
     _warn_plain(_peers(args.peers), args.insecure)
     async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
@@ -636,7 +636,7 @@ async def _serve(args) -> int:
 async def _serve_with(args, api_key: str | None, draft) -> int:
     from meshinfer.app.api import ApiServer
     from meshinfer.core.errors import PeerUnavailable
-    from meshinfer.client.session import MeshClient
+    from meshinfer.client.mesh import MeshClient
 
     async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,
                           tls_ca=args.tls_ca, allow_ids=_allow_ids(args), draft_model=draft,
@@ -688,7 +688,7 @@ def cmd_id(args) -> int:
 async def _status(args) -> int:
     from meshinfer.app.meshview import group_json
     from meshinfer.client.routing import complete_routes_summary
-    from meshinfer.client.session import MeshClient
+    from meshinfer.client.mesh import MeshClient
 
     _warn_plain(_peers(args.peers), args.insecure)
     async with MeshClient(_peers(args.peers), mesh_key=_mesh_key(args), insecure=args.insecure,

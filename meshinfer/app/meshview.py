@@ -22,7 +22,8 @@ from meshinfer.client.coverage import coverage
 from meshinfer.core.errors import MeshError, Unauthenticated
 from meshinfer.wire.protocol import PeerAdvert
 from meshinfer.client.routing import GroupStatus, complete_routes_summary
-from meshinfer.client.session import ChatResult, MeshClient
+from meshinfer.client.mesh import MeshClient
+from meshinfer.client.results import ChatResult
 
 #: Seconds a refreshed peer table and RTTs are reused: a page polls every 2 s, so several open
 #: pages cost one refresh per interval.

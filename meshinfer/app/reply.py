@@ -14,7 +14,9 @@ from typing import Callable, Sequence
 from meshinfer.core.errors import NoRoute
 from meshinfer.client.routing import Route
 from meshinfer.core.sampling_params import SamplingParams
-from meshinfer.client.session import ChatResult, Conversation, MeshClient
+from meshinfer.client.conversation import Conversation
+from meshinfer.client.mesh import MeshClient
+from meshinfer.client.results import ChatResult
 from meshinfer.text.tokenizer import StreamDecoder, Tokenizer
 
 

@@ -47,7 +47,7 @@ DRAFT_MODEL_PRIOR_ACCEPTANCE = 0.8
 
 
 class Drafter(Protocol):
-    """What :class:`~meshinfer.client.session.Conversation` asks for drafts.
+    """What :class:`~meshinfer.client.conversation.Conversation` asks for drafts.
 
     Attributes:
         name: what drafts, for the conversation's counters (``"prompt-lookup"``, ``"model:NAME"``).

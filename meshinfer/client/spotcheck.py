@@ -119,7 +119,7 @@ async def spot_check(conv, i: int) -> bool:
     thing and show the client another.
 
     Args:
-        conv: the :class:`~meshinfer.client.session.Conversation` (its route, tokens and auditor).
+        conv: the :class:`~meshinfer.client.conversation.Conversation` (its route, tokens and auditor).
         i: index of the hop in ``conv.route.hops``.
 
     Returns:
@@ -263,6 +263,6 @@ async def find_length_liar(conv, expected: int) -> str:
     """
     hops = conv.route.hops
     for i, hop in enumerate(hops):
-        if await conv._probe(hop) != expected:
+        if await conv.probe(hop) != expected:
             return hops[max(0, i - 1)].peer_id
     return hops[-1].peer_id

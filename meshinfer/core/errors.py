@@ -85,6 +85,15 @@ class ProtocolError(MeshError):
     code = "protocol_error"
 
 
+class DraftsRefused(ProtocolError):
+    """A hop does not verify drafts (a step with ``want="tokens"``): it predates speculative
+    decoding. Such a peer answers ``protocol_error`` naming ``want``;
+    :func:`meshinfer.wire.transport.remote_error` turns that answer into this error, and the
+    client then decodes without drafts."""
+
+    code = "drafts_refused"
+
+
 class VersionMismatch(ProtocolError):
     """The remote side speaks a protocol version this side cannot understand."""
 

@@ -472,13 +472,19 @@ def _reply_context(f: Any) -> dict[str, Any]:
 
 
 def remote_error(f: Any) -> MeshError:
-    """Rebuild an exception from an ``error`` frame, keeping the remote's code and message."""
+    """Rebuild an exception from an ``error`` frame, keeping the remote's code and message.
+
+    A ``protocol_error`` naming ``want`` comes from a peer that predates ``want="tokens"``
+    (:data:`~meshinfer.wire.protocol.STEP_WANTS`): it becomes :class:`~meshinfer.core.errors.DraftsRefused`.
+    """
     from meshinfer.core import errors
 
     code = f.str("code", "mesh_error")
     message = f.str("message", "")
     if code == errors.LyingPeer.code:
         return errors.LyingPeer(message, suspect=f.str("suspect", None))
+    if code == errors.ProtocolError.code and "want" in message:
+        return errors.DraftsRefused(message)
     for cls in vars(errors).values():
         if isinstance(cls, type) and issubclass(cls, MeshError) and getattr(cls, "code", None) == code:
             return cls(message)

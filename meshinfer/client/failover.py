@@ -1,0 +1,157 @@
+"""Replacing a conversation's dead or lying hops: probing for the failed hop, planning a new
+route that keeps the others' caches, replaying; and the lying-peer checks after each step
+(:class:`Failover`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Sequence
+
+from meshinfer.client import spotcheck
+from meshinfer.client.results import ChatResult
+from meshinfer.client.speculative import accept
+from meshinfer.core.errors import LyingPeer, MeshError, PeerUnavailable
+
+log = logging.getLogger(__name__)
+
+#: Lying hops excluded during one step before the error reaches the caller.
+MAX_DETECTIONS = 3
+
+
+class Failover:
+    """The repair half of :class:`~meshinfer.client.conversation.Conversation` (a mixin: it uses
+    the conversation's ``client``, ``route``, ``ledger``, ``audit`` and hop methods)."""
+
+    # ------------------------------------------------------------------ dead hops
+    async def probe(self, hop) -> int | None:
+        """Positions ``hop`` holds for this conversation, or None when it does not answer
+        (:meth:`_probe`; spot-checks ask it to find a hop that miscounts)."""
+        return await self._probe(hop)
+
+    async def _probe(self, hop) -> int | None:
+        """Positions ``hop`` holds for this conversation, or None when it does not answer."""
+        link = self.client.open_link(hop.peer_id)
+        if link is None:
+            return None
+        try:
+            _, f = await link.request("probe", timeout_s=min(2.0, self.client.request_timeout_s),
+                                      conv=self.conv_id)
+            return f.int("length", lo=0, hi=1 << 40)
+        except MeshError:
+            return None
+
+    async def _find_failed(self, in_flight: int) -> set[str]:
+        """Peer ids of the hops to replace: those that do not answer a probe, else the first that
+        does not hold ``in_flight`` positions (the step did not get past it)."""
+        lengths = await asyncio.gather(*(self._probe(h) for h in self.route.hops))
+        failed = {h.peer_id for h, n in zip(self.route.hops, lengths) if n is None}
+        if not failed:  # everyone answers: the first hop that has not finished the step is stuck
+            # (!=, not <: a hop that never got a step after rejected drafts still holds them, maybe
+            # more positions than the step would leave; a hop that finished holds exactly in_flight)
+            stuck = next((h for h, n in zip(self.route.hops, lengths) if n != in_flight), None)
+            if stuck is not None:
+                failed.add(stuck.peer_id)
+        return failed
+
+    async def _failover(self, exc: MeshError, *, in_flight: int, failed: set[str] | None = None) -> None:
+        """Replace failed hops (found by probing unless given), keep the others' caches, replay
+        the confirmed tokens."""
+        t0 = time.perf_counter()
+        failed = failed if failed is not None else await self._find_failed(in_flight)
+        for pid in failed:  # a hop behind a dead relay is fine: the relay is backed off, the hop reopened
+            self.client.mark_failed(self.client.culprit(pid))
+        log.warning("conversation %s: %s; failing over from %s", self.conv_id[:12], exc,
+                    ", ".join(p[:12] for p in failed) or "an unknown hop")
+        old = self.route
+        try:
+            new = await asyncio.wait_for(self.client.plan(compat_key=old.compat_key),
+                                         self.client.request_timeout_s * 3)
+        except asyncio.TimeoutError:
+            raise PeerUnavailable("no new route found in time after a hop failed") from exc
+        kept = {(h.peer_id, h.layers) for h in old.hops if h.peer_id not in failed} & \
+            {(h.peer_id, h.layers) for h in new.hops}
+        await self._close_on([h for h in old.hops if (h.peer_id, h.layers) not in kept and h.peer_id not in failed])
+        self.route = new
+        self.max_step_tokens = 512
+        for i, hop in enumerate(new.hops):
+            await self._open_hop(i, new.hops, reroute=(hop.peer_id, hop.layers) in kept)
+        await self._truncate(self.confirmed, [h for h in new.hops if (h.peer_id, h.layers) in kept])
+        history = self.cached[:self.confirmed]
+        self._min_seq = self._seq + 1
+        for i in range(0, len(history), self.max_step_tokens):
+            await self._send(history[i:i + self.max_step_tokens], i, want="none", replay=True)
+        self.failovers.append({"failed": sorted(failed), "reason": str(exc), "replayed_tokens": len(history),
+                               "kept_hops": len(kept), "seconds": round(time.perf_counter() - t0, 3)})
+
+    # ------------------------------------------------------------------ lying hops
+    async def _audited_step(self, tokens: Sequence[int], result: ChatResult, *, prefill: bool = False,
+                            drafts: Sequence[int] | None = None) -> tuple[list[int], list]:
+        """:meth:`_step`, then the lying-peer checks; a liar is excluded and the step redone.
+
+        With ``drafts`` (the tail of ``tokens``) the step verifies them: the accepted ids are
+        returned and the rejected positions dropped from ``cached`` before the checks.
+        On :class:`LyingPeer` the tokens after the rollback point are dropped from ``result``
+        (``on_token`` has already seen them) and regenerated over a route without the liar
+        (plainly: drafts are never trusted tokens).
+        """
+        tokens = list(tokens)
+        for attempt in range(MAX_DETECTIONS + 1):
+            start = len(self.cached)
+            try:
+                ids, trace = await self._step(tokens, want="tokens" if drafts else "token")
+                held = len(self.cached)  # positions every hop holds after the step
+                if drafts:
+                    ids = accept(drafts, ids)
+                    self.ledger.keep_accepted(start + len(ids))  # rejected drafts: the hops roll them back later
+                await self._audit_step(ids, held=held, prefill=prefill)
+                return ids, trace
+            except LyingPeer as exc:
+                if attempt == MAX_DETECTIONS or exc.suspect not in self.route.peer_ids:
+                    raise
+                tokens = await self._exclude_liar(exc, self.cached[:start] + tokens, result)
+                prefill, drafts = True, None  # the new route's hops are checked from their first position
+        raise AssertionError("unreachable")
+
+    async def _audit_step(self, ids: list[int], *, held: int, prefill: bool) -> None:
+        """Check the step just answered: the last hop's position count (``held``: positions the
+        step left on every hop, rejected drafts included), then spot-checks of kept positions.
+
+        Raises:
+            LyingPeer: naming the hop at fault.
+        """
+        n = len(self.cached)
+        for i, token in enumerate(ids):  # the choice after each kept position of the step
+            self.audit.emitted[n - len(ids) + i] = token
+        length, self._reply_length = self._reply_length, None
+        if length is not None and length != held:
+            suspect = await spotcheck.find_length_liar(self, held)
+            raise LyingPeer(f"the last hop holds {length} positions after the step; the conversation has {held}",
+                            suspect=suspect)
+        for i in self.audit.hops_to_check(self.route.hops, after_prefill=prefill):
+            try:
+                await spotcheck.spot_check(self, i)
+            except LyingPeer as exc:
+                if exc.suspect in self.route.peer_ids:
+                    raise
+                self.client.ban(exc.suspect, str(exc))  # a checker that lied: the route stands
+                self.detections.append({"peer": exc.suspect, "layers": None, "reason": str(exc),
+                                        "kept_tokens": len(self.cached), "dropped_tokens": 0})
+
+    async def _exclude_liar(self, exc: LyingPeer, sent: list[int], result: ChatResult) -> list[int]:
+        """Ban the liar, roll back to its last verified position, fail over; return the tokens to
+        send next (``sent`` is every token the route was given, the failed step's included)."""
+        hop = next(h for h in self.route.hops if h.peer_id == exc.suspect)
+        verified, n_prompt = self.audit.mark(hop), len(result.prompt_ids)
+        self.client.ban(exc.suspect, str(exc))
+        trusted = min(len(sent), max(n_prompt, verified + 1))  # tokens chosen from verified output, or given
+        keep = min(verified, trusted - 1, self.confirmed)  # positions the hops keep
+        self.ledger.roll_back(keep)
+        self.audit.truncate(keep)
+        await self._failover(exc, in_flight=keep, failed={exc.suspect})
+        del result.token_ids[max(0, trusted - n_prompt):]
+        self.detections.append({"peer": exc.suspect, "layers": hop.layers.cli(), "reason": str(exc),
+                                "kept_tokens": trusted, "dropped_tokens": len(sent) - trusted})
+        return sent[keep:trusted]
+

@@ -1,0 +1,162 @@
+"""Sending a conversation's steps to its hops: opening and closing it on each hop, truncating,
+sending chunks to the first hop, and awaiting the last hop's token (:class:`HopSteps`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Sequence
+
+from meshinfer.core.errors import LyingPeer, MeshError, PeerUnavailable, ProtocolError
+from meshinfer.wire.protocol import MAX_VERIFY_TOKENS
+from meshinfer.wire.transport import Link, remote_error
+
+#: A step's deadline: this floor plus DEADLINE_FACTOR x the route's estimated time for the
+#: step's tokens (decode estimate x tokens), so a 3,000-token prefill gets proportionally longer.
+DEADLINE_FLOOR_S, DEADLINE_FACTOR = 10.0, 4.0
+#: Failovers tried for one step before the error reaches the caller.
+MAX_FAILOVERS = 3
+#: Error codes that mean "this route is broken", answered by failover; others are the caller's.
+FAILOVER_CODES = frozenset({"peer_unavailable"})
+
+
+def _next_hop(hop) -> dict:
+    """The ``next`` field of an ``open``/``reroute`` naming ``hop`` (its relays only when it has some,
+    so frames to reachable hops keep their old bytes)."""
+    out = {"peer_id": hop.peer_id, "addrs": list(hop.peer.addrs)}
+    if hop.peer.relays:
+        out["relays"] = list(hop.peer.relays)
+    return out
+
+
+class HopSteps:
+    """The hop-facing half of :class:`~meshinfer.client.conversation.Conversation` (a mixin: it
+    uses the conversation's ``client``, ``route``, ``ledger``, ``inbox`` and sequence fields)."""
+
+    async def _open_hop(self, i: int, hops, *, reroute: bool = False) -> None:
+        """Open the conversation on hop ``i`` of ``hops`` (``reroute``: the hop keeps its cache and
+        learns its new neighbours). A hop that may still hold this conversation from an earlier
+        route (it failed by stalling, not by dying, and a later failover chose it again) is told
+        to close it first, on the same connection, so the open that follows starts it afresh."""
+        self._opening = i
+        hop = hops[i]
+        link = await self.client.link(hop.peer)
+        self.max_step_tokens = min(self.max_step_tokens, link.info.get("max_step_tokens", 512))
+        nxt = hops[i + 1] if i + 1 < len(hops) else None
+        if not reroute and hop.peer_id in self._opened:
+            await link.send("close", conv=self.conv_id)  # frames of one link are handled in order
+        await link.request(
+            "reroute" if reroute else "open", timeout_s=self.client.request_timeout_s, conv=self.conv_id,
+            layers=[hop.layers.start, hop.layers.stop], max_tokens=self.max_tokens_total,
+            prev=hops[i - 1].peer_id if i else None,
+            next=_next_hop(nxt) if nxt else None)
+        self._opened.add(hop.peer_id)
+
+    async def _close_on(self, hops) -> None:
+        """Tell each of ``hops`` that still has an open link to free this conversation."""
+        for hop in hops:
+            self._opened.discard(hop.peer_id)
+            link = self.client.open_link(hop.peer_id)
+            if link is not None:
+                try:
+                    await link.send("close", conv=self.conv_id)
+                except MeshError:
+                    pass
+
+    async def _truncate(self, length: int, hops=None) -> None:
+        """Truncate the conversation to ``length`` positions on ``hops`` (default: the route's),
+        then in the ledger and the auditor."""
+        for hop in hops if hops is not None else self.route.hops:
+            link = await self.client.link(hop.peer)
+            await link.request("truncate", timeout_s=self.client.request_timeout_s, conv=self.conv_id,
+                               length=length)
+        self.ledger.truncate(length)
+        self.audit.truncate(length)
+
+    async def _send(self, tokens: Sequence[int], start: int, *, want: str, replay: bool = False) -> int:
+        """Send one step frame of ``tokens`` at position ``start`` to the first hop; return its seq."""
+        self._seq += 1
+        first = await self.client.link(self.route.hops[0].peer)
+        extra = {"sampling": self.sampling.to_wire()} if want == "token" and self.sampling else {}
+        if self.ledger.rolls_back(start) and not replay:
+            extra["rollback"] = True  # hops drop the rejected drafts of the step before
+        await first.send("step", conv=self.conv_id, seq=self._seq, start=start, tokens=list(tokens),
+                         want=want, replay=replay, **extra)
+        self.ledger.hold(start + len(tokens))
+        return self._seq
+
+    def _deadline_s(self, n_tokens: int) -> float:
+        """Seconds a step of ``n_tokens`` may take (see :data:`DEADLINE_FLOOR_S`)."""
+        return self.deadline_floor_s + DEADLINE_FACTOR * self.route.estimated_ms_per_token / 1e3 * n_tokens
+
+    async def _await_token(self, seq: int, timeout_s: float, n_tokens: int | None = None) -> tuple[list[int], list]:
+        """The chosen ids of step ``seq`` (``n_tokens`` of them for want="tokens", else one) and its trace."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                link, msg_type, f = await asyncio.wait_for(self.inbox.get(), max(remaining, 0.001))
+            except asyncio.TimeoutError:
+                raise PeerUnavailable(f"no token for step {seq} within {timeout_s:.1f} s") from None
+            if msg_type == "closed":
+                if f in self.route.peer_ids:
+                    raise PeerUnavailable(f"the connection to hop {f[:12]} closed")
+                continue
+            msg_seq = f.get("seq", int, None)
+            if msg_seq is not None and msg_seq < self._min_seq:
+                continue  # a late reply from before a failover
+            if msg_type == "error":
+                raise self._credible(remote_error(f), link)
+            if msg_seq != seq:
+                continue
+            if link.remote_id != self.route.hops[-1].peer_id:
+                raise ProtocolError(f"token for step {seq} came from {link.remote_id}, not the last hop")
+            self._reply_length = f.get("length", int, None)
+            if n_tokens is None:
+                return [f.int("token", lo=0, hi=1 << 31)], f.get("trace", list, [])
+            ids = f.int_list("tokens", lo=0, hi=1 << 31, max_len=MAX_VERIFY_TOKENS)
+            if len(ids) != n_tokens:
+                raise ProtocolError(f"step {seq} carried {n_tokens} tokens; the last hop chose {len(ids)}")
+            return ids, f.get("trace", list, [])
+
+    def _credible(self, exc: MeshError, link: Link) -> MeshError:
+        """``exc`` when it is not a :class:`LyingPeer` or its ``suspect`` is the hop just before
+        the reporting one (the only hop whose hidden states the reporter checks); otherwise a
+        :class:`LyingPeer` naming the reporter, which accused a hop it cannot have checked."""
+        if not isinstance(exc, LyingPeer) or exc.suspect is None:
+            return exc
+        hops = self.route.hops
+        if any(a.peer_id == exc.suspect and b.peer_id == link.remote_id for a, b in zip(hops, hops[1:])):
+            return exc
+        return LyingPeer(f"peer {(link.remote_id or '?')[:12]} blamed peer {exc.suspect[:12]}, whose output it "
+                         f"does not receive: {exc}", suspect=link.remote_id)
+
+    async def _step(self, tokens: Sequence[int], *, want: str = "token") -> tuple[list[int], list]:
+        """Append ``tokens`` (chunked) to the conversation; return the chosen ids and the trace.
+
+        ``want="token"``: one id, the next token. ``want="tokens"`` (one chunk, speculative
+        verification): the greedy choice after each of ``tokens``.
+
+        Retries through :meth:`_failover` up to :data:`MAX_FAILOVERS` times.
+        """
+        for attempt in range(MAX_FAILOVERS + 1):
+            self._min_seq = self._seq + 1
+            start = len(self.cached)
+            try:
+                seq = 0
+                for i in range(0, len(tokens), self.max_step_tokens):
+                    chunk = tokens[i:i + self.max_step_tokens]
+                    seq = await self._send(chunk, start + i,
+                                           want=want if i + self.max_step_tokens >= len(tokens) else "none")
+                self.ledger.send(tokens)
+                ids, trace = await self._await_token(seq, self._deadline_s(len(tokens)),
+                                                     len(tokens) if want == "tokens" else None)
+                self.ledger.confirm()
+                return ids, trace
+            except MeshError as exc:
+                self.ledger.drop_failed(start)
+                if getattr(exc, "code", None) not in FAILOVER_CODES or attempt == MAX_FAILOVERS:
+                    raise
+                await self._failover(exc, in_flight=start + len(tokens))
+        raise AssertionError("unreachable")
+
