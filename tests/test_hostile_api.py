@@ -322,9 +322,9 @@ SERVE_SCRIPT = """
 import asyncio, sys
 sys.path.insert(0, {tests!r})
 from meshkit import mesh, split, tiny_model
-from meshinfer.api import ApiServer
-from meshinfer.generate import load_shard
-from meshinfer.session import MeshClient
+from meshinfer.app.api import ApiServer
+from meshinfer.engine.generate import load_shard
+from meshinfer.client.mesh import MeshClient
 
 async def main():
     path, digest, tok, _ = tiny_model(__import__("pathlib").Path({directory!r}))

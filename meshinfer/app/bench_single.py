@@ -43,7 +43,7 @@ MESH_WORKER = r'''
 import json, resource, sys, time, torch
 spec = json.loads(sys.argv[1])
 torch.set_num_threads(spec["threads"])
-from meshinfer.generate import greedy_generate, load_shard
+from meshinfer.engine.generate import greedy_generate, load_shard
 t0 = time.perf_counter()
 shard = load_shard(spec["model"], dtype=spec["dtype"], cache_dir=spec["cache_dir"])
 load_s = time.perf_counter() - t0

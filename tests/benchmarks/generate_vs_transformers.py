@@ -45,7 +45,7 @@ print(json.dumps({"ttft_ms": ttft * 1e3, "decode_tokens_per_s": (n - 1) / max(to
 
 MESH_SCRIPT = r'''
 import json, resource, sys
-from meshinfer.cli import main
+from meshinfer.app.cli import main
 import io, contextlib
 buf = io.StringIO()
 with contextlib.redirect_stdout(buf):
