@@ -27,7 +27,7 @@ import websockets
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshkit import generate_through, mesh, split, tiny_model
-from meshinfer.peer import node as peer_module
+from meshinfer.peer import limits as peer_module
 from meshinfer.wire import protocol, transport, tensors
 from meshinfer.core.config import LayerRange
 from meshinfer.wire.discovery import (HELLO_LABEL, MAX_TTL_S, NONCE_BYTES, peer_id_of, sign_advert,

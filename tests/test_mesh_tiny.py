@@ -14,7 +14,8 @@ from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import (CacheFull, ContextOverflow, LayerRangeError, NoRoute,
     PositionError)
 from meshinfer.engine.generate import greedy_generate, load_shard
-from meshinfer.peer.node import launch_peer, PeerSettings
+from meshinfer.peer.launch import launch_peer
+from meshinfer.peer.node import PeerSettings
 from meshinfer.client.mesh import MeshClient
 from meshinfer.text.tokenizer import Tokenizer
 from meshinfer.wire.transport import dial

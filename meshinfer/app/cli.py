@@ -281,7 +281,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 async def _join(args) -> int:
     from meshinfer.core.config import LayerRange
-    from meshinfer.peer.node import ClientLimits, PeerSettings, launch_peer
+    from meshinfer.peer.launch import ClientLimits, PeerSettings, launch_peer
 
     from meshinfer.wire.tls import check_listen
 
@@ -349,7 +349,7 @@ async def _auto_layers(args, settings):
     from meshinfer.client.coverage import (WEIGHTS_MEMORY_SHARE, choose_layers, coverage,
         layers_that_fit)
     from meshinfer.engine.executor import parse_device
-    from meshinfer.peer.node import free_memory_bytes
+    from meshinfer.peer.limits import free_memory_bytes
     from meshinfer.client.mesh import MeshClient
     from meshinfer.engine.weights import open_weights
     from meshinfer.engine.weights.identity import weights_hash

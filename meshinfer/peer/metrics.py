@@ -2,8 +2,8 @@
 
 Each :class:`PeerMetrics` owns its own ``CollectorRegistry``, never prometheus_client's global
 one, so many peers can live in one process (tests, ``meshinfer bench``). Counters and the
-histogram are updated by one-line calls from :mod:`meshinfer.peer.node` and :mod:`meshinfer.wire.transport`;
-the KV and conversation gauges are read from the peer when ``/metrics`` is scraped.
+histogram are updated by one-line calls from :mod:`meshinfer.peer.steps` and :mod:`meshinfer.wire.transport`;
+the KV and conversation gauges are read from the peer's :class:`PeerUsage` snapshot when ``/metrics`` is scraped.
 
 The HTTP server is prometheus_client's WSGI server on a daemon thread: scrapes never run on
 the peer's event loop. :meth:`PeerMetrics.close` shuts it down (the peer's ``close`` calls it).
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info
@@ -44,23 +45,39 @@ log = logging.getLogger(__name__)
 STEP_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
+@dataclass(frozen=True)
+class PeerUsage:
+    """What a peer holds now, as plain values (``Peer.usage()``), for the scrape-time gauges.
+
+    Attributes:
+        conversations: conversations open.
+        kv_used_bytes: KV cache and replay-log storage allocated, bytes.
+        kv_free_bytes: KV budget not reserved by open conversations, bytes.
+        kv_budget_bytes: the whole KV budget, bytes.
+    """
+
+    conversations: int
+    kv_used_bytes: int
+    kv_free_bytes: int
+    kv_budget_bytes: int
+
+
 class _PeerCollector:
-    """Gauges read from the peer at scrape time (on the HTTP thread; reads only)."""
+    """Gauges read from the peer at scrape time (on the HTTP thread), through ``Peer.usage()``."""
 
     def __init__(self, peer: "Peer") -> None:
         self.peer = peer
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        peer = self.peer
-        convs = list(peer.convs.values())  # one C-level copy: safe against the loop adding/removing
-        used = sum(c.cache.nbytes + (c.sent.nbytes if c.sent else 0) for c in convs)
+        usage = self.peer.usage()
         yield GaugeMetricFamily("meshinfer_kv_used_bytes", "KV cache and replay-log storage allocated now, bytes",
-                                value=used)
+                                value=usage.kv_used_bytes)
         yield GaugeMetricFamily("meshinfer_kv_free_bytes", "KV budget not reserved by open conversations, bytes",
-                                value=peer.free_kv_tokens * peer.kv_bytes_per_token)
+                                value=usage.kv_free_bytes)
         yield GaugeMetricFamily("meshinfer_kv_budget_bytes", "KV budget of this peer, bytes",
-                                value=peer.kv_budget_bytes)
-        yield GaugeMetricFamily("meshinfer_conversations", "conversations open on this peer", value=len(convs))
+                                value=usage.kv_budget_bytes)
+        yield GaugeMetricFamily("meshinfer_conversations", "conversations open on this peer",
+                                value=usage.conversations)
 
 
 class PeerMetrics:

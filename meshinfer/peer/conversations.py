@@ -1,0 +1,228 @@
+"""The conversations a peer holds: their state (:class:`Conv`), their control frames (open,
+truncate, reroute, probe, close), idle expiry, and the KV budget they reserve.
+
+A conversation reserves its ``max_tokens`` of KV when it opens, against the peer's budget and
+its client host's share of it (:class:`meshinfer.peer.limits.ClientLimits`), and frees them
+when it closes, its client disconnects, or it idles past ``idle_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from meshinfer.core.config import LayerRange
+from meshinfer.core.errors import (CacheFull, ContextOverflow, InvalidInput, LayerRangeError, PeerUnavailable,
+    ProtocolError, RateLimited)
+from meshinfer.core.logs import context
+from meshinfer.engine.kv_cache import HiddenLog, KVCache
+from meshinfer.peer import limits
+from meshinfer.peer.limits import client_host
+from meshinfer.wire import protocol, tensors
+from meshinfer.wire.transport import Link
+
+if TYPE_CHECKING:  # pragma: no cover
+    from meshinfer.peer.node import Peer
+
+#: a child of the node's logger: configuring ``meshinfer.peer.node`` configures all of a peer
+log = logging.getLogger("meshinfer.peer.node.conversations")
+
+
+
+@dataclass
+class Conv:
+    """One conversation on this peer."""
+
+    conv_id: str
+    run: LayerRange
+    owner: Link
+    prev_id: str | None
+    next_id: str | None
+    next_addrs: tuple[str, ...]
+    reserved_tokens: int
+    cache: KVCache
+    sent: HiddenLog | None = None  # hidden states sent to the next hop, for replay
+    received: bytearray = field(default_factory=bytearray)  # digests of received rows, tensors.DIGEST_BYTES each
+    queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(limits.MAX_QUEUED_STEPS))
+    task: asyncio.Task | None = None
+    last_active: float = field(default_factory=time.monotonic)
+    expected_start: int = 0
+    next_relays: tuple[str, ...] | None = None  # the next hop's relays from ``open`` (None: from its advert)
+
+
+class Conversations:
+    """The conversations of ``peer`` and the KV they reserve.
+
+    Attributes:
+        by_id: conversation id -> :class:`Conv` (``Peer.convs``).
+        reserved_tokens: tokens of KV reserved by the open conversations, all together.
+    """
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.by_id: dict[str, Conv] = {}
+        self.reserved_tokens = 0
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token costs across the peer's layers: K and V, plus the float32 hidden
+        state logged for replay when the peer is not the last hop."""
+        shard, cfg = self.peer.shard, self.peer.cfg
+        elem = torch.empty((), dtype=shard.dtype).element_size()
+        kv = 2 * len(shard.range) * cfg.num_key_value_heads * cfg.head_dim * elem
+        return kv + (0 if shard.is_last else 4 * cfg.hidden_size)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens of KV the peer's budget holds in all."""
+        return self.peer.kv_budget_bytes // self.kv_bytes_per_token
+
+    @property
+    def free_kv_tokens(self) -> int:
+        """Tokens of KV not reserved by open conversations."""
+        return max(0, self.capacity_tokens - self.reserved_tokens)
+
+    def usage(self) -> tuple[int, int]:
+        """(open conversations, bytes of KV and replay-log storage they hold now).
+
+        Safe to call from another thread (the metrics server's): it reads one copy of the
+        conversations, taken at once.
+        """
+        convs = list(self.by_id.values())  # one C-level copy: safe against the loop adding/removing
+        return len(convs), sum(c.cache.nbytes + (c.sent.nbytes if c.sent else 0) for c in convs)
+
+    async def expire_idle(self, now: float) -> None:
+        """Free conversations with no step for ``idle_timeout_s`` and nothing queued."""
+        for conv in list(self.by_id.values()):
+            if now - conv.last_active > self.peer.settings.idle_timeout_s and conv.queue.empty():
+                log.info("conversation %s idle for %.0f s; freeing it", conv.conv_id, now - conv.last_active,
+                         extra=context(conv=conv.conv_id, peer=self.peer.peer_id))
+                await self.drop(conv.conv_id)
+
+    # ------------------------------------------------------------------ control frames
+    async def on_open(self, link: Link, f) -> None:
+        """Open a conversation: reserve its ``max_tokens`` of KV and start its step worker."""
+        rid = f.get("id", int, None)
+        conv_id = f.str("conv")
+        if conv_id in self.by_id and self.by_id[conv_id].owner.closed.is_set():
+            await self.drop(conv_id)  # its client's connection (a circuit) is gone; it reopens here
+        if conv_id in self.by_id:
+            raise ProtocolError(f"open: conversation {conv_id[:40]!r} is already open")
+        if self.peer.state != protocol.READY:
+            raise PeerUnavailable(f"peer {self.peer.peer_id[:12]} is {self.peer.state}")
+        run = f.layer_range("layers")
+        if run.start < self.peer.shard.range.start or run.stop > self.peer.shard.range.stop:
+            raise LayerRangeError(f"this peer serves layers {self.peer.shard.range.cli()}, asked for {run.cli()}")
+        tokens = f.int("max_tokens", lo=1, hi=1 << 40)
+        if tokens > self.peer.cfg.max_position_embeddings:
+            raise ContextOverflow(f"conversation asks for {tokens} tokens; the model's context is "
+                                  f"{self.peer.cfg.max_position_embeddings} tokens")
+        if sum(1 for c in self.by_id.values() if c.owner is link) >= limits.MAX_CONVERSATIONS_PER_LINK:
+            raise CacheFull(f"this connection already holds {limits.MAX_CONVERSATIONS_PER_LINK} conversations")
+        host, limit = client_host(link), self.peer.settings.client_limits.conversations
+        if sum(1 for c in self.by_id.values() if client_host(c.owner) == host) >= limit:
+            raise RateLimited(f"client {host} already holds {limit} conversations on this peer")
+        if tokens > self.free_kv_tokens:
+            raise CacheFull(f"conversation needs {tokens} tokens of KV cache; this peer has "
+                            f"{self.free_kv_tokens} free of {self.capacity_tokens}")
+        self.check_host_reservation(host, tokens)
+        prev_id, next_id, next_addrs, next_relays = self.neighbours(f, run)
+        cache = KVCache(run, self.peer.cfg.num_key_value_heads, self.peer.cfg.head_dim, dtype=self.peer.shard.dtype,
+                        device=self.peer.shard.device, max_tokens=tokens)
+        conv = Conv(conv_id=conv_id, run=run, owner=link, prev_id=prev_id, next_id=next_id,
+                    next_addrs=next_addrs, next_relays=next_relays, reserved_tokens=tokens, cache=cache,
+                    sent=HiddenLog(self.peer.cfg.hidden_size, max_tokens=tokens) if next_id else None)
+        self.by_id[conv_id] = conv
+        self.reserved_tokens += tokens
+        conv.task = self.peer._spawn(self.peer.steps.worker(conv), f"conv {conv_id[:12]}")
+        log.info("opened conversation %s: layers %s, %d tokens reserved", conv_id, run.cli(), tokens,
+                 extra=context(conv=conv_id, peer=self.peer.peer_id))
+        await link.send("opened", re=rid, conv=conv_id, free_kv_tokens=self.free_kv_tokens)
+
+    def check_host_reservation(self, host: str, tokens: int) -> None:
+        """Raise :class:`RateLimited` when ``host``'s open conversations plus ``tokens`` would
+        reserve more than ``client_limits.kv_share`` of this peer's KV capacity."""
+        limit = int(self.capacity_tokens * self.peer.settings.client_limits.kv_share)
+        held = sum(c.reserved_tokens for c in self.by_id.values() if client_host(c.owner) == host)
+        if held + tokens > limit:
+            raise RateLimited(f"client {host} holds {held} tokens of KV cache on this peer; {tokens} more would "
+                              f"pass its limit of {limit} ({self.peer.settings.client_limits.kv_share:.0%} of "
+                              f"{self.capacity_tokens})")
+
+    def neighbours(self, f, run: LayerRange) -> tuple[str | None, str | None, tuple[str, ...], tuple[str, ...] | None]:
+        """``prev`` and ``next`` (id, addresses, relays or None) of an open/reroute frame,
+        checked against the hop's position."""
+        nxt = f.get("next", dict, None)
+        nf = protocol.Fields(nxt, f"{f.what}.next") if nxt else None
+        next_id = nf.str("peer_id") if nf else None
+        next_addrs = protocol.check_addrs(nf.str_list("addrs"), f"{f.what}.next") if nf else ()
+        has_relays = nf is not None and nf.get("relays", list, None) is not None
+        next_relays = protocol.check_relays(nf.str_list("relays"), f"{f.what}.next") if has_relays else None
+        if (run.stop < self.peer.cfg.num_hidden_layers) != (next_id is not None):
+            raise ProtocolError(f"{f.what}: 'next' must name the next hop unless this hop runs the last layer")
+        prev_id = f.str("prev", None)
+        if (run.start > 0) != (prev_id is not None):
+            raise ProtocolError(f"{f.what}: 'prev' must name the previous hop unless this hop runs layer 0")
+        return prev_id, next_id, next_addrs, next_relays
+
+    async def on_truncate(self, link: Link, f) -> None:
+        conv = self.by_id.get(f.str("conv"))
+        if conv is None or conv.owner is not link:
+            raise InvalidInput("truncate: no such conversation on this connection")
+        length = f.int("length", lo=0, hi=self.peer.cfg.max_position_embeddings)
+        await conv.queue.join()
+        await self.peer.executor.run(conv.cache.truncate, length)
+        if conv.sent is not None:
+            conv.sent.truncate(length)
+        del conv.received[tensors.DIGEST_BYTES * length:]
+        conv.expected_start = length
+        await link.send("truncated", re=f.get("id", int, None), conv=conv.conv_id, length=length)
+
+    async def on_reroute(self, link: Link, f) -> None:
+        """Failover: the client moved this kept hop's neighbours; its cache stays."""
+        conv = self.by_id.get(f.str("conv"))
+        if conv is None or conv.owner is not link:
+            raise InvalidInput("reroute: no such conversation on this connection")
+        if f.layer_range("layers") != conv.run:
+            raise LayerRangeError(f"reroute: conversation {conv.conv_id} runs layers {conv.run.cli()} here")
+        prev_id, next_id, next_addrs, next_relays = self.neighbours(f, conv.run)
+        conv.prev_id, conv.next_id, conv.next_addrs, conv.next_relays = prev_id, next_id, next_addrs, next_relays
+        log.info("conversation %s rerouted (failover): previous hop %s, next hop %s", conv.conv_id,
+                 (prev_id or "client")[:12], (next_id or "client")[:12],
+                 extra=context(conv=conv.conv_id, peer=self.peer.peer_id))
+        await link.send("rerouted", re=f.get("id", int, None), conv=conv.conv_id)
+
+    async def on_probe(self, link: Link, f) -> None:
+        """How many positions this hop holds for a conversation (failover finds stuck hops)."""
+        conv = self.by_id.get(f.str("conv"))
+        if conv is None or conv.owner is not link:
+            raise InvalidInput("probe: no such conversation on this connection")
+        await link.send("probed", re=f.get("id", int, None), conv=conv.conv_id, length=conv.cache.length,
+                        queued=conv.queue.qsize())
+
+    async def on_close(self, link: Link, f) -> None:
+        conv = self.by_id.get(f.str("conv"))
+        if conv is not None and conv.owner is link:
+            log.info("closed conversation %s at %d tokens", conv.conv_id, conv.cache.length,
+                     extra=context(conv=conv.conv_id, peer=self.peer.peer_id))
+            await self.drop(conv.conv_id)
+
+    async def drop(self, conv_id: str) -> None:
+        conv = self.by_id.pop(conv_id, None)
+        if conv is None:
+            return
+        self.reserved_tokens -= conv.reserved_tokens
+        self.peer.scheduler.forget(conv)
+        if conv.task is not None and conv.task is not asyncio.current_task():
+            conv.task.cancel()
+            await asyncio.gather(conv.task, return_exceptions=True)
+        self.peer.steps.discard_queued(conv)  # steps it will never run no longer count as queued
+        await self.peer.executor.run(conv.cache.free)
+        if conv.sent is not None:
+            conv.sent.free()

@@ -1,0 +1,167 @@
+"""The handshake of a connection, both sides, and what a new connection asks for first.
+
+The dialer sends ``hello`` (its advert and a nonce), checks the ``welcome``'s proofs (its key,
+the TLS certificate it pinned, the mesh key of a private mesh) and answers with ``auth``; the
+accepting side checks that ``auth`` (:meth:`Handshake.on_auth`), and only then counts the
+connection as the proven peer's. See :mod:`meshinfer.wire.discovery` for the proofs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from meshinfer.core.errors import InvalidInput, ProtocolError, RateLimited, Unauthenticated
+from meshinfer.peer import limits
+from meshinfer.peer.limits import Bucket
+from meshinfer.wire import discovery
+from meshinfer.wire.discovery import sign_advert
+from meshinfer.wire.protocol import PeerAdvert
+from meshinfer.wire.transport import Link
+
+if TYPE_CHECKING:  # pragma: no cover
+    from meshinfer.peer.node import Peer
+
+
+class Handshake:
+    """Both sides of ``peer``'s handshake; it keeps no state of its own (a link's ``info`` holds
+    the nonces and the claimed advert between ``hello`` and ``auth``)."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+
+    async def greet(self, link: Link, expect_id: str | None) -> PeerAdvert:
+        """Dialer side: hello, check the welcome's proofs, answer with ``auth``; the remote's advert.
+
+        Raises:
+            Unauthenticated: the remote could not prove its key (or the mesh key), or is not
+                ``expect_id``; or it refused this peer's proofs.
+            ProtocolError, PeerUnavailable: a malformed welcome, a closed or silent connection.
+        """
+        timeout_s, mesh_key = self.peer.settings.request_timeout_s, self.peer.settings.mesh_key
+        hello_nonce = discovery.new_nonce()
+        relayed = link.relay_id is not None
+        _, f = await link.request("hello", timeout_s=timeout_s, role="peer", nonce=hello_nonce,
+                                  advert=self.peer.advert().to_wire(), max_frame_bytes=self.peer.max_frame_bytes)
+        remote, welcome_nonce = discovery.check_welcome(f, hello_nonce, expect_id=expect_id, mesh_key=mesh_key,
+                                                        tls_fingerprint=link.tls_fingerprint, dialed_url=link.name,
+                                                        relayed=relayed)
+        link.info["max_frame_bytes"] = f.int("max_frame_bytes", lo=1024, hi=1 << 40, default=None)
+        if not self.peer.gossip.allowed(remote.peer_id):
+            raise Unauthenticated(discovery.not_allowed(remote.peer_id))
+        auth = {"proof": discovery.prove(self.peer.key, discovery.HELLO_LABEL, welcome_nonce, hello_nonce)}
+        if mesh_key is not None:
+            auth.update(discovery.auth_macs(mesh_key, welcome_nonce, hello_nonce, link.name))
+        await link.request("auth", timeout_s=timeout_s, **auth)
+        return remote
+
+    async def on_hello(self, link: Link, f) -> None:
+        if link.role is not None:
+            raise ProtocolError("hello: this connection already said hello")
+        role = f.str("role")
+        if role not in ("client", "peer"):
+            raise ProtocolError(f"hello: role {role!r} is not client or peer")
+        claimed = PeerAdvert.from_wire(f.get("advert", dict)) if role == "peer" else None
+        hello_nonce = discovery.read_nonce(f, "hello", None if role == "client" else ...) or b""
+        if claimed is not None and not limits.verify_advert(claimed):
+            raise Unauthenticated(f"hello: the advert of peer {claimed.peer_id[:12]} does not verify against "
+                                  f"its public key")
+        if claimed is not None and not self.peer.gossip.allowed(claimed.peer_id):
+            raise Unauthenticated(discovery.not_allowed(claimed.peer_id))
+        welcome_nonce = discovery.new_nonce()
+        link.role = role
+        link.info.update(hello_nonce=hello_nonce, welcome_nonce=welcome_nonce, claimed=claimed,
+                         max_frame_bytes=f.int("max_frame_bytes", lo=1024, hi=1 << 40, default=None))
+        extra = {}
+        if self.peer.settings.mesh_key is not None:
+            extra["mac"] = discovery.mesh_mac(self.peer.settings.mesh_key, discovery.MESH_WELCOME_LABEL, hello_nonce,
+                                              welcome_nonce)
+        await link.send("welcome", re=f.get("id", int, None), advert=self.welcome_advert().to_wire(), nonce=welcome_nonce,
+                        proof=discovery.welcome_proof(self.peer.key, hello_nonce, welcome_nonce,
+                                                      "" if link.relay_id else self.peer.tls_fingerprint),
+                        private=self.peer.settings.mesh_key is not None, max_step_tokens=self.peer.settings.max_step_tokens,
+                        max_frame_bytes=self.peer.max_frame_bytes, **extra)
+
+    async def on_auth(self, link: Link, f) -> None:
+        """Accepting side: check the dialer's proofs; a peer's connection counts as that peer's only now."""
+        if link.info.get("authed"):
+            raise ProtocolError("auth: this connection is already authenticated")
+        hello_nonce, welcome_nonce = link.info["hello_nonce"], link.info["welcome_nonce"]
+        if self.peer.settings.mesh_key is not None:
+            self.check_mesh_proof(link, f, hello_nonce, welcome_nonce)
+        claimed = link.info["claimed"]
+        if claimed is not None:
+            if not discovery.check_proof(claimed.public_key, f.get("proof", bytes), discovery.HELLO_LABEL,
+                                         welcome_nonce, hello_nonce):
+                raise Unauthenticated(f"auth: the proof does not match the key of peer {claimed.peer_id[:12]}")
+            link.remote_id = claimed.peer_id
+            self.peer.gossip.merge([claimed], proven=True)
+            self.peer.links.setdefault(claimed.peer_id, link)
+        link.info["authed"] = True
+        await link.send("authed", re=f.get("id", int, None))
+
+    def check_mesh_proof(self, link: Link, f, hello_nonce: bytes, welcome_nonce: bytes) -> None:
+        """Check the mesh-key proof of an ``auth``, bound to this connection.
+
+        With ``addr``, ``bound_mac`` must cover it and it must be an address of this peer (one
+        it advertises, or the one this connection reached): a member's proof relayed by an
+        outsider names the outsider's address. Without it (a peer older than the bound proof)
+        the plain ``mac`` is accepted only over TLS, whose pinning already keeps relays out.
+
+        Raises:
+            Unauthenticated: a wrong MAC (:data:`PRIVATE_MESH`), a proof made for another address,
+                or an unbound proof over plain ws.
+        """
+        key, addr = self.peer.settings.mesh_key, f.str("addr", None)
+        if addr is None:
+            if not discovery.check_mac(key, f.get("mac", bytes, b""), discovery.MESH_HELLO_LABEL, welcome_nonce,
+                                       hello_nonce):
+                raise Unauthenticated(limits.PRIVATE_MESH)
+            if not self.peer.tls_fingerprint or link.relay_id:
+                raise Unauthenticated("auth: over ws:// a private mesh needs a proof bound to the address dialed "
+                                      "(field 'addr'); update meshinfer, or serve wss://")
+            return
+        if not discovery.check_mac(key, f.get("bound_mac", bytes, b""), discovery.MESH_BOUND_LABEL, welcome_nonce,
+                                   hello_nonce + addr.encode()):
+            raise Unauthenticated(limits.PRIVATE_MESH)
+        if link.relay_id is not None:  # a circuit: the proof must name the relay it came through
+            if addr != f"relay://{link.relay_id}":
+                raise Unauthenticated(f"auth: the mesh-key proof was made for {addr[:100]}, not for a circuit "
+                                      f"through relay {link.relay_id[:12]}")
+            return
+        host, port = link.ws.local_address[:2]
+        scheme = "wss" if self.peer.tls_fingerprint else "ws"
+        here = {discovery.endpoint(a) for a in self.peer.addrs} | {discovery.endpoint(f"{scheme}://{_url_host(host)}:{port}")}
+        if discovery.endpoint(addr) not in here:
+            raise Unauthenticated(f"auth: the mesh-key proof was made for {addr[:100]}, not for this peer "
+                                  f"({', '.join(self.peer.addrs)}): a relay is in between")
+
+    def welcome_advert(self) -> PeerAdvert:
+        """This peer's advert for a ``welcome``. In a private mesh, where nobody has proven the
+        key yet, it shows nothing about other users: no free KV tokens (their reservations) and
+        no RTTs; it is one ``seq`` older than :meth:`advert`, so the full advert replaces it."""
+        if self.peer.settings.mesh_key is None:
+            return self.peer.advert()
+        return sign_advert(replace(self.peer.advert(), free_kv_tokens=0, rtts_ms={}, seq=self.peer._seq - 1), self.peer.key)
+
+    async def on_welcome(self, link: Link, f) -> None:
+        raise ProtocolError("unexpected welcome")
+
+    async def on_authed(self, link: Link, f) -> None:
+        raise ProtocolError("unexpected authed")
+
+    async def on_get_tokenizer(self, link: Link, f) -> None:
+        """The tokenizer bundle, at most :data:`TOKENIZER_BURST` per connection, then one per
+        :data:`TOKENIZER_EVERY_S` seconds (``rate_limited``)."""
+        if self.peer.tokenizer_bundle is None:
+            raise InvalidInput("this peer has no tokenizer")
+        bucket = link.info.setdefault("tokenizers", Bucket(1 / limits.TOKENIZER_EVERY_S, limits.TOKENIZER_BURST))
+        if not bucket.take(1):
+            raise RateLimited(f"get_tokenizer: at most {limits.TOKENIZER_BURST} per connection, then one every "
+                              f"{limits.TOKENIZER_EVERY_S:g} s; keep the bundle you have")
+        await link.send("tokenizer", re=f.get("id", int, None), weights_hash=self.peer.weights_hash,
+                        bundle=self.peer.tokenizer_bundle)
+
+def _url_host(host: str) -> str:
+    """``host`` as it stands in a URL (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host else host

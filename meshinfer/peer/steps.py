@@ -1,0 +1,381 @@
+"""The step data path on a peer: a ``step`` frame is checked and queued in its conversation,
+run by the conversation's worker through the scheduler, and its output forwarded to the next
+hop as hidden states or, on the last hop, sent to the client as the chosen token.
+
+Steps of one conversation run in order (one worker task each); the scheduler batches the
+decode steps of different conversations into one forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from meshinfer.core.errors import (CacheFull, InvalidInput, LyingPeer, MeshError, PositionError, ProtocolError,
+    RateLimited)
+from meshinfer.core.logs import context
+from meshinfer.engine.kv_cache import KVCache
+from meshinfer.engine.sampling import pick_token
+from meshinfer.peer import limits, verify
+from meshinfer.peer.conversations import Conv
+from meshinfer.wire import protocol, tensors
+from meshinfer.wire.transport import Link
+
+if TYPE_CHECKING:  # pragma: no cover
+    from meshinfer.peer.node import Peer
+
+#: a child of the node's logger: configuring ``meshinfer.peer.node`` configures all of a peer
+log = logging.getLogger("meshinfer.peer.node.steps")
+
+
+@dataclass(frozen=True)
+class QueuedStep:
+    """One checked ``step`` frame, waiting in its conversation's queue for the worker.
+
+    Attributes:
+        seq: the step's number, echoed in its replies and errors.
+        start: position of the step's first token.
+        want: what the client asked the last hop for (:data:`meshinfer.wire.protocol.STEP_WANTS`).
+        trace: the hops' timings so far, each a dict (``trace_from_wire``).
+        received_at: ``time.perf_counter()`` when the frame was queued, seconds.
+        replay: the frame was a failover replay (passed on to the next hop as such).
+        x: token ids ``(1, T)`` int64 on the first hop, else hidden states ``(1, T, C)`` float32;
+            None for a resend of positions this hop kept (:attr:`kept_tokens` of them).
+        kept_tokens: positions to resend from this hop's log, when ``x`` is None.
+        sampling: the last hop's sampling settings, or None (greedy).
+        rollback: the step starts below the hop's length (speculative decoding).
+    """
+
+    seq: int
+    start: int
+    want: str
+    trace: list
+    received_at: float
+    replay: bool
+    x: torch.Tensor | None = None
+    kept_tokens: int = 0
+    sampling: Any = None
+    rollback: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of ``x`` this step holds while queued (0 for a resend)."""
+        return 0 if self.x is None else self.x.nbytes
+
+
+class Steps:
+    """The step data path of ``peer``.
+
+    Attributes:
+        queued_bytes: bytes of the steps waiting in all conversations' queues (their ``x``),
+            at most :data:`limits.MAX_QUEUED_BYTES`.
+    """
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.queued_bytes = 0
+
+    async def warmup(self, *, prompt_tokens: int = 16) -> float:
+        """Run one prefill and one decode on dummy input; return decode ms per token.
+
+        A cold GPU compiles kernels on its first request, so peers warm up before announcing.
+        """
+        def work() -> float:
+            cache = KVCache(self.peer.shard.range, self.peer.cfg.num_key_value_heads, self.peer.cfg.head_dim,
+                            dtype=self.peer.shard.dtype, device=self.peer.shard.device, max_tokens=prompt_tokens + 8)
+            if self.peer.shard.is_first:
+                x = torch.zeros(1, prompt_tokens, dtype=torch.int64)
+                step = torch.zeros(1, 1, dtype=torch.int64)
+            else:
+                x = torch.zeros(1, prompt_tokens, self.peer.cfg.hidden_size)
+                step = torch.zeros(1, 1, self.peer.cfg.hidden_size)
+            self.peer.shard(x, 0, cache)
+            times = []
+            for i in range(3):
+                t0 = time.perf_counter()
+                self.peer.shard(step, prompt_tokens + i, cache)
+                times.append(time.perf_counter() - t0)
+            cache.free()
+            return min(times) * 1e3
+
+        t0 = time.perf_counter()
+        self.peer.compute_ms_per_token = await self.peer.executor.run(work)
+        log.info("warm-up done in %.2f s: decode %.1f ms/token for layers %s",
+                 time.perf_counter() - t0, self.peer.compute_ms_per_token, self.peer.shard.range.cli())
+        return self.peer.compute_ms_per_token
+
+    async def on_step(self, link: Link, f) -> None:
+        conv = self.peer.convs.get(f.str("conv"))
+        seq = f.int("seq", lo=0, hi=1 << 62)
+        if conv is None:
+            raise InvalidInput(f"step {seq}: conversation {f.str('conv')[:40]!r} is not open on this peer")
+        allowed = link is conv.owner if conv.run.start == 0 else link.remote_id == conv.prev_id
+        if not allowed:
+            raise ProtocolError(f"step {seq}: this connection may not send steps for conversation {conv.conv_id}")
+        if link is conv.owner and link.role != "client":  # a "peer" driving its own conversation is a client
+            self.peer._charge(link, "step")
+        start = f.int("start", lo=0, hi=self.peer.cfg.max_position_embeddings)
+        x = await self.step_input(link, conv, f, seq)
+        if x is None:
+            return
+        if f.get("replay", bool, False) and start + x.shape[1] <= conv.cache.length <= conv.expected_start:
+            # failover replay of positions this hop kept: pass its logged output on, compute nothing
+            self.enqueue(conv, QueuedStep(seq, start, "none", [], time.perf_counter(), True, kept_tokens=x.shape[1]))
+            if conv.run.start > 0:  # a new previous hop's log must match what it sent now
+                d = tensors.DIGEST_BYTES
+                conv.received[d * start:d * (start + x.shape[1])] = tensors.row_digests(x)
+            return
+        rollback = f.get("rollback", bool, False)
+        self.check_positions(conv, seq, start, x.shape[1], rollback)
+        trace = protocol.trace_from_wire(f.get("trace", list, []), "step")
+        want, sampling = self.step_wants(f, seq, x.shape[1])
+        self.enqueue(conv, QueuedStep(seq, start, want, trace, time.perf_counter(), f.get("replay", bool, False),
+                                      x=x, sampling=sampling, rollback=rollback))
+        conv.expected_start = start + x.shape[1]
+        if conv.run.start > 0:  # what the previous hop sent, for spot-checks of its log
+            del conv.received[tensors.DIGEST_BYTES * start:]
+            conv.received += tensors.row_digests(x)
+
+    async def step_input(self, link: Link, conv: Conv, f, seq: int) -> torch.Tensor | None:
+        """The input of a step: token ids ``(1, T)`` int64 on hop 0, else hidden states ``(1, T, C)``;
+        None when the previous hop's failed :meth:`incoming_hidden` (the client was told).
+
+        Raises:
+            InvalidInput: bad token ids, or a client's hidden states of the wrong shape.
+            ProtocolError: an unreadable tensor from the conversation's client.
+        """
+        if conv.run.start == 0:
+            tokens = f.get("tokens", list)
+            if not 0 < len(tokens) <= self.peer.settings.max_step_tokens or not all(
+                    type(t) is int and 0 <= t < self.peer.cfg.vocab_size for t in tokens):
+                raise InvalidInput(f"step {seq}: tokens must be 1-{self.peer.settings.max_step_tokens} ids in "
+                                   f"[0, {self.peer.cfg.vocab_size})")
+            return torch.tensor([tokens], dtype=torch.int64)  # (1, T)
+        if link is conv.owner:  # no other client to tell: plain validation, errors to the sender
+            x = tensors.tensor_from_wire(f.get("hidden", dict), width=self.peer.cfg.hidden_size,
+                                         max_elements=self.peer.settings.max_step_tokens * self.peer.cfg.hidden_size)
+            if x.dim() != 3 or x.shape[0] != 1:
+                raise InvalidInput(f"step {seq}: hidden states must be (1, T, {self.peer.cfg.hidden_size})")
+            return x
+        return await self.incoming_hidden(conv, f, seq)
+
+    @staticmethod
+    def check_positions(conv: Conv, seq: int, start: int, tokens: int, rollback: bool) -> None:
+        """Check that a step of ``tokens`` positions from ``start`` follows the conversation.
+
+        Raises:
+            PositionError: it does not start where the last step ended (nor rolls back to below
+                it, by fewer than :data:`meshinfer.wire.protocol.MAX_VERIFY_TOKENS`).
+            CacheFull: it would pass the tokens the conversation reserved.
+        """
+        if start != conv.expected_start and not (rollback and start < conv.expected_start):
+            raise PositionError(f"step {seq} starts at position {start}; conversation {conv.conv_id} "
+                                f"expects position {conv.expected_start}")
+        if rollback and conv.expected_start - start >= protocol.MAX_VERIFY_TOKENS:
+            raise PositionError(f"step {seq} rolls back {conv.expected_start - start} positions; a rollback drops "
+                                f"the rejected drafts of one step, fewer than {protocol.MAX_VERIFY_TOKENS}")
+        if start + tokens > conv.reserved_tokens:
+            raise CacheFull(f"step {seq} would grow the conversation to {start + tokens} tokens; "
+                            f"it reserved {conv.reserved_tokens}")
+
+    @staticmethod
+    def step_wants(f, seq: int, tokens: int) -> tuple[str, Any]:
+        """``want`` and ``sampling`` of a step frame of ``tokens`` positions.
+
+        Raises:
+            ProtocolError: an unknown ``want``.
+            InvalidInput: ``want="tokens"`` with too many positions, or with sampling.
+        """
+        want = f.str("want", "none")
+        if want not in protocol.STEP_WANTS:
+            raise ProtocolError(f"step {seq}: want {want[:40]!r} is not one of {', '.join(protocol.STEP_WANTS)}")
+        if want == "tokens" and tokens > protocol.MAX_VERIFY_TOKENS:
+            raise InvalidInput(f"step {seq}: want=tokens allows at most {protocol.MAX_VERIFY_TOKENS} tokens "
+                               f"per step, got {tokens}")
+        sampling = protocol.sampling_from_wire(f.get("sampling", dict, None), f"step {seq}")
+        if want == "tokens" and sampling is not None:
+            raise InvalidInput(f"step {seq}: want=tokens verifies greedy drafts; it cannot carry sampling")
+        return want, sampling
+
+    async def incoming_hidden(self, conv: Conv, f, seq: int) -> torch.Tensor | None:
+        """Hidden states ``(1, T, C)`` float32 of a step from the previous hop, or None when they fail
+        :func:`meshinfer.peer.verify.check_hidden`: then the conversation's client is told, naming the
+        sender as ``suspect``, and the step is dropped."""
+        try:
+            try:
+                x = tensors.tensor_from_wire(f.get("hidden", dict),
+                                              max_elements=self.peer.settings.max_step_tokens * self.peer.cfg.hidden_size)
+            except ProtocolError as exc:
+                raise LyingPeer(f"previous hop {(conv.prev_id or '?')[:12]} sent an unreadable tensor: {exc}",
+                                suspect=conv.prev_id) from exc
+            verify.check_hidden(x, width=self.peer.cfg.hidden_size, sender=conv.prev_id)
+            return x
+        except LyingPeer as exc:
+            log.warning("conversation %s, step %d: %s", conv.conv_id[:12], seq, exc)
+            # the previous hop's read loop must not wait on this client: post, never send
+            conv.owner.post("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc), suspect=exc.suspect)
+            return None
+
+    def enqueue(self, conv: Conv, step: QueuedStep) -> None:
+        """Queue a step for ``conv``'s worker. Its hidden states count against
+        :data:`limits.MAX_QUEUED_BYTES` (all conversations) until the worker takes it.
+
+        Raises:
+            CacheFull: the conversation has :data:`limits.MAX_QUEUED_STEPS` steps queued.
+            RateLimited: the peer holds :data:`limits.MAX_QUEUED_BYTES` of queued hidden states.
+        """
+        size = step.nbytes
+        if size and self.queued_bytes + size > limits.MAX_QUEUED_BYTES:
+            raise RateLimited(f"peer {self.peer.peer_id[:12]} holds {self.queued_bytes} bytes of queued steps; "
+                              f"{size} more would pass {limits.MAX_QUEUED_BYTES}")
+        try:
+            conv.queue.put_nowait(step)
+        except asyncio.QueueFull:
+            raise CacheFull(f"conversation {conv.conv_id} has {limits.MAX_QUEUED_STEPS} steps queued") from None
+        self.queued_bytes += size
+        conv.last_active = time.monotonic()
+
+    def discard_queued(self, conv: Conv) -> None:
+        """Empty the queue of ``conv`` (closing): its steps no longer count as queued."""
+        while not conv.queue.empty():
+            self.queued_bytes -= conv.queue.get_nowait().nbytes
+
+    async def worker(self, conv: Conv) -> None:
+        """Run the queued steps of ``conv`` in order, for as long as it is open; a step's
+        :class:`MeshError` is reported to the conversation's client (``peer._report``)."""
+        while True:
+            step: QueuedStep = await conv.queue.get()
+            self.queued_bytes -= step.nbytes
+            try:
+                if step.x is None:  # a replayed step this hop holds: resend what it sent then
+                    await self.resend(conv, step)
+                else:
+                    await self.run(conv, step)
+            except MeshError as exc:
+                await self.peer._report(conv, step.seq, exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("step %d of conversation %s failed", step.seq, conv.conv_id,
+                              extra=context(conv=conv.conv_id, peer=self.peer.peer_id, seq=step.seq))
+                await self.peer._report(conv, step.seq,
+                                        MeshError(f"internal error on peer {self.peer.peer_id[:12]}: {exc}"))
+            finally:
+                conv.queue.task_done()
+
+    async def resend(self, conv: Conv, step: QueuedStep) -> None:
+        """A failover replay of positions this hop kept: send the next hop what this hop sent then."""
+        if conv.next_id is not None:
+            nxt = await self.peer.conns.link_to(conv.next_id, conv.next_addrs, conv.next_relays)
+            await nxt.send("step", conv=conv.conv_id, seq=step.seq, start=step.start, want=step.want, replay=True,
+                           hidden=tensors.tensor_to_wire(conv.sent.slice(step.start, step.start + step.kept_tokens)),
+                           trace=[])
+
+    async def run(self, conv: Conv, step: QueuedStep) -> None:
+        """Compute ``step`` in the scheduler's next pass that takes it, then forward its hidden
+        states to the next hop or, on the last hop, send the client its token (unless ``want`` is none)."""
+        t0 = time.perf_counter()
+        seq, start, want, sampling = step.seq, step.start, step.want, step.sampling
+        if conv.cache.length > start:  # rejected drafts of the previous step (speculation)
+            await self.peer.executor.run(roll_back_to, conv, start)
+        out = await self.peer.scheduler.submit(conv, step.x, start, want, sampling)
+        self.peer.metrics.step(step.x.shape[1], time.perf_counter() - t0)
+        hop = {"peer": self.peer.peer_id, "compute_ms": round((time.perf_counter() - t0) * 1e3, 3),
+               "queue_ms": round((t0 - step.received_at) * 1e3, 3)}
+        if conv.next_id is None:
+            if want != "none":
+                await conv.owner.send("token", conv=conv.conv_id, seq=seq, trace=step.trace + [hop],
+                                      length=conv.cache.length, **last_hop_reply(out, want))
+        else:
+            nxt = await self.peer.conns.link_to(conv.next_id, conv.next_addrs, conv.next_relays)
+            await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, replay=step.replay,
+                           hidden=tensors.tensor_to_wire(out), trace=step.trace + [hop],
+                           **({"sampling": sampling.to_wire()} if sampling else {}),
+                           **({"rollback": True} if step.rollback else {}))
+
+    @staticmethod
+    def logits_mode(want: str) -> str:
+        """Which logits a step needs from the last layer (``Shard.forward``'s ``logits``):
+        every position for a speculative verification step (``want="tokens"``), else the last."""
+        return "all" if want == "tokens" else "last"
+
+    def finish_step(self, conv: Conv, start: int, tokens: int, want: str, out: torch.Tensor, sampling=None):
+        """On the device thread: what a step yields from its forward output ``out``.
+
+        ``out`` is ``(1, T, C)`` hidden states, or ``(1, 1, V)`` float32 logits on the last hop.
+        Returns the chosen token (last hop: :func:`meshinfer.engine.sampling.pick_token` of the last
+        position's logits, argmax without ``sampling``, else a draw seeded by (seed, position)),
+        or the float32 hidden states to send, logged for replay. Called for a step run alone
+        and for each step of a batched pass alike.
+
+        Raises:
+            InvalidInput: NaN or inf in ``out``; the step's positions are dropped from the cache.
+        """
+        if not bool(torch.isfinite(out).all()):
+            conv.cache.truncate(start)
+            raise InvalidInput(f"layers {conv.run.cli()} produced NaN or inf at positions "
+                               f"{start}..{start + tokens - 1}")
+        if conv.run.stop == self.peer.cfg.num_hidden_layers:
+            if want == "tokens":
+                return out[0].argmax(-1).tolist()  # (T,) ids: speculative verification
+            return [pick_token(out[0, -1], sampling, position=start + tokens)]
+        out = out.float().cpu()  # the wire form (float32), copied off the device on its own thread
+        if conv.sent is not None:
+            conv.sent.append(start, out)
+        return out
+
+    async def report(self, conv: Conv, seq: int, exc: MeshError) -> None:
+        """Tell the client of ``conv`` that step ``seq`` failed with ``exc``; the next step must start at the cache length."""
+        conv.expected_start = conv.cache.length
+        self.peer.metrics.error(exc.code)
+        log.warning("step %d of conversation %s failed: %s: %s", seq, conv.conv_id, exc.code, exc,
+                    extra=context(conv=conv.conv_id, peer=self.peer.peer_id, seq=seq))
+        try:
+            await conv.owner.send("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc))
+        except MeshError:
+            pass
+
+    async def on_error(self, link: Link, f) -> None:
+        """An error from the next hop about a conversation: relay it to the conversation's client.
+
+        Posted, never awaited: this runs in the next hop's read loop, which a client that does
+        not read must not stall (:meth:`meshinfer.wire.transport.Link.post` cuts that client off instead).
+        """
+        conv = self.peer.convs.get(f.str("conv", "") or "")
+        if conv is not None and link.remote_id is not None and link.remote_id == conv.next_id:
+            conv.owner.post("error", conv=conv.conv_id, seq=f.get("seq", int, None),
+                            code=f.str("code", "mesh_error"), message=f.str("message", ""))
+        else:
+            log.debug("error frame from %s: %s", link.name, f.str("message", ""))
+
+
+
+
+def roll_back_to(conv: Conv, start: int) -> None:
+    """Implicit rollback (speculative decoding): forget cached and logged positions ``>= start``.
+
+    ``_on_step`` lets a step start below the hop's length only with ``rollback: true``; every
+    other step starts at the cache length and this does nothing. Runs on the device thread,
+    in step order, so it drops exactly the rejected drafts of the previous step.
+    """
+    if conv.cache.length > start:
+        conv.cache.truncate(start)
+        if conv.sent is not None:
+            conv.sent.truncate(start)
+
+
+def last_hop_reply(ids: list[int], want: str) -> dict:
+    """The fields of the last hop's ``token`` reply for a step computed to argmax ``ids``.
+
+    ``token`` is the last position's choice; with ``want="tokens"`` the reply also carries
+    ``tokens``, the choice at every position of the step (speculative verification).
+    """
+    fields = {"token": ids[-1]}
+    if want == "tokens":
+        fields["tokens"] = ids
+    return fields
