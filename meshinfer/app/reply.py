@@ -15,7 +15,8 @@ from meshinfer.core.errors import NoRoute
 from meshinfer.client.routing import Route
 from meshinfer.core.sampling_params import SamplingParams
 from meshinfer.client.session import ChatResult, Conversation, MeshClient
-from meshinfer.text.tokenizer import StreamDecoder, Tokenizer
+from meshinfer.text.stream import StreamDecoder
+from meshinfer.text.tokenizer import Tokenizer
 
 
 class TextStream:
