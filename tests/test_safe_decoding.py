@@ -52,7 +52,7 @@ def test_chat_templates_render_in_a_sandbox():
     """A GGUF's chat template comes from whoever made the file: it must not reach Python internals."""
     import jinja2.exceptions
 
-    from meshinfer.text.tokenizer import _compile_template
+    from meshinfer.text.template import compile_template as _compile_template
 
     hostile = _compile_template("{{ ''.__class__.__mro__[1].__subclasses__() }}")
     with pytest.raises(jinja2.exceptions.SecurityError):

@@ -28,6 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from importlib import resources
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -40,6 +41,7 @@ from meshinfer.client.routing import Route, complete_routes_summary
 from meshinfer.core.sampling_params import SEED_MODULUS, SamplingParams
 from meshinfer.client.conversation import Conversation
 from meshinfer.client.mesh import MeshClient
+from meshinfer.text.template import CHAT_ROLES, ROLE_ALIASES
 from meshinfer.text.tokenizer import Tokenizer
 from meshinfer.text.toolcalls import ToolCallStream
 
@@ -81,8 +83,9 @@ DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 64
 REFUSED_LINGER_S = 1.0
 #: Most stop sequences per request (OpenAI's limit).
 MAX_STOP_SEQUENCES = 4
-#: Roles a message may have; ``developer`` (OpenAI's newer name for ``system``) is sent as ``system``.
-ROLES = ("system", "user", "assistant", "developer", "tool")
+#: Roles a message may have: the chat roles and their OpenAI aliases (``developer``, OpenAI's newer
+#: name for ``system``, is sent as ``system``).
+ROLES = (*CHAT_ROLES, *ROLE_ALIASES)
 #: Most tool definitions per request (OpenAI's limit).
 MAX_TOOLS = 128
 #: What a function's name may be (OpenAI's rule): letters, digits, ``_`` and ``-``, 1 to 64 of them.
@@ -226,7 +229,7 @@ def _messages(value: Any) -> list[dict]:
             raise ApiError(400, f"messages[{i}].function_call is the deprecated form of tool calls, which "
                                 f"meshinfer does not read; send tool_calls (see docs/api.md)",
                            param=f"messages[{i}].function_call", code="unsupported_parameter")
-        role = "system" if m["role"] == "developer" else m["role"]
+        role = ROLE_ALIASES.get(m["role"], m["role"])
         message = {"role": role, "content": _content(m, i)}
         if m.get("tool_calls"):  # [] is no calls
             if role != "assistant":
@@ -892,20 +895,8 @@ class ApiServer:
                 await (release(*calls.push(piece)) if calls is not None else send(chunk({"content": piece})))
             if calls is not None:
                 await release(*calls.finish())
-            try:
-                result = gen.result()
-            except MeshError as exc:
-                self._failed(conv.route.compat_key[0], exc)
-                await send(mesh_error(exc).body())
-            except Exception:
-                log.exception("completion %s failed", head["id"])
-                await send(ApiError(500, "internal server error (see the server log)", type="server_error").body())
-            else:
-                finish = _finish_with_calls(result.finish_reason) if calls is not None and calls.calls \
-                    else result.finish_reason
-                await send(dict(chunk({}, finish), meshinfer=self.mesh.record_reply(head["model"], result)))
-                if req.include_usage:
-                    await send(dict(head, object="chat.completion.chunk", choices=[], usage=_usage(result)))
+            await self._stream_end(send, chunk, gen, req, head, conv,
+                                   with_calls=calls is not None and bool(calls.calls))
             await send("[DONE]")
             await resp.write_eof()
         except (ConnectionResetError, ConnectionError) as exc:
@@ -915,3 +906,22 @@ class ApiServer:
                 gen.cancel()
             await asyncio.gather(gen, return_exceptions=True)
         return resp
+
+    async def _stream_end(self, send: Callable[[dict], Awaitable[None]], chunk: Callable[..., dict],
+                          gen: asyncio.Future, req: ChatRequest, head: dict, conv: Conversation, *,
+                          with_calls: bool) -> None:
+        """The end of :meth:`_stream` once ``gen`` (the reply) is done: the finish chunk (finish
+        reason ``tool_calls`` when ``with_calls``) and the usage chunk, or the error."""
+        try:
+            result = gen.result()
+        except MeshError as exc:
+            self._failed(conv.route.compat_key[0], exc)
+            await send(mesh_error(exc).body())
+        except Exception:
+            log.exception("completion %s failed", head["id"])
+            await send(ApiError(500, "internal server error (see the server log)", type="server_error").body())
+        else:
+            finish = _finish_with_calls(result.finish_reason) if with_calls else result.finish_reason
+            await send(dict(chunk({}, finish), meshinfer=self.mesh.record_reply(head["model"], result)))
+            if req.include_usage:
+                await send(dict(head, object="chat.completion.chunk", choices=[], usage=_usage(result)))

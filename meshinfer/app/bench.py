@@ -1,7 +1,7 @@
 """``meshinfer bench``: measurements that compare setups side by side, in one run each.
 
 Every suite starts real ``meshinfer join`` processes on loopback (as a user would), waits
-until they are ready and gossiped, and drives them through :class:`~meshinfer.client.session.MeshClient`.
+until they are ready and gossiped, and drives them through :class:`~meshinfer.client.mesh.MeshClient`.
 
 - ``splits`` (:func:`run_bench`): a single peer against 2- and 3-peer splits: median TTFT for a
   ~30-token prompt and median decode tokens/s (plain decoding, so the numbers measure the
@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 BENCH_MESSAGES = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
 
@@ -242,15 +242,30 @@ def run_concurrency_bench(*, model: str, splits: list[int], concurrency: list[in
 
 def concurrency_table(results: list[dict]) -> str:
     """The results of :func:`run_concurrency_bench` as a markdown table, relative to 1 conversation."""
-    lines = ["| peers | conversations | aggregate decode tok/s | vs 1 conversation | end-to-end tok/s | prefill s |",
-             "|---:|---:|---:|---:|---:|---:|"]
     base = {r["peers"]: r["aggregate_tokens_per_s"] for r in results if r["conversations"] == 1}
-    for r in results:
+
+    def row(r: dict) -> str:
         one = base.get(r["peers"]) or 0.0
         rel = f"{r['aggregate_tokens_per_s'] / one:.2f}" if one else "-"
-        lines.append(f"| {r['peers']} | {r['conversations']} | {r['aggregate_tokens_per_s']:.2f} | {rel} | "
-                     f"{r['end_to_end_tokens_per_s']:.2f} | {r['prefill_s']:.1f} |")
-    return "\n".join(lines)
+        return (f"| {r['peers']} | {r['conversations']} | {r['aggregate_tokens_per_s']:.2f} | {rel} | "
+                f"{r['end_to_end_tokens_per_s']:.2f} | {r['prefill_s']:.1f} |")
+
+    return _markdown("| peers | conversations | aggregate decode tok/s | vs 1 conversation | end-to-end tok/s | "
+                     "prefill s |", "|---:|---:|---:|---:|---:|---:|", results, row)
+
+
+def _markdown(head: str, align: str, rows: list[dict], row: Callable[[dict], str]) -> str:
+    """A markdown table: its ``head`` and ``align`` lines, then ``row(r)`` for each of ``rows``."""
+    return "\n".join([head, align, *(row(r) for r in rows)])
+
+
+def markdown_table(results: list[dict]) -> str:
+    """The results of :func:`run_bench` as a markdown table, relative to the first setup."""
+    base = results[0]["decode_tokens_per_s"] or 1.0
+    return _markdown("| peers | route | prompt tokens | first token ms | decode tok/s | vs 1 peer |",
+                     "|---:|---|---:|---:|---:|---:|", results,
+                     lambda r: f"| {r['peers']} | {r['route']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | "
+                               f"{r['decode_tokens_per_s']:.2f} | {r['decode_tokens_per_s'] / base:.2f} |")
 
 
 def run_bench(*, model: str, splits: list[int], max_tokens: int, repeats: int, dtype: str, base_port: int,
@@ -294,17 +309,6 @@ def run_bench(*, model: str, splits: list[int], max_tokens: int, repeats: int, d
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {repeats} runs after a "
               f"warm-up, {max_tokens} new tokens")
     return header, results
-
-
-def markdown_table(results: list[dict]) -> str:
-    """The results of :func:`run_bench` as a markdown table, relative to the first setup."""
-    base = results[0]["decode_tokens_per_s"] or 1.0
-    lines = ["| peers | route | prompt tokens | first token ms | decode tok/s | vs 1 peer |",
-             "|---:|---|---:|---:|---:|---:|"]
-    for r in results:
-        lines.append(f"| {r['peers']} | {r['route']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | "
-                     f"{r['decode_tokens_per_s']:.2f} | {r['decode_tokens_per_s'] / base:.2f} |")
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- speculative
@@ -446,7 +450,7 @@ def run_spec_bench(*, model: str, rtts_ms: list[float], max_tokens: int, repeats
     Each RTT runs a warm-up, then ``repeats`` passes over the general prompts (``prompts``, default
     :data:`GENERAL_PROMPTS`) and over the code edit, each prompt in every mode in turn.
     ``modes``: a subset of :data:`SPEC_MODES` ("plain" is always run: the other rows are ratios
-    to it); ``draft_ahead`` is the "draft" mode's (see :class:`~meshinfer.client.session.Conversation`).
+    to it); ``draft_ahead`` is the "draft" mode's (see :class:`~meshinfer.client.conversation.Conversation`).
 
     Returns:
         ``(header, rows)``: one row per (RTT, prompt set, mode), see :func:`spec_table`.
@@ -510,13 +514,13 @@ def spec_table(rows: list[dict]) -> str:
     """The rows of :func:`run_spec_bench` as a markdown table: decode tokens/s over each prompt
     set, the ratio to plain decoding at the same RTT, draft acceptance, decode steps (verification
     steps in brackets), and whether every prompt's tokens equal plain decoding's."""
-    lines = ["| RTT ms | prompts | mode | tok/s | vs plain | acceptance | steps (verify) | identical |",
-             "|---:|---|---|---:|---:|---:|---:|---|"]
-    for r in rows:
+    def row(r: dict) -> str:
         acc = f"{r['acceptance']:.2f}" if r["proposed"] else "-"
-        lines.append(f"| {r['rtt_ms']:g} | {r['prompts']} | {r['mode']} | {r['tokens_per_s']:.2f} | "
-                     f"{r['vs_plain']:.2f} | {acc} | {r['decode_steps']} ({r['verify_steps']}) | {r['identical']} |")
-    return "\n".join(lines)
+        return (f"| {r['rtt_ms']:g} | {r['prompts']} | {r['mode']} | {r['tokens_per_s']:.2f} | "
+                f"{r['vs_plain']:.2f} | {acc} | {r['decode_steps']} ({r['verify_steps']}) | {r['identical']} |")
+
+    return _markdown("| RTT ms | prompts | mode | tok/s | vs plain | acceptance | steps (verify) | identical |",
+                     "|---:|---|---|---:|---:|---:|---:|---|", rows, row)
 
 
 # --------------------------------------------------------------------------- TTFT
@@ -588,10 +592,8 @@ def run_ttft_bench(*, model: str, splits: list[int], long_tokens: int, repeats: 
 def ttft_table(rows: list[dict]) -> str:
     """The rows of :func:`run_ttft_bench` as a markdown table, long-prompt TTFT relative to the first row."""
     base = rows[0]["long_ttft_ms"] or 1.0
-    lines = ["| peers | join to ready s | cold TTFT ms | steady TTFT ms | long prompt tokens | long TTFT ms | "
-             "vs first |", "|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['peers']} | {r['join_to_ready_s']:.1f} | {r['cold_ttft_ms']:.0f} | "
-                     f"{r['steady_ttft_ms']:.0f} | {r['long_prompt_tokens']} | {r['long_ttft_ms']:.0f} | "
-                     f"{r['long_ttft_ms'] / base:.2f} |")
-    return "\n".join(lines)
+    return _markdown("| peers | join to ready s | cold TTFT ms | steady TTFT ms | long prompt tokens | long TTFT ms | "
+                     "vs first |", "|---:|---:|---:|---:|---:|---:|---:|", rows,
+                     lambda r: f"| {r['peers']} | {r['join_to_ready_s']:.1f} | {r['cold_ttft_ms']:.0f} | "
+                               f"{r['steady_ttft_ms']:.0f} | {r['long_prompt_tokens']} | {r['long_ttft_ms']:.0f} | "
+                               f"{r['long_ttft_ms'] / base:.2f} |")

@@ -21,8 +21,9 @@ from urllib.parse import urlsplit
 from pathlib import Path
 
 from meshinfer.core.config import PRECISION_NAMES
-from meshinfer.core.errors import MeshError
+from meshinfer.core.errors import ContextOverflow, MeshError
 from meshinfer.client.speculative import DEFAULT_DRAFT_TOKENS
+from meshinfer.engine.weights.registry import DEFAULT_MODEL
 
 #: ``--draft-dtype`` default (meshinfer.client.draft.DEFAULT_DRAFT_DTYPE; kept here so --help needs no torch).
 DEFAULT_DRAFT_DTYPE = "q8-bf16"
@@ -216,7 +217,7 @@ def _run(coro):
 
 # --------------------------------------------------------------------------- pull
 def cmd_pull(args) -> int:
-    from meshinfer.engine.weights.registry import DEFAULT_MODEL, pull
+    from meshinfer.engine.weights.registry import pull
 
     path = pull(args.name or DEFAULT_MODEL, progress=not args.quiet)
     print(path)
@@ -229,7 +230,8 @@ def cmd_generate(args) -> int:
 
     from meshinfer.engine.executor import parse_device
     from meshinfer.engine.generate import greedy_generate, load_shard, parse_dtype
-    from meshinfer.text.tokenizer import StreamDecoder, Tokenizer
+    from meshinfer.text.stream import StreamDecoder
+    from meshinfer.text.tokenizer import Tokenizer
     from meshinfer.engine.weights import open_weights
     from meshinfer.engine.weights.registry import resolve_model
 
@@ -450,7 +452,7 @@ def _draft_model(args):
 
 
 def _draft_ahead(args) -> bool | str:
-    """``--draft-ahead`` as :class:`~meshinfer.client.session.MeshClient` takes it: "auto", True or False."""
+    """``--draft-ahead`` as :class:`~meshinfer.client.mesh.MeshClient` takes it: "auto", True or False."""
     value = getattr(args, "draft_ahead", "off")
     if value not in ("auto", "on", "off"):
         raise ValueError(f"--draft-ahead (or $MESHINFER_DRAFT_AHEAD) must be auto, on or off, got {value!r}")
@@ -516,7 +518,8 @@ async def _repl(client, route, tok, args) -> None:
             if line.startswith("//"):
                 line = line[1:]
             messages.append({"role": "user", "content": line})
-            reply = asyncio.ensure_future(_reply(conv, tok, tok.encode_chat(messages), args))
+            prompt_ids = tok.encode_chat(messages)
+            reply = asyncio.ensure_future(_reply(conv, tok, prompt_ids, args))
             loop.add_signal_handler(signal.SIGINT, reply.cancel)
             try:
                 result = await reply
@@ -526,13 +529,20 @@ async def _repl(client, route, tok, args) -> None:
                 messages.pop()
             except MeshError as exc:
                 print(f"error: {exc}", file=sys.stderr)
-                if "reserved context" in str(exc):
+                if _outgrew_context(exc, len(prompt_ids), args):
                     print("(type /reset to start over, or start chat with a larger --context)", file=sys.stderr)
                 messages.pop()
             finally:
                 loop.remove_signal_handler(signal.SIGINT)
     finally:
         await conv.close()
+
+
+def _outgrew_context(exc: MeshError, n_prompt: int, args) -> bool:
+    """Whether ``exc`` says that the REPL's prompt plus ``--max-tokens`` no longer fit the
+    ``--context`` tokens its conversation reserved (the conversation's own check, which
+    /reset or a larger --context cures), rather than the model's context on a hop."""
+    return isinstance(exc, ContextOverflow) and n_prompt + args.max_tokens > args.context
 
 
 def _stdin_lines() -> asyncio.Queue:
@@ -866,31 +876,67 @@ def _add_draft_flags(s: argparse.ArgumentParser) -> None:
                         "on the benchmark machine (docs/benchmarks.md) [$MESHINFER_DRAFT_AHEAD]")
 
 
+def _subcommand(sub, name: str, help_text: str, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES[name],
+                          formatter_class=_Formatter, parents=parents)
+
+
+def _shared_flags() -> dict[str, argparse.ArgumentParser]:
+    """Parent parsers of the flags several subcommands take, by name; their defaults read the
+    environment now. ``log``: every subcommand; ``model``, ``json``: those that load a model or
+    print JSON; ``client``: the mesh clients (chat, serve, status); ``trust``: those and join;
+    ``spot``: the subcommands that generate through the mesh (chat, serve)."""
+    flags = {name: argparse.ArgumentParser(add_help=False)
+             for name in ("log", "model", "json", "client", "trust", "spot")}
+    flags["log"].add_argument("--log-format", choices=["text", "json"], default=_env("MESHINFER_LOG_FORMAT", "text"),
+                              help="log lines on stderr: text, or JSON objects with conv/peer/seq fields "
+                                   "[$MESHINFER_LOG_FORMAT]")
+    flags["model"].add_argument("--model", default=_env("MESHINFER_MODEL", DEFAULT_MODEL),
+                                help="path or known name [$MESHINFER_MODEL]")
+    flags["json"].add_argument("--json", action="store_true", help="print one JSON object")
+    flags["client"].add_argument("--peers", default=_env("MESHINFER_PEERS", DEFAULT_PEERS),
+                                 help="peers to contact [$MESHINFER_PEERS]")
+    flags["client"].add_argument("--insecure", action="store_true",
+                                 help="allow plain ws:// to other machines (unencrypted)")
+    flags["trust"].add_argument("--mesh-key-file", default=_env("MESHINFER_MESH_KEY_FILE"),
+                                help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
+    flags["trust"].add_argument("--tls-ca", default=None,
+                                help="PEM CA certificates that wss:// peers' certificates must chain to "
+                                     "(on top of pinning)")
+    flags["trust"].add_argument("--allow-keys", default=_env("MESHINFER_ALLOW_KEYS"),
+                                help="file of peer ids or public keys allowed in the mesh, one a line "
+                                     "[$MESHINFER_ALLOW_KEYS]")
+    flags["spot"].add_argument("--spot-check-rate", type=float, default=None,
+                               help="share of decode steps re-run on a second peer with the same layers, besides one "
+                                    "check of every hop after each prompt; 0: none (default: 0.05, see "
+                                    "docs/security.md)")
+    return flags
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``meshinfer`` argument parser, one subparser a subcommand; flag defaults read the
+    environment (``MESHINFER_*``) when it is built."""
     p = argparse.ArgumentParser(prog="meshinfer", description="Run one LLM split by layers across a mesh of peers.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging: -v info, -vv debug (join already logs info, so there -v gives debug)")
     sub = p.add_subparsers(dest="command", required=True)
+    flags = _shared_flags()
+    for add in (_add_pull, _add_generate, _add_join, _add_id, _add_chat, _add_serve, _add_status, _add_netsim,
+                _add_bench):
+        add(sub, flags)
+    return p
 
-    def add(name: str, help_text: str) -> argparse.ArgumentParser:
-        s = sub.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES[name],
-                           formatter_class=_Formatter)
-        s.add_argument("--log-format", choices=["text", "json"], default=_env("MESHINFER_LOG_FORMAT", "text"),
-                       help="log lines on stderr: text, or JSON objects with conv/peer/seq fields "
-                            "[$MESHINFER_LOG_FORMAT]")
-        return s
 
-    model_default = _env("MESHINFER_MODEL", "qwen2.5-coder-0.5b-instruct-q4_k_m")
-    peers_default = _env("MESHINFER_PEERS", DEFAULT_PEERS)
-    mesh_key_default = _env("MESHINFER_MESH_KEY_FILE")
-    allow_default = _env("MESHINFER_ALLOW_KEYS")
-
-    s = add("pull", "Download a known model into the cache, verify its sha256, print its path.")
+def _add_pull(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
+    s = _subcommand(sub, "pull", "Download a known model into the cache, verify its sha256, print its path.",
+                    [flags["log"]])
     s.add_argument("name", nargs="?", help="model name (default: the project's default model)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_pull)
 
-    s = add("generate", "Generate greedily with the whole model in this process (the baseline).")
-    s.add_argument("--model", default=model_default, help="path or known name [$MESHINFER_MODEL]")
+
+def _add_generate(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
+    s = _subcommand(sub, "generate", "Generate greedily with the whole model in this process (the baseline).",
+                    [flags["log"], flags["model"], flags["json"]])
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("-p", "--prompt", help="one user message")
     g.add_argument("--messages", help="JSON file with an OpenAI-style list of {role, content}")
@@ -900,11 +946,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     s.add_argument("--no-warmup", action="store_true", help="time the first (cold) pass too")
-    s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_generate)
 
-    s = add("join", "Start a peer serving a layer range of a model.")
-    s.add_argument("--model", default=model_default, help="path or known name [$MESHINFER_MODEL]")
+
+def _add_join(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
+    s = _subcommand(sub, "join", "Start a peer serving a layer range of a model.",
+                    [flags["log"], flags["model"], flags["trust"]])
     s.add_argument("--layers", default=_env("MESHINFER_LAYERS"),
                    help="inclusive range, e.g. 0-11; auto: the range the mesh (--peers) serves least "
                         "(default: auto with --peers, else all) [$MESHINFER_LAYERS]")
@@ -933,9 +980,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="connections one remote IP address may hold open to this peer; more get HTTP 503 at the "
                         "upgrade (raise it for many clients behind one NAT) [$MESHINFER_MAX_CONNECTIONS_PER_HOST]")
     s.add_argument("--key", default=_env("MESHINFER_KEY"), help="Ed25519 key file (created if missing)")
-    s.add_argument("--mesh-key-file", default=mesh_key_default,
-                   help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    _add_join_tls_flags(s)
+    s.set_defaults(func=cmd_join)
+
+
+def _add_join_tls_flags(s: argparse.ArgumentParser) -> None:
+    """join's flags of its TLS certificate, plain websockets and its metrics server."""
     s.add_argument("--tls", choices=["self-signed", "auto"], default=None,
                    help="serve wss:// with a self-signed certificate kept next to --key (auto: the same); "
                         "dialers pin it by peer id")
@@ -943,27 +994,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     s.add_argument("--insecure", action="store_true",
                    help="allow plain ws:// to or from other machines (unencrypted)")
-    s.add_argument("--tls-ca", default=None,
-                   help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
     s.add_argument("--metrics-port", type=int, default=_env("MESHINFER_METRICS_PORT", "0"),
                    help="serve Prometheus metrics at http://LISTEN-HOST:PORT/metrics; 0: off "
                         "[$MESHINFER_METRICS_PORT]")
     s.add_argument("--metrics-host", default=_env("MESHINFER_METRICS_HOST"),
                    help="address the metrics server listens on (default: the --listen host; 127.0.0.1 keeps "
                         "a public peer's metrics private) [$MESHINFER_METRICS_HOST]")
-    s.add_argument("--allow-keys", default=allow_default,
-                   help="file of peer ids or public keys allowed in the mesh, one a line [$MESHINFER_ALLOW_KEYS]")
-    s.set_defaults(func=cmd_join)
 
-    s = add("id", "Print this peer's id and public key (for other peers' --allow-keys files).")
+
+def _add_id(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
+    s = _subcommand(sub, "id", "Print this peer's id and public key (for other peers' --allow-keys files).",
+                    [flags["log"], flags["json"]])
     s.add_argument("--key", default=_env("MESHINFER_KEY"),
                    help="Ed25519 key file (default: the one join uses on port 7700) [$MESHINFER_KEY]")
     s.add_argument("--create", action="store_true", help="create the key file if it does not exist")
-    s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_id)
 
-    s = add("chat", "Chat with the model through the mesh (REPL without -p).")
-    s.add_argument("--peers", default=peers_default, help="peers to contact [$MESHINFER_PEERS]")
+
+def _add_chat(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
+    s = _subcommand(sub, "chat", "Chat with the model through the mesh (REPL without -p).",
+                    [flags["log"], flags["client"], flags["trust"], flags["json"], flags["spot"]])
     g = s.add_mutually_exclusive_group()
     g.add_argument("-p", "--prompt", help="ask one question and exit")
     g.add_argument("--messages", help="JSON file with an OpenAI-style list of {role, content}")
@@ -976,25 +1026,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--draft-tokens", type=int, default=None,
                    help=f"most drafted tokens per decode step, 1-31 (default: {DEFAULT_DRAFT_TOKENS}) "
                         f"[$MESHINFER_DRAFT_TOKENS]")
-    s.add_argument("--mesh-key-file", default=mesh_key_default,
-                   help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
-    s.add_argument("--insecure", action="store_true", help="allow plain ws:// to other machines (unencrypted)")
-    s.add_argument("--tls-ca", default=None,
-                   help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
     s.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample on the last hop")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
     s.add_argument("--seed", type=int, default=None, help="seed of sampling (default: random)")
-    s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.add_argument("--allow-keys", default=allow_default,
-                   help="file of peer ids or public keys allowed in the mesh, one a line [$MESHINFER_ALLOW_KEYS]")
-    s.add_argument("--spot-check-rate", type=float, default=None,
-                   help="share of decode steps re-run on a second peer with the same layers, besides one "
-                        "check of every hop after each prompt; 0: none (default: 0.05, see docs/security.md)")
     _add_draft_flags(s)
     s.set_defaults(func=cmd_chat)
 
-    s = add("serve", "Serve an OpenAI-compatible HTTP API (chat completions, models) over the mesh.")
-    s.add_argument("--peers", default=peers_default, help="peers to contact [$MESHINFER_PEERS]")
+
+def _add_serve(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
+    s = _subcommand(sub, "serve", "Serve an OpenAI-compatible HTTP API (chat completions, models) over the mesh.",
+                    [flags["log"], flags["client"], flags["trust"], flags["spot"]])
     s.add_argument("--host", default=_env("MESHINFER_API_HOST", "127.0.0.1"),
                    help="address to listen on [$MESHINFER_API_HOST]")
     s.add_argument("--port", type=int, default=_env("MESHINFER_API_PORT", "8000"),
@@ -1010,42 +1051,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-connections-per-client", type=int, default=_env("MESHINFER_API_MAX_CONNECTIONS", "64"),
                    help="connections one client address may hold open; more are answered 503 (0: no limit; "
                         "raise it behind a reverse proxy or a shared NAT) [$MESHINFER_API_MAX_CONNECTIONS]")
-    s.add_argument("--mesh-key-file", default=mesh_key_default,
-                   help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
-    s.add_argument("--insecure", action="store_true", help="allow plain ws:// to other machines (unencrypted)")
-    s.add_argument("--tls-ca", default=None,
-                   help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
-    s.add_argument("--allow-keys", default=allow_default,
-                   help="file of peer ids or public keys allowed in the mesh, one a line [$MESHINFER_ALLOW_KEYS]")
-    s.add_argument("--spot-check-rate", type=float, default=None,
-                   help="share of decode steps re-run on a second peer with the same layers, besides one "
-                        "check of every hop after each prompt; 0: none (default: 0.05, see docs/security.md)")
     _add_draft_flags(s)
     s.set_defaults(func=cmd_serve)
 
-    s = add("status", "Show the peer table and which complete routes exist.")
-    s.add_argument("--peers", default=peers_default, help="peers to contact [$MESHINFER_PEERS]")
-    s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.add_argument("--mesh-key-file", default=mesh_key_default,
-                   help="shared key of a private mesh [$MESHINFER_MESH_KEY_FILE]")
-    s.add_argument("--insecure", action="store_true", help="allow plain ws:// to other machines (unencrypted)")
-    s.add_argument("--tls-ca", default=None,
-                   help="PEM CA certificates that wss:// peers' certificates must chain to (on top of pinning)")
-    s.add_argument("--allow-keys", default=allow_default,
-                   help="file of peer ids or public keys allowed in the mesh, one a line [$MESHINFER_ALLOW_KEYS]")
+
+def _add_status(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
+    s = _subcommand(sub, "status", "Show the peer table and which complete routes exist.",
+                    [flags["log"], flags["client"], flags["trust"], flags["json"]])
     s.add_argument("--require-route", action="store_true",
                    help="exit with status 1 when no complete route exists (for scripts and health checks)")
     s.set_defaults(func=cmd_status)
 
-    s = add("netsim", "Proxy TCP with added RTT and a bandwidth cap, to rehearse a WAN route.")
+
+def _add_netsim(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
+    s = _subcommand(sub, "netsim", "Proxy TCP with added RTT and a bandwidth cap, to rehearse a WAN route.",
+                    [flags["log"]])
     s.add_argument("--listen", default="127.0.0.1:7800", help="HOST:PORT to accept on")
     s.add_argument("--target", required=True, help="HOST:PORT to forward to (a peer)")
     s.add_argument("--rtt-ms", type=float, default=100.0, help="round-trip time to add, ms")
     s.add_argument("--bandwidth", help="per-direction cap per connection, bytes/s, e.g. 10MB")
     s.set_defaults(func=cmd_netsim)
 
-    s = add("bench", "Benchmark a single peer against 2- and 3-peer splits on loopback.")
-    s.add_argument("--model", default=model_default, help="path or known name [$MESHINFER_MODEL]")
+
+def _add_bench(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
+    s = _subcommand(sub, "bench", "Benchmark a single peer against 2- and 3-peer splits on loopback.",
+                    [flags["log"], flags["model"]])
     s.add_argument("--splits", default="1,2,3", help="peer counts to measure")
     s.add_argument("--max-tokens", type=int, default=32, help="tokens generated per run")
     s.add_argument("--repeats", type=int, default=3, help="timed runs per setup, after one warm-up")
@@ -1076,7 +1106,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-transformers", action="store_true", help="with --single: skip transformers")
     s.add_argument("--no-join", action="store_true", help="with --single: skip the join-to-ready timings")
     s.set_defaults(func=cmd_bench)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,8 @@ from meshinfer.core.sampling_params import SamplingParams
 from meshinfer.client.conversation import Conversation
 from meshinfer.client.mesh import MeshClient
 from meshinfer.client.results import ChatResult
-from meshinfer.text.tokenizer import StreamDecoder, Tokenizer
+from meshinfer.text.stream import StreamDecoder
+from meshinfer.text.tokenizer import Tokenizer
 
 
 class TextStream:
