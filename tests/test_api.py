@@ -410,7 +410,7 @@ async def raw_stream(server, body) -> list[bytes]:
 
 @pytest.mark.realmodel
 async def test_real_model_two_peers_match_chat_and_stream_whole_utf8_characters(default_model, tmp_path):
-    from meshinfer.text.tokenizer import StreamDecoder
+    from meshinfer.text.stream import StreamDecoder
     from realmodels import DEFAULT, load_cases, shard_of
     from test_mesh_real import chat_json
 

@@ -181,7 +181,7 @@ def test_systemd_unit_execstart_parses_and_restarts_on_failure():
 
 
 def test_peer_env_example_sets_only_variables_the_cli_reads():
-    cli = (ROOT / "meshinfer" / "cli.py").read_text()
+    cli = (ROOT / "meshinfer" / "app" / "cli.py").read_text()
     names = re.findall(r"^#?\s*(MESHINFER_\w+)=", (DEPLOY / "peer.env.example").read_text(), re.M)
     assert len(names) >= 8
     for name in names:

@@ -109,3 +109,19 @@ def test_planner_wire_and_text_load_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+#: Size limits from STYLE.md: a class one can hold in one's head, a function one can read at once.
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60
+
+
+def test_no_class_or_function_is_over_the_size_limits():
+    over = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            limit = (MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
+            if limit and node.end_lineno - node.lineno + 1 > limit:
+                over.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name} "
+                            f"({node.end_lineno - node.lineno + 1} lines, limit {limit})")
+    assert over == []

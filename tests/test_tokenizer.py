@@ -10,7 +10,8 @@ import pytest
 
 from conftest import model_path
 from meshinfer.core.errors import InvalidInput, TemplateError, WeightsError
-from meshinfer.text.tokenizer import StreamDecoder, Tokenizer
+from meshinfer.text.stream import StreamDecoder
+from meshinfer.text.tokenizer import Tokenizer
 from realmodels import CASES as CASES_DIR
 
 pytestmark = pytest.mark.realmodel

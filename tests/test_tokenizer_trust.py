@@ -15,7 +15,8 @@ from meshinfer.core.errors import IncompatiblePeer, TemplateError
 from meshinfer.engine.generate import load_shard
 from meshinfer.client.mesh import MeshClient
 from meshinfer.text.template_sandbox import RENDER_BASE_S, TemplateSandbox
-from meshinfer.text.tokenizer import Tokenizer, bundle_sha256
+from meshinfer.text.bundle import bundle_sha256
+from meshinfer.text.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "user", "content": "say hello"}]
 

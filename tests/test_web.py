@@ -219,8 +219,9 @@ def test_every_page_file_is_package_data_so_a_wheel_ships_it():
 
     root = pathlib.Path(__file__).resolve().parent.parent
     section = (root / "pyproject.toml").read_text().split("[tool.setuptools.package-data]", 1)[1]
-    patterns = json.loads(re.search(r"^meshinfer = (\[.*\])$", section, re.M).group(1))  # no tomllib on 3.10
-    files = sorted(p.relative_to(root / "meshinfer").as_posix() for p in (root / "meshinfer" / "web").iterdir())
+    patterns = json.loads(re.search(r'^"meshinfer.app" = (\[.*\])$', section, re.M).group(1))  # no tomllib on 3.10
+    app = root / "meshinfer" / "app"
+    files = sorted(p.relative_to(app).as_posix() for p in (app / "web").iterdir())
     assert files == ["web/app.js", "web/index.html", "web/style.css"]
     assert all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files)
 

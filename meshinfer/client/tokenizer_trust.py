@@ -8,7 +8,8 @@ import logging
 from typing import Sequence
 
 from meshinfer.core.errors import IncompatiblePeer, MeshError
-from meshinfer.text.tokenizer import Tokenizer, bundle_sha256
+from meshinfer.text.bundle import bundle_sha256
+from meshinfer.text.tokenizer import Tokenizer
 from meshinfer.wire.protocol import PeerAdvert
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ from meshinfer.peer.relay import Relay
 from meshinfer.peer.scheduler import BatchStats, StepScheduler
 from meshinfer.peer.settings import PeerSettings
 from meshinfer.peer.steps import Steps
-from meshinfer.text.tokenizer import bundle_sha256
+from meshinfer.text.bundle import bundle_sha256
 from meshinfer.wire import discovery, protocol, tls
 from meshinfer.wire.discovery import PeerTable, peer_id_of, sign_advert
 from meshinfer.wire.protocol import PeerAdvert
