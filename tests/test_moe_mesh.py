@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshkit import AlwaysDraft, file_hash, generate_through, generate_through_a_middle_crash, mesh, split
+from helpers.meshkit import AlwaysDraft, file_hash, generate_through, generate_through_a_middle_crash, mesh, split
 from meshinfer.wire import protocol, tensors
 from meshinfer.core.config import LayerRange
 from meshinfer.wire.discovery import verify_advert
@@ -17,8 +17,8 @@ from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.client.session import MeshClient
 from meshinfer.text.tokenizer import Tokenizer
 
-import hf_families as hff  # noqa: E402  (needs transformers)
-from test_batching import PROMPTS, UNLIMITED, alone_then_together  # noqa: E402
+from helpers import hf_families as hff  # noqa: E402  (needs transformers)
+from helpers.batching import PROMPTS, UNLIMITED, alone_then_together  # noqa: E402
 
 REPEAT = [{"role": "user", "content": "abc abc abc abc abc abc abc abc"}]
 STORY = [{"role": "user", "content": "tell me a long story about experts and routers"}]

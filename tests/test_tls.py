@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from meshkit import start_peer, tiny_model, wait_for_tables
+from helpers.meshkit import start_peer, wait_for_tables
 from meshinfer.wire import protocol, tls, tensors
 from meshinfer.core.errors import InvalidInput, PeerUnavailable, Unauthenticated
 from meshinfer.engine.generate import greedy_generate, load_shard
@@ -18,11 +18,7 @@ from meshinfer.client.session import MeshClient
 MESSAGES = [{"role": "user", "content": "a secret word"}]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("tls"), seed=5)
-
-
+TINY_MODEL = {"seed": 5}  # the seed of the tiny model's weights
 @pytest.fixture
 def certs(tmp_path):
     """Two self-signed (cert, key) pairs."""

@@ -8,10 +8,10 @@ from pathlib import Path
 import gguf
 import pytest
 
-from conftest import model_path
+from helpers.realmodels import CASES as CASES_DIR
+from helpers.realmodels import model_path
 from meshinfer.core.errors import InvalidInput, TemplateError, WeightsError
 from meshinfer.text.tokenizer import StreamDecoder, Tokenizer
-from realmodels import CASES as CASES_DIR
 
 pytestmark = pytest.mark.realmodel
 
