@@ -1,7 +1,7 @@
 """Hostile HTTP clients against ``meshinfer serve``, and hostile peers against the newer peer
 messages (``error.suspect``, ``verify``, ``sampling``) and the per-client limits.
 
-Tiny random model only (tests/meshkit.py); each test names the attack it pins.
+Tiny random model only (tests/helpers/meshkit.py); each test names the attack it pins.
 """
 
 from __future__ import annotations

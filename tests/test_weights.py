@@ -1,6 +1,6 @@
 """Weights readers, tensor types, shard loading, bad files, model input errors and the KV cache.
 
-Everything runs on tiny random models (``tests/tiny.py``) and hand-built GGUF files. Byte
+Everything runs on tiny random models (``tests/helpers/tiny.py``) and hand-built GGUF files. Byte
 positions for patching corrupt files come from ``gguf.GGUFReader``, an implementation
 independent of ``meshinfer.engine.weights.gguf_file``.
 """
