@@ -15,6 +15,8 @@ from meshinfer.client.session import MeshClient
 
 
 TINY_MODEL = {"context": 4096, "seed": 11}  # tokens of context; the seed of its weights
+
+
 def expected(tiny, ids, n):
     return greedy_generate(tiny[3], ids, max_tokens=n).token_ids
 

@@ -19,6 +19,8 @@ MESSAGES = [{"role": "user", "content": "a secret word"}]
 
 
 TINY_MODEL = {"seed": 5}  # the seed of the tiny model's weights
+
+
 @pytest.fixture
 def certs(tmp_path):
     """Two self-signed (cert, key) pairs."""
