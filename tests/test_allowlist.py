@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from meshkit import generate_through, start_peer, tiny_model, wait_for_tables
+from helpers.meshkit import generate_through, start_peer, wait_for_tables
 from meshinfer.wire import discovery
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import InvalidInput, NoRoute, PeerUnavailable, Unauthenticated
@@ -15,11 +15,6 @@ from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.client.mesh import MeshClient
 
 MESSAGES = [{"role": "user", "content": "who may join?"}]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("allow"))
 
 
 async def three_peers(tiny, *, allow_first: bool):

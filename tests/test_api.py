@@ -13,10 +13,11 @@ import openai
 import pytest
 import torch
 
-from meshkit import crash, mesh, split, start_peer, tiny_model, wait_for_tables
+from helpers.meshkit import crash, mesh, split, start_peer, wait_for_tables
+from helpers.api import STEADY_TTL_S, raw_post, served
 from meshinfer.wire import protocol
 from meshinfer.core.config import LayerRange
-from meshinfer.app.api import ApiServer, model_id, parse_chat_request, ApiError
+from meshinfer.app.api import model_id, parse_chat_request, ApiError
 from meshinfer.core.errors import InvalidInput, ProtocolError
 from meshinfer.engine.generate import load_shard
 from meshinfer.app.reply import TextStream
@@ -25,27 +26,6 @@ from meshinfer.engine.sampling import pick_token
 from meshinfer.client.mesh import MeshClient
 
 MESSAGES = [{"role": "user", "content": "hello there, tiny model"}]
-#: Advert lifetime, seconds: long enough that a loaded test machine never sees a peer expire mid-test.
-STEADY_TTL_S = 30.0
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@contextlib.asynccontextmanager
-async def served(peers, **options):
-    """An API server on 127.0.0.1:0 over ``peers`` and an AsyncOpenAI client for it."""
-    async with MeshClient(list(peers[0].addrs)) as client:
-        server = ApiServer(client, host="127.0.0.1", port=0, **options)
-        await server.start()
-        api = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
-        try:
-            yield server, api
-        finally:
-            await api.close()
-            await server.close()
 
 
 @contextlib.asynccontextmanager
@@ -82,13 +62,6 @@ async def streamed(api, **request):
             text += choice.delta.content or ""
             finish = choice.finish_reason or finish
     return text, finish, usage, chunks
-
-
-async def raw_post(server, body, *, raw: bytes | None = None) -> tuple[int, dict]:
-    async with aiohttp.ClientSession() as http:
-        async with http.post(f"{server.url}/chat/completions", data=raw if raw is not None else json.dumps(body),
-                             headers={"Content-Type": "application/json"}) as r:
-            return r.status, await r.json()
 
 
 async def wait_no_conversations(peers, timeout_s=10.0) -> None:
@@ -391,10 +364,10 @@ EMOJI = [{"role": "user", "content": "Repeat exactly, nothing else: 🦀🪐🧬
 
 @pytest.fixture(scope="module")
 def default_model():
-    from conftest import model_path
-    from meshkit import file_hash
+    from helpers.realmodels import model_path
+    from helpers.meshkit import file_hash
     from meshinfer.text.tokenizer import Tokenizer
-    from realmodels import DEFAULT
+    from helpers.realmodels import DEFAULT
 
     path = model_path(DEFAULT)
     return file_hash(path), Tokenizer.from_gguf(path)
@@ -411,8 +384,8 @@ async def raw_stream(server, body) -> list[bytes]:
 @pytest.mark.realmodel
 async def test_real_model_two_peers_match_chat_and_stream_whole_utf8_characters(default_model, tmp_path):
     from meshinfer.text.stream import StreamDecoder
-    from realmodels import DEFAULT, load_cases, shard_of
-    from test_mesh_real import chat_json
+    from helpers.realmodels import DEFAULT, load_cases, shard_of
+    from helpers.meshkit import chat_json
 
     digest, tok = default_model
     case = next(iter(load_cases(DEFAULT).values()))

@@ -17,75 +17,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from meshkit import file_hash, generate_through, mesh, split, tiny_model
+from helpers.meshkit import file_hash, mesh, split
 from meshinfer.core.config import LayerRange
 from meshinfer.engine.generate import load_shard
-from meshinfer.engine.kv_cache import KVCache
-from meshinfer.peer.node import ClientLimits
 from meshinfer.peer.scheduler import BATCH_STEP_TOKENS, StepScheduler
 from meshinfer.text.tokenizer import Tokenizer
-from realmodels import DEFAULT, first_near_tie, load_cases, shard_of
-from test_hostile import Raw, f32, hidden_after, last_token, rogue_advert
-
-#: Largest relative difference (max |a - b| / max |b|) allowed between batched and single
-#: outputs. Measured on the default model: 5e-7 (the BLAS kernel for N rows rounds
-#: differently from the one for 1 row); 1e-5 leaves room for other CPUs.
-REL_TOL = 1e-5
-#: Client limits high enough that a test's many fast conversations from 127.0.0.1 are not throttled.
-UNLIMITED = ClientLimits(conversations=64, steps_per_s=1e6, bytes_per_s=1e12)
-PROMPTS = ["hi", "what is a mesh?", "add two numbers in python", "x", "tell me about layers and caches",
-           "why", "count to five", "a much longer prompt that makes this conversation's cache longer than the rest",
-           "ok", "name three colours", "sum", "the end of the list of prompts, also quite long"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("batching"), context=256)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
-def new_cache(shard, run: LayerRange) -> KVCache:
-    cfg = shard.cfg
-    return KVCache(run, cfg.num_key_value_heads, cfg.head_dim, dtype=shard.dtype,
-                   max_tokens=cfg.max_position_embeddings)
-
-
-def compare_batched_with_single(shards: list, prompts: list[list[int]], steps: int, *, step_tokens=None) -> int:
-    """Run ``prompts`` through the chain ``shards`` one sequence at a time and batched; assert
-    every hop's output agrees within REL_TOL and every chosen token is the same. Each sequence
-    decodes its own single-path argmax (free-running), ``step_tokens(i, step)`` tokens a step
-    (the chosen token repeated: any ids do for a comparison). Returns tokens compared."""
-    runs = [s.range for s in shards]
-    single = [[new_cache(s, s.range) for s in shards] for _ in prompts]
-    nxt = []
-    for p, cs in zip(prompts, single):
-        x = torch.tensor([p])
-        for shard, c in zip(shards, cs):
-            x = shard(x, 0, c)
-        nxt.append(int(x[0, -1].argmax()))
-    batch = copy.deepcopy(single)  # the same prefilled caches, computed once
-    compared = 0
-    for step in range(steps):
-        widths = [step_tokens(i, step) if step_tokens else 1 for i in range(len(prompts))]
-        xs_single = [torch.tensor([[t] * w]) for t, w in zip(nxt, widths)]
-        xs_batch = list(xs_single)
-        for h, shard in enumerate(shards):
-            starts = [c[h].length for c in single]
-            assert starts == [c[h].length for c in batch]
-            outs1 = [shard(x, s, c[h]) for x, s, c in zip(xs_single, starts, single)]
-            outsb = shard.forward_batch(xs_batch, starts, [c[h] for c in batch], run=runs[h])
-            for o1, ob in zip(outs1, outsb):
-                assert o1.shape == ob.shape
-                assert rel_err(ob, o1) <= REL_TOL, (h, step, rel_err(ob, o1))
-            xs_single, xs_batch = outs1, outsb
-        tokens_single = [int(o[0, -1].argmax()) for o in xs_single]
-        assert [int(o[0, -1].argmax()) for o in xs_batch] == tokens_single, step
-        compared += len(tokens_single)
-        nxt = tokens_single
-    return compared
+from helpers.realmodels import DEFAULT, first_near_tie, load_cases, shard_of
+from helpers.batching import (PROMPTS, REL_TOL, UNLIMITED, alone_then_together, compare_batched_with_single,
+                              new_cache, rel_err)
+from helpers.hostile import Raw, f32, hidden_after, last_token, rogue_advert
 
 
 # --------------------------------------------------------------------------- model level
@@ -345,29 +285,6 @@ def test_scheduler_options_are_checked():
 
 
 # --------------------------------------------------------------------------- mesh level
-#: Step deadline floor of the concurrency tests: many conversations of the real model share two
-#: peers, and on a loaded 2-core machine one step can queue behind tens of seconds of passes; a
-#: missed deadline would fail over (from a peer that is only busy) and test nothing.
-CONCURRENT_DEADLINE_FLOOR_S = 300.0
-
-
-async def alone_then_together(peers, tok, prompts: list[str], *, max_tokens: int, stagger_s: float):
-    """Each prompt through the mesh alone, then all at once (started ``stagger_s`` apart)."""
-    alone = []
-    for p in prompts:
-        _, _, out = await generate_through(peers, tok, [{"role": "user", "content": p}], max_tokens=max_tokens,
-                                         max_tokens_total=200, deadline_floor_s=CONCURRENT_DEADLINE_FLOOR_S)
-        alone.append(out.token_ids)
-    before = [p.batch_stats.batched_passes for p in peers]
-
-    async def later(i, p):
-        await asyncio.sleep(i * stagger_s)
-        _, _, out = await generate_through(peers, tok, [{"role": "user", "content": p}], max_tokens=max_tokens,
-                                         max_tokens_total=200, deadline_floor_s=CONCURRENT_DEADLINE_FLOOR_S)
-        return out.token_ids
-
-    together = await asyncio.gather(*(later(i, p) for i, p in enumerate(prompts)))
-    return alone, list(together), [p.batch_stats.batched_passes - b for p, b in zip(peers, before)]
 
 
 async def test_concurrent_conversations_give_the_tokens_each_gives_alone_tiny(tiny):
@@ -395,7 +312,7 @@ async def test_max_batch_1_runs_every_step_alone(tiny):
 
 @pytest.mark.realmodel
 async def test_concurrent_conversations_give_the_tokens_each_gives_alone_default_model():
-    from conftest import model_path
+    from helpers.realmodels import model_path
 
     path = model_path(DEFAULT)
     bundle = Tokenizer.from_gguf(path).to_bundle()

@@ -12,7 +12,7 @@ import pytest
 from meshinfer.core.config import PRECISION_NAMES
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.text.tokenizer import Tokenizer
-from tiny import random_weights, tiny_config, write_gguf
+from helpers.tiny import random_weights, tiny_config, write_gguf
 
 
 @pytest.fixture(scope="module")

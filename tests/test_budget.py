@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from meshkit import mesh, start_peer, tiny_model, wait_for_tables
+from helpers.meshkit import mesh, start_peer, wait_for_tables
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import CacheFull, ContextOverflow
 from meshinfer.peer.node import ClientLimits
@@ -14,9 +14,7 @@ from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.client.mesh import MeshClient
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("budget"), context=4096, seed=11)
+TINY_MODEL = {"context": 4096, "seed": 11}  # tokens of context; the seed of its weights
 
 
 def expected(tiny, ids, n):

@@ -16,7 +16,7 @@ import pytest
 
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.text.tokenizer import Tokenizer
-from tiny import random_weights, tiny_config, write_gguf
+from helpers.tiny import random_weights, tiny_config, write_gguf
 
 
 @pytest.fixture(scope="module")
@@ -269,9 +269,10 @@ def test_join_with_a_self_signed_certificate_serves_wss(tiny_gguf, tmp_path):
         proc.wait()
 
 
+@pytest.mark.realmodel
 def test_pull_prints_path_last(tmp_path):
     """The smaller real model, already verified in the default cache, is found without downloading."""
-    from conftest import model_path
+    from helpers.realmodels import model_path
 
     cached = model_path("smollm2-135m-instruct-q4_1")
     env = dict(os.environ, MESHINFER_HOME=str(cached.parent.parent))

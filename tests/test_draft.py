@@ -13,22 +13,17 @@ import time
 
 import pytest
 
-from meshkit import AlwaysDraft, crash, mesh, split, start_peer, tiny_model, wait_for_tables
+from helpers.meshkit import AlwaysDraft, crash, mesh, split, start_peer, wait_for_tables
 from meshinfer.core.config import LayerRange
 from meshinfer.client.draft import DraftModel, ModelDrafter, load_draft_model
 from meshinfer.core.errors import IncompatibleDraft, ModelNotFound, WeightsError
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.app.reply import plan_for
 from meshinfer.client.mesh import MeshClient
-from tiny import random_weights, tiny_config, write_gguf
+from helpers.tiny import random_weights, tiny_config, write_gguf
 
 STORY = [{"role": "user", "content": "tell me a long story about meshes and hops"}]
 N_TOKENS = 40
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("draft"))
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +142,7 @@ async def test_a_hop_killed_during_a_draft_verification_step_fails_over_with_ide
 async def test_spot_checks_of_draft_verification_steps_catch_a_lying_hop(tiny, drafts):
     """Every step spot-checked; the liar adds noise from the 3rd generated position on, inside
     the verification steps the draft model makes."""
-    from test_lying import LyingShard, noise
+    from helpers.lying import LyingShard, noise
 
     path, digest, tok, whole = tiny
     ids = tok.encode_chat(STORY)
@@ -390,11 +385,11 @@ async def test_auto_drafts_ahead_only_when_the_round_trip_holds_a_draft_pass(tin
 async def test_draft_model_output_equals_plain_on_the_real_models_over_2_peers(name):
     """Each model drafts for itself at q8-bf16 (no smaller same-vocabulary sibling is here),
     for an f32 mesh of 2 peers: a general chat and an arithmetic one."""
-    from conftest import model_path
-    from meshkit import file_hash
+    from helpers.realmodels import model_path
+    from helpers.meshkit import file_hash
     from meshinfer.app.bench import GENERAL_PROMPTS
     from meshinfer.text.tokenizer import Tokenizer
-    from realmodels import full_tensors, shard_of
+    from helpers.realmodels import full_tensors, shard_of
 
     path = model_path(name)
     tok = Tokenizer.from_gguf(path)

@@ -7,13 +7,13 @@ import threading
 
 import pytest
 
-from meshkit import crash, file_hash, start_peer, wait_for_tables
+from helpers.meshkit import crash, file_hash, start_peer, wait_for_tables
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import NoRoute, PeerUnavailable
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.client.mesh import MeshClient
 from meshinfer.text.tokenizer import Tokenizer
-from tiny import random_weights, tiny_config, write_gguf
+from helpers.tiny import random_weights, tiny_config, write_gguf
 
 N_TOKENS = 50
 #: Per-step deadline floor of these tests, seconds. Far above a step of either model even on one
@@ -36,8 +36,8 @@ def model(request, tmp_path_factory):
         factory = lambda r: load_shard(path, r)  # noqa: E731
         bounds = (0, 1, 3, 4)
     else:
-        from conftest import model_path
-        from realmodels import DEFAULT, load_cases, shard_of
+        from helpers.realmodels import model_path
+        from helpers.realmodels import DEFAULT, load_cases, shard_of
 
         path = model_path(DEFAULT)
         tok = Tokenizer.from_gguf(path)

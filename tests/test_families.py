@@ -17,8 +17,8 @@ from meshinfer.core.config import SUPPORTED_ARCHITECTURES, LayerRange
 from meshinfer.core.errors import WeightsError
 from meshinfer.engine.generate import greedy_generate, load_shard, new_cache
 
-import hf_families as hff  # needs transformers (the test extra)
-from hf_families import rel, run_chain
+from helpers import hf_families as hff  # needs transformers (the test extra)
+from helpers.hf_families import rel, run_chain
 
 PROMPT = [5, 17, 200, 33, 104, 101, 7, 128, 259]  # ends with a special token
 FOLLOW = [44, 99, 3, 250, 101]  # teacher-forced continuation, fed one token per step
@@ -158,7 +158,7 @@ def test_phi3_batched_pass_takes_each_sequences_own_longrope_factors(tmp_path):
 
 async def test_two_peers_split_mid_model_give_the_tokens_of_generate(family):
     """Every family's GGUF in a real 2-peer mesh (the synthetic tokenizer and ChatML template)."""
-    from meshkit import file_hash, generate_through, mesh
+    from helpers.meshkit import file_hash, generate_through, mesh
     from meshinfer.text.tokenizer import Tokenizer
 
     _, paths, _ = family

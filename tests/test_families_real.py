@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import model_path
+from helpers.hf_families import rel, run_chain
+from helpers.realmodels import first_near_tie, load_cases, model_path
 from meshinfer.core.config import LayerRange
 from meshinfer.engine.generate import greedy_generate, load_shard
-from realmodels import first_near_tie, load_cases
-from hf_families import rel, run_chain
 
 pytestmark = pytest.mark.realmodel
 GEMMA3 = "gemma3-270m-q4_k_m"

@@ -21,14 +21,14 @@ import os
 import pytest
 import torch
 
-from meshkit import file_hash, mesh, tiny_model
+from helpers.meshkit import file_hash, mesh
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import DeviceError
 from meshinfer.engine.executor import parse_device
 from meshinfer.engine.generate import load_shard, new_cache
 from meshinfer.client.mesh import MeshClient
-from realmodels import DEFAULT, first_near_tie, load_cases, shard_of
-from test_batching import compare_batched_with_single
+from helpers.realmodels import DEFAULT, first_near_tie, load_cases, shard_of
+from helpers.batching import compare_batched_with_single
 
 DEVICE = os.environ.get("MESHINFER_TEST_DEVICE", "cuda")
 #: Top-1 minus top-2 logit below which a position counts as a near tie: another kernel moves
@@ -46,11 +46,6 @@ def device_present():
         parse_device(DEVICE)
     except DeviceError as exc:
         pytest.fail(f"{exc} (these tests need device {DEVICE!r}; MESHINFER_TEST_DEVICE=cpu runs them on the CPU)")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("gpu"), context=256)
 
 
 @torch.inference_mode()
@@ -131,7 +126,7 @@ def test_reference_cases_on_the_device_default_model():
 
 @pytest.mark.realmodel
 async def test_a_cpu_and_device_route_gives_the_reference_tokens_default_model():
-    from conftest import model_path
+    from helpers.realmodels import model_path
     from meshinfer.text.tokenizer import Tokenizer
 
     path = model_path(DEFAULT)

@@ -26,197 +26,21 @@ import torch
 import websockets
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshkit import generate_through, mesh, split, tiny_model
+from helpers.hostile import (CONTEXT, MAX_STEP, NONCE, ROGUE_KEY, TASK_SLACK, VOCAB, WIDTH, Raw, assert_healthy,
+                             converse, f32, hidden_after, last_token, new_key, pack, plant, raw_conversation,
+                             rogue_advert, serving, settle, shrink_send_buffer, small_socket)
 from meshinfer.peer import limits as peer_module
 from meshinfer.wire import protocol, transport, tensors
 from meshinfer.core.config import LayerRange
-from meshinfer.wire.discovery import (HELLO_LABEL, MAX_TTL_S, NONCE_BYTES, peer_id_of, sign_advert,
+from meshinfer.wire.discovery import (HELLO_LABEL, MAX_TTL_S, NONCE_BYTES, peer_id_of,
     verify_advert)
-from meshinfer.core.errors import LayerRangeError, ProtocolError
-from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.core.errors import ProtocolError
+from meshinfer.engine.generate import load_shard
 from meshinfer.peer.node import ClientLimits
-from meshinfer.wire.protocol import PeerAdvert
-
-MESSAGES = [{"role": "user", "content": "a hostile world"}]
-CONTEXT = 256  # tokens, the tiny model's context
-VOCAB = 260  # 256 bytes + 1 merge + 3 specials
-WIDTH = 32  # hidden size C
-MAX_STEP = 512  # PeerSettings.max_step_tokens default
-TASK_SLACK = 3  # transient tasks (gossip rounds, hello-timer closes) a peer may hold above its baseline
-ROGUE_KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))  # the identity rogue peers use by default
-NONCE = bytes(range(NONCE_BYTES))
 
 
 # --------------------------------------------------------------------------- fixtures and helpers
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("hostile"), context=CONTEXT)
-
-
-@contextlib.asynccontextmanager
-async def serving(tiny, bounds=(0, 4), **settings):
-    """Peers over ``bounds`` with the tokenizer; yields them with their task-count baseline recorded."""
-    path, digest, tok, _ = tiny
-    shards = split(lambda r: load_shard(path, r), list(bounds))
-    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle(), **settings) as peers:
-        await asyncio.sleep(0.05)
-        for p in peers:
-            p.test_task_baseline = len(p._tasks)
-        yield peers
-
-
-def last_token(tiny, ids: list[int]) -> int:
-    """The whole model's greedy next token after ``ids``."""
-    _, _, _, whole = tiny
-    with torch.no_grad():
-        logits = whole(torch.tensor([ids]), 0, None, logits="last")
-    return int(logits[0, -1].argmax())
-
-
-def hidden_after(tiny, ids: list[int], stop: int) -> torch.Tensor:
-    """Hidden states ``(1, T, C)`` after layers ``[0, stop)`` of the model for ``ids``."""
-    path = tiny[0]
-    shard = load_shard(path, LayerRange(0, stop))
-    with torch.no_grad():
-        return shard(torch.tensor([ids]), 0, None)
-
-
-async def settle(peers, timeout_s: float = 5.0) -> None:
-    """Wait until no peer holds a conversation."""
-    async with asyncio.timeout(timeout_s):
-        while any(p.convs for p in peers):
-            await asyncio.sleep(0.02)
-
-
-async def converse(tiny, peers) -> None:
-    """A normal client conversation through ``peers`` matches the whole model."""
-    _, _, tok, whole = tiny
-    _, ids, out = await generate_through(peers, tok, MESSAGES, request_timeout_s=10.0)
-    assert out.token_ids == greedy_generate(whole, ids, max_tokens=8, eos_ids=()).token_ids
-
-
-async def assert_healthy(tiny, peers) -> None:
-    """A normal conversation still matches the whole model, and memory and tasks are at baseline."""
-    await settle(peers)
-    await converse(tiny, peers)
-    await settle(peers)
-    assert [p.kv_bytes_used for p in peers] == [0] * len(peers)
-    assert [p.free_kv_tokens for p in peers] == [p.capacity_tokens for p in peers]
-    await asyncio.sleep(0.05)
-    for p in peers:
-        assert len(p._tasks) <= p.test_task_baseline + TASK_SLACK, sorted(t.get_name() for t in p._tasks)
-
-
-def pack(msg_type: str, **fields) -> bytes:
-    return msgpack.packb({"v": protocol.PROTOCOL_VERSION, "t": msg_type, **fields}, use_bin_type=True)
-
-
-class Raw:
-    """A hand-driven connection: sends any frame, queues every reply, answers pings like a peer."""
-
-    def __init__(self, ws) -> None:
-        self.ws = ws
-        self.inbox: asyncio.Queue = asyncio.Queue()
-        self.ids = itertools.count(1)
-        self.reader = asyncio.get_running_loop().create_task(self._read())
-
-    @classmethod
-    async def connect(cls, peer, *, role: str | None = "client", advert: dict | None = None, key=ROGUE_KEY,
-                      **kw) -> "Raw":
-        """Connect and say hello as ``role``; a peer also proves ``key`` (the key of ``advert``)."""
-        ws = await websockets.connect(peer.addrs[0], max_size=None, compression=None, ping_interval=None, **kw)
-        raw = cls(ws)
-        if role is not None:
-            reply = await raw.request("hello", role=role, nonce=NONCE, **({"advert": advert} if advert else {}))
-            assert reply["t"] == "welcome", reply
-            if role == "peer":
-                reply = await raw.request("auth", proof=key.sign(HELLO_LABEL + reply["nonce"] + NONCE))
-                assert reply["t"] == "authed", reply
-        return raw
-
-    async def _read(self) -> None:
-        with contextlib.suppress(websockets.ConnectionClosed):
-            async for frame in self.ws:
-                msg = msgpack.unpackb(frame)
-                if msg.get("t") == "ping":
-                    await self.ws.send(pack("pong", re=msg.get("id")))
-                elif msg.get("t") != "gossip":
-                    self.inbox.put_nowait(msg)
-
-    async def send(self, msg_type: str, **fields) -> None:
-        await self.ws.send(pack(msg_type, **fields))
-
-    async def recv(self, timeout_s: float = 5.0) -> dict:
-        return await asyncio.wait_for(self.inbox.get(), timeout_s)
-
-    async def request(self, msg_type: str, **fields) -> dict:
-        """Send with a fresh ``id``; the reply whose ``re`` matches (other frames are dropped)."""
-        rid = next(self.ids)
-        await self.send(msg_type, id=rid, **fields)
-        while True:
-            msg = await self.recv()
-            if msg.get("re") == rid:
-                return msg
-
-    async def error(self, msg_type: str, **fields) -> tuple[str, str]:
-        """(code, message) of the error a request is answered with."""
-        reply = await self.request(msg_type, **fields)
-        assert reply["t"] == "error", reply
-        return reply["code"], reply["message"]
-
-    async def frame_error(self, frame) -> tuple[str, str]:
-        """(code, message) of the error a raw frame is answered with."""
-        await self.ws.send(frame)
-        reply = await self.recv()
-        assert reply["t"] == "error", reply
-        return reply["code"], reply["message"]
-
-    async def closed_code(self, timeout_s: float = 5.0) -> int | None:
-        """The close code once the peer has closed the connection."""
-        await asyncio.wait_for(asyncio.shield(self.reader), timeout_s)
-        return self.ws.close_code
-
-    async def close(self) -> None:
-        await self.ws.close()
-        await asyncio.gather(self.reader, return_exceptions=True)
-
-
-def small_socket(port: int) -> socket.socket:
-    """A TCP connection to ``port`` with a 4 KiB receive buffer: a client that stops reading stalls fast."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    return sock
-
-
-def shrink_send_buffer(peer, port: int) -> None:
-    """Give ``peer``'s socket to the client at local ``port`` a 4 KiB send buffer (no autotuning):
-    a few KB left unread fill it, as megabytes would on a long path."""
-    link = next(lk for lk in peer._all_links if lk.ws.remote_address[1] == port)
-    link.ws.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-
-
-def rogue_advert(digest: str, *, key=ROGUE_KEY, **changes) -> dict:
-    """An advert of a peer that does not exist (no address, short TTL) with ``changes``, signed by ``key``.
-
-    The id is ``key``'s unless ``changes`` names another (then the signature is valid but the
-    advert is not). Changes that make it malformed leave it unsigned.
-    """
-    ad = PeerAdvert(peer_id=peer_id_of(key), addrs=(), protocol_version=protocol.PROTOCOL_VERSION,
-                    weights_hash=digest, architecture="qwen2", num_layers=4, layers=LayerRange(0, 2), device="cpu",
-                    precision="f32", ttl_s=1.0).to_wire() | changes
-    try:
-        return sign_advert(PeerAdvert.from_wire(ad), key).to_wire()
-    except (ProtocolError, LayerRangeError):
-        return ad
-
-
-def new_key() -> Ed25519PrivateKey:
-    return Ed25519PrivateKey.generate()
-
-
-def f32(t: torch.Tensor, **changes) -> dict:
-    return tensors.tensor_to_wire(t) | changes
+TINY_MODEL = {"context": CONTEXT}  # the options of conftest's `tiny`; the helpers live in tests/helpers/hostile.py
 
 
 # --------------------------------------------------------------------------- frames and envelopes
@@ -253,48 +77,33 @@ ENVELOPES = [
 
 
 async def test_malformed_envelopes_get_exact_errors_and_keep_the_connection(tiny):
-    async with serving(tiny) as peers:
-        raw = await Raw.connect(peers[0])
-        try:
-            for frame, code, message in ENVELOPES:
-                assert await raw.frame_error(frame) == (code, message), frame
-            assert (await raw.request("ping"))["t"] == "pong"
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+    async with raw_conversation(tiny) as (peers, raw):
+        for frame, code, message in ENVELOPES:
+            assert await raw.frame_error(frame) == (code, message), frame
+        assert (await raw.request("ping"))["t"] == "pong"
 
 
 async def test_messages_before_hello_are_refused(tiny):
-    async with serving(tiny) as peers:
-        raw = await Raw.connect(peers[0], role=None)
-        try:
-            for msg_type in ("ping", "open", "step", "get_peers", "get_tokenizer", "gossip", "close"):
-                assert await raw.error(msg_type, conv="c") == (
-                    "protocol_error", f"the first frame must be hello, got {msg_type}")
-            assert await raw.error("hello", role="admin") == (
-                "protocol_error", "hello: role 'admin' is not client or peer")
-            assert await raw.error("hello", role=1) == ("protocol_error", "hello: field 'role' has type int")
-            assert await raw.error("hello") == ("protocol_error", "hello: field 'role' is missing")
-            assert (await raw.request("hello", role="client"))["t"] == "welcome"
-            assert (await raw.request("ping"))["t"] == "pong"
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+    async with raw_conversation(tiny, role=None) as (peers, raw):
+        for msg_type in ("ping", "open", "step", "get_peers", "get_tokenizer", "gossip", "close"):
+            assert await raw.error(msg_type, conv="c") == (
+                "protocol_error", f"the first frame must be hello, got {msg_type}")
+        assert await raw.error("hello", role="admin") == (
+            "protocol_error", "hello: role 'admin' is not client or peer")
+        assert await raw.error("hello", role=1) == ("protocol_error", "hello: field 'role' has type int")
+        assert await raw.error("hello") == ("protocol_error", "hello: field 'role' is missing")
+        assert (await raw.request("hello", role="client"))["t"] == "welcome"
+        assert (await raw.request("ping"))["t"] == "pong"
 
 
 async def test_second_hello_cannot_change_role_or_identity(tiny):
-    async with serving(tiny) as peers:
+    async with raw_conversation(tiny) as (peers, raw):
         peer = peers[0]
-        raw = await Raw.connect(peer)
-        try:
-            ad = rogue_advert(peer.weights_hash)
-            assert await raw.error("hello", role="peer", advert=ad) == (
-                "protocol_error", "hello: this connection already said hello")
-            assert await raw.error("gossip", adverts=[ad]) == ("protocol_error", "gossip is only accepted from peers")
-            assert peer.table.get(ad["peer_id"]) is None and ad["peer_id"] not in peer.links
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+        ad = rogue_advert(peer.weights_hash)
+        assert await raw.error("hello", role="peer", advert=ad) == (
+            "protocol_error", "hello: this connection already said hello")
+        assert await raw.error("gossip", adverts=[ad]) == ("protocol_error", "gossip is only accepted from peers")
+        assert peer.table.get(ad["peer_id"]) is None and ad["peer_id"] not in peer.links
 
 
 BAD_ADVERTS = [
@@ -329,21 +138,16 @@ BAD_ADVERTS = [
 
 
 async def test_hello_as_peer_with_a_malformed_advert_is_refused(tiny):
-    async with serving(tiny) as peers:
+    async with raw_conversation(tiny, role=None) as (peers, raw):
         peer = peers[0]
-        raw = await Raw.connect(peer, role=None)
-        try:
-            assert await raw.error("hello", role="peer") == ("protocol_error", "hello: field 'advert' is missing")
-            assert await raw.error("hello", role="peer", advert=[1]) == (
-                "protocol_error", "hello: field 'advert' has type list")
-            for changes, message in BAD_ADVERTS:
-                assert await raw.error("hello", role="peer", advert=rogue_advert(peer.weights_hash, **changes)) \
-                    == ("protocol_error", message), changes
-            assert await raw.error("ping") == ("protocol_error", "the first frame must be hello, got ping")
-            assert len(peer.table) == 0 and not peer.links
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+        assert await raw.error("hello", role="peer") == ("protocol_error", "hello: field 'advert' is missing")
+        assert await raw.error("hello", role="peer", advert=[1]) == (
+            "protocol_error", "hello: field 'advert' has type list")
+        for changes, message in BAD_ADVERTS:
+            assert await raw.error("hello", role="peer", advert=rogue_advert(peer.weights_hash, **changes)) \
+                == ("protocol_error", message), changes
+        assert await raw.error("ping") == ("protocol_error", "the first frame must be hello, got ping")
+        assert len(peer.table) == 0 and not peer.links
 
 
 def unbounded_gossip(monkeypatch) -> None:
@@ -430,20 +234,15 @@ async def test_silent_fake_peers_do_not_pile_up_gossip_tasks(tiny):
 
 
 async def test_gossip_from_a_rogue_cannot_break_the_link_between_honest_peers(tiny):
-    async with serving(tiny, (0, 2, 4)) as peers:
+    async with raw_conversation(tiny, (0, 2, 4), role="peer", advert=rogue_advert(tiny[1])) as (peers, raw):
         first, second = peers
         link = first.links[second.peer_id]
-        raw = await Raw.connect(first, role="peer", advert=rogue_advert(first.weights_hash))
-        try:
-            for i in range(3):  # each about 75 KB: one fits a frame, three together do not
-                await raw.send("gossip", adverts=[rogue_advert(first.weights_hash, key=new_key(), ttl_s=60.0,
-                                                               rtts_ms={f"{j:064d}": 1.0 for j in range(1000)})])
-            await raw.request("ping")
-            await asyncio.sleep(0.5)  # 5 gossip rounds
-            assert first.links.get(second.peer_id) is link and not link.closed.is_set()
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+        for i in range(3):  # each about 75 KB: one fits a frame, three together do not
+            await raw.send("gossip", adverts=[rogue_advert(first.weights_hash, key=new_key(), ttl_s=60.0,
+                                                           rtts_ms={f"{j:064d}": 1.0 for j in range(1000)})])
+        await raw.request("ping")
+        await asyncio.sleep(0.5)  # 5 gossip rounds
+        assert first.links.get(second.peer_id) is link and not link.closed.is_set()
 
 
 # --------------------------------------------------------------------------- conversations
@@ -486,30 +285,25 @@ OPEN_CASES = [
 
 
 async def test_open_with_bad_fields_is_refused_and_allocates_nothing(tiny):
-    async with serving(tiny) as peers:
+    async with raw_conversation(tiny) as (peers, raw):
         peer = peers[0]
-        raw = await Raw.connect(peer)
+        for changes, code, message in OPEN_CASES:
+            fields = {"conv": "c", "layers": [0, 4], "max_tokens": 8} | changes
+            fields = {k: v for k, v in fields.items() if v is not None}
+            assert await raw.error("open", **fields) == (code, message), changes
+        assert not peer.convs and peer.free_kv_tokens == peer.capacity_tokens
+        assert await raw.frame_error(pack("open", id="x", conv="c", layers=[0, 4], max_tokens=8)) == (
+            "protocol_error", "open: field 'id' has type str")
+        assert (await raw.request("open", conv="dup", layers=[0, 4], max_tokens=8))["t"] == "opened"
+        assert await raw.error("open", conv="dup", layers=[0, 4], max_tokens=8) == (
+            "protocol_error", "open: conversation 'dup' is already open")
+        other = await Raw.connect(peer)
         try:
-            for changes, code, message in OPEN_CASES:
-                fields = {"conv": "c", "layers": [0, 4], "max_tokens": 8} | changes
-                fields = {k: v for k, v in fields.items() if v is not None}
-                assert await raw.error("open", **fields) == (code, message), changes
-            assert not peer.convs and peer.free_kv_tokens == peer.capacity_tokens
-            assert await raw.frame_error(pack("open", id="x", conv="c", layers=[0, 4], max_tokens=8)) == (
-                "protocol_error", "open: field 'id' has type str")
-            assert (await raw.request("open", conv="dup", layers=[0, 4], max_tokens=8))["t"] == "opened"
-            assert await raw.error("open", conv="dup", layers=[0, 4], max_tokens=8) == (
+            assert await other.error("open", conv="dup", layers=[0, 4], max_tokens=8) == (
                 "protocol_error", "open: conversation 'dup' is already open")
-            other = await Raw.connect(peer)
-            try:
-                assert await other.error("open", conv="dup", layers=[0, 4], max_tokens=8) == (
-                    "protocol_error", "open: conversation 'dup' is already open")
-            finally:
-                await other.close()
-            assert peer.convs["dup"].reserved_tokens == 8 and peer.kv_bytes_used == 0  # nothing allocated yet
         finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+            await other.close()
+        assert peer.convs["dup"].reserved_tokens == 8 and peer.kv_bytes_used == 0  # nothing allocated yet
 
 
 async def test_open_beyond_the_kv_budget_is_refused(tiny):
@@ -576,28 +370,23 @@ def step_cases():
 
 
 async def test_step_with_bad_fields_is_refused_and_the_conversation_continues(tiny):
-    async with serving(tiny) as peers:
+    async with raw_conversation(tiny) as (peers, raw):
         peer = peers[0]
-        raw = await Raw.connect(peer)
-        try:
-            await raw.request("open", conv="s", layers=[0, 4], max_tokens=16)
-            for changes, code, message in step_cases():
-                fields = {"conv": "s", "seq": 1, "start": 0, "tokens": [1, 2, 3], "want": "token"} | changes
-                fields = {k: v for k, v in fields.items() if v is not None}
-                assert await raw.error("step", **fields) == (code, message), changes
-            assert peer.convs["s"].expected_start == 0 and peer.convs["s"].cache.length == 0
-            await raw.send("step", conv="s", seq=2, start=0, tokens=[5, 6, 7])
-            assert await raw.error("step", conv="s", seq=3, start=1, tokens=[8]) == (
-                "bad_positions", "step 3 starts at position 1; conversation s expects position 3")
-            assert await raw.error("step", conv="s", seq=4, start=4, tokens=[8]) == (
-                "bad_positions", "step 4 starts at position 4; conversation s expects position 3")
-            await raw.send("step", conv="s", seq=5, start=3, tokens=[8, 9], want="token")
-            reply = await raw.recv()
-            assert (reply["t"], reply["seq"], reply["token"]) == ("token", 5, last_token(tiny, [5, 6, 7, 8, 9]))
-            assert [h["peer"] for h in reply["trace"]] == [peer.peer_id]
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+        await raw.request("open", conv="s", layers=[0, 4], max_tokens=16)
+        for changes, code, message in step_cases():
+            fields = {"conv": "s", "seq": 1, "start": 0, "tokens": [1, 2, 3], "want": "token"} | changes
+            fields = {k: v for k, v in fields.items() if v is not None}
+            assert await raw.error("step", **fields) == (code, message), changes
+        assert peer.convs["s"].expected_start == 0 and peer.convs["s"].cache.length == 0
+        await raw.send("step", conv="s", seq=2, start=0, tokens=[5, 6, 7])
+        assert await raw.error("step", conv="s", seq=3, start=1, tokens=[8]) == (
+            "bad_positions", "step 3 starts at position 1; conversation s expects position 3")
+        assert await raw.error("step", conv="s", seq=4, start=4, tokens=[8]) == (
+            "bad_positions", "step 4 starts at position 4; conversation s expects position 3")
+        await raw.send("step", conv="s", seq=5, start=3, tokens=[8, 9], want="token")
+        reply = await raw.recv()
+        assert (reply["t"], reply["seq"], reply["token"]) == ("token", 5, last_token(tiny, [5, 6, 7, 8, 9]))
+        assert [h["peer"] for h in reply["trace"]] == [peer.peer_id]
 
 
 async def test_other_connections_cannot_touch_a_conversation(tiny):
@@ -624,27 +413,21 @@ async def test_other_connections_cannot_touch_a_conversation(tiny):
 
 
 async def test_truncate_beyond_the_length_or_negative_is_refused(tiny):
-    async with serving(tiny) as peers:
-        peer = peers[0]
-        raw = await Raw.connect(peer)
-        try:
-            await raw.request("open", conv="t", layers=[0, 4], max_tokens=32)
-            await raw.send("step", conv="t", seq=1, start=0, tokens=[1, 2, 3])
-            assert await raw.error("truncate", conv="t", length=50) == (
-                "bad_positions", "cannot truncate to position 50: the cache holds 3 tokens")
-            assert await raw.error("truncate", conv="t", length=-1) == (
-                "protocol_error", "truncate: field 'length' = -1 is outside [0, 256]")
-            assert await raw.error("truncate", conv="t", length="1") == (
-                "protocol_error", "truncate: field 'length' has type str")
-            assert await raw.error("truncate", conv="gone", length=0) == (
-                "invalid_input", "truncate: no such conversation on this connection")
-            assert (await raw.request("truncate", conv="t", length=1))["t"] == "truncated"
-            await raw.send("step", conv="t", seq=2, start=1, tokens=[7, 8], want="token")
-            reply = await raw.recv()
-            assert (reply["t"], reply["token"]) == ("token", last_token(tiny, [1, 7, 8]))
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+    async with raw_conversation(tiny) as (peers, raw):
+        await raw.request("open", conv="t", layers=[0, 4], max_tokens=32)
+        await raw.send("step", conv="t", seq=1, start=0, tokens=[1, 2, 3])
+        assert await raw.error("truncate", conv="t", length=50) == (
+            "bad_positions", "cannot truncate to position 50: the cache holds 3 tokens")
+        assert await raw.error("truncate", conv="t", length=-1) == (
+            "protocol_error", "truncate: field 'length' = -1 is outside [0, 256]")
+        assert await raw.error("truncate", conv="t", length="1") == (
+            "protocol_error", "truncate: field 'length' has type str")
+        assert await raw.error("truncate", conv="gone", length=0) == (
+            "invalid_input", "truncate: no such conversation on this connection")
+        assert (await raw.request("truncate", conv="t", length=1))["t"] == "truncated"
+        await raw.send("step", conv="t", seq=2, start=1, tokens=[7, 8], want="token")
+        reply = await raw.recv()
+        assert (reply["t"], reply["token"]) == ("token", last_token(tiny, [1, 7, 8]))
 
 
 # --------------------------------------------------------------------------- hidden-state tensors
@@ -681,52 +464,42 @@ def tensor_cases():
 
 
 async def test_malformed_hidden_states_are_refused_before_allocation(tiny):
-    async with serving(tiny) as peers:
+    async with raw_conversation(tiny, role="peer", advert=rogue_advert(tiny[1])) as (peers, raw):
         peer = peers[0]
         ad = rogue_advert(peer.weights_hash)
-        raw = await Raw.connect(peer, role="peer", advert=ad)
-        try:
-            await raw.request("open", conv="h", layers=[2, 4], max_tokens=16, prev=ad["peer_id"])
-            for changes, code, message in tensor_cases():
-                hidden = {k: v for k, v in (f32(torch.zeros(1, 1, WIDTH)) | changes).items() if v is not None}
-                assert await raw.error("step", conv="h", seq=1, start=0, hidden=hidden) == (code, message), changes
-            assert await raw.error("step", conv="h", seq=1, start=0, hidden=[1.0] * WIDTH) == (
-                "protocol_error", "step: field 'hidden' has type list")
-            assert await raw.error("step", conv="h", seq=1, start=0, tokens=[1]) == (
-                "protocol_error", "step: field 'hidden' is missing")
-            assert peer.kv_bytes_used == 0 and peer.convs["h"].expected_start == 0
-            ids = [3, 1, 4, 1, 5]
-            await raw.send("step", conv="h", seq=2, start=0, hidden=f32(hidden_after(tiny, ids, 2)), want="token")
-            reply = await raw.recv()
-            assert (reply["t"], reply["token"]) == ("token", last_token(tiny, ids))
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+        await raw.request("open", conv="h", layers=[2, 4], max_tokens=16, prev=ad["peer_id"])
+        for changes, code, message in tensor_cases():
+            hidden = {k: v for k, v in (f32(torch.zeros(1, 1, WIDTH)) | changes).items() if v is not None}
+            assert await raw.error("step", conv="h", seq=1, start=0, hidden=hidden) == (code, message), changes
+        assert await raw.error("step", conv="h", seq=1, start=0, hidden=[1.0] * WIDTH) == (
+            "protocol_error", "step: field 'hidden' has type list")
+        assert await raw.error("step", conv="h", seq=1, start=0, tokens=[1]) == (
+            "protocol_error", "step: field 'hidden' is missing")
+        assert peer.kv_bytes_used == 0 and peer.convs["h"].expected_start == 0
+        ids = [3, 1, 4, 1, 5]
+        await raw.send("step", conv="h", seq=2, start=0, hidden=f32(hidden_after(tiny, ids, 2)), want="token")
+        reply = await raw.recv()
+        assert (reply["t"], reply["token"]) == ("token", last_token(tiny, ids))
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
 async def test_non_finite_hidden_states_are_an_error_never_a_token(tiny, dtype, bad):
-    async with serving(tiny) as peers:
+    async with raw_conversation(tiny, role="peer", advert=rogue_advert(tiny[1])) as (peers, raw):
         peer = peers[0]
         ad = rogue_advert(peer.weights_hash)
-        raw = await Raw.connect(peer, role="peer", advert=ad)
-        try:
-            await raw.request("open", conv="n", layers=[2, 4], max_tokens=16, prev=ad["peer_id"])
-            h = hidden_after(tiny, [7, 8, 9], 2).clone()
-            h[0, 1, 5] = bad
-            await raw.send("step", conv="n", seq=1, start=0, hidden=tensors.tensor_to_wire(h, dtype), want="token")
-            reply = await raw.recv()
-            assert (reply["t"], reply["code"], reply["seq"]) == ("error", "invalid_input", 1)
-            assert reply["message"] == "layers 2-3 produced NaN or inf at positions 0..2"
-            assert peer.convs["n"].cache.length == 0 and peer.convs["n"].expected_start == 0
-            await raw.send("step", conv="n", seq=2, start=0, hidden=f32(hidden_after(tiny, [7, 8, 9], 2)),
-                           want="token")
-            reply = await raw.recv()
-            assert (reply["t"], reply["seq"], reply["token"]) == ("token", 2, last_token(tiny, [7, 8, 9]))
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+        await raw.request("open", conv="n", layers=[2, 4], max_tokens=16, prev=ad["peer_id"])
+        h = hidden_after(tiny, [7, 8, 9], 2).clone()
+        h[0, 1, 5] = bad
+        await raw.send("step", conv="n", seq=1, start=0, hidden=tensors.tensor_to_wire(h, dtype), want="token")
+        reply = await raw.recv()
+        assert (reply["t"], reply["code"], reply["seq"]) == ("error", "invalid_input", 1)
+        assert reply["message"] == "layers 2-3 produced NaN or inf at positions 0..2"
+        assert peer.convs["n"].cache.length == 0 and peer.convs["n"].expected_start == 0
+        await raw.send("step", conv="n", seq=2, start=0, hidden=f32(hidden_after(tiny, [7, 8, 9], 2)),
+                       want="token")
+        reply = await raw.recv()
+        assert (reply["t"], reply["seq"], reply["token"]) == ("token", 2, last_token(tiny, [7, 8, 9]))
 
 
 # --------------------------------------------------------------------------- frame size and msgpack bombs
@@ -756,17 +529,12 @@ def test_decoding_a_msgpack_bomb_allocates_nothing_sized_by_its_headers(frame):
 
 
 async def test_msgpack_bombs_do_not_stall_the_peer(tiny):
-    async with serving(tiny) as peers:
-        raw = await Raw.connect(peers[0])
-        try:
-            t0 = time.perf_counter()
-            for _ in range(30):  # under the 64 malformed frames that close a connection
-                assert await raw.frame_error(b"\xdc\xff\xff" * 1024) == (
-                    "protocol_error", "frame is not valid msgpack: it ends inside an object")
-            assert time.perf_counter() - t0 < 1.5  # unfixed: about 0.1 s of decoder time each
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+    async with raw_conversation(tiny) as (peers, raw):
+        t0 = time.perf_counter()
+        for _ in range(30):  # under the 64 malformed frames that close a connection
+            assert await raw.frame_error(b"\xdc\xff\xff" * 1024) == (
+                "protocol_error", "frame is not valid msgpack: it ends inside an object")
+        assert time.perf_counter() - t0 < 1.5  # unfixed: about 0.1 s of decoder time each
 
 
 async def test_64_malformed_frames_close_the_connection_with_1008(tiny):
@@ -795,20 +563,15 @@ async def test_connection_without_hello_is_closed_after_the_timeout(tiny, monkey
 
 
 async def test_open_flood_on_one_connection_is_capped(tiny):
-    async with serving(tiny) as peers:
+    async with raw_conversation(tiny) as (peers, raw):
         peer = peers[0]
-        raw = await Raw.connect(peer)
-        try:
-            for i in range(200):
-                await raw.send("open", id=i + 1000, conv=f"o{i}", layers=[0, 4], max_tokens=4)
-            replies = [await raw.recv() for _ in range(200)]
-            assert sum(r["t"] == "opened" for r in replies) == peer_module.MAX_CONVERSATIONS_PER_LINK
-            refused = {(r["code"], r["message"]) for r in replies if r["t"] == "error"}
-            assert refused == {("cache_full", "this connection already holds 64 conversations")}
-            assert len(peer.convs) == 64
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+        for i in range(200):
+            await raw.send("open", id=i + 1000, conv=f"o{i}", layers=[0, 4], max_tokens=4)
+        replies = [await raw.recv() for _ in range(200)]
+        assert sum(r["t"] == "opened" for r in replies) == peer_module.MAX_CONVERSATIONS_PER_LINK
+        refused = {(r["code"], r["message"]) for r in replies if r["t"] == "error"}
+        assert refused == {("cache_full", "this connection already holds 64 conversations")}
+        assert len(peer.convs) == 64
 
 
 async def test_two_hundred_connections_each_with_a_conversation(tiny):
@@ -851,29 +614,24 @@ async def test_abrupt_disconnect_mid_step_frees_the_cache(tiny):
 async def test_conversations_closed_while_batched_or_awaited_leave_nothing_behind(tiny):
     """Open, step, close: conversations closed while their step is pending or while a pass waits
     for them (the scheduler holds the coming ones) leave no cache, no scheduler entry, no task."""
-    async with serving(tiny, client_limits=ClientLimits(steps_per_s=1e6, bytes_per_s=1e12)) as peers:
+    async with raw_conversation(tiny, client_limits=ClientLimits(steps_per_s=1e6, bytes_per_s=1e12)) as (peers, raw):
         peer = peers[0]
-        raw = await Raw.connect(peer)
-        try:
-            for cycle in range(10):
-                convs = [f"k{cycle}-{i}" for i in range(6)]
-                for c in convs:
-                    assert (await raw.request("open", conv=c, layers=[0, 4], max_tokens=16))["t"] == "opened"
-                for c in convs:
-                    await raw.send("step", conv=c, seq=0, start=0, tokens=[1, 2, 3], want="token")
-                assert [(await raw.recv())["t"] for _ in convs] == ["token"] * len(convs)
-                for i, c in enumerate(convs):  # half send one more step and close at once, half stop
-                    if i % 2:
-                        await raw.send("step", conv=c, seq=1, start=3, tokens=[4], want="token")
-                        await raw.send("close", conv=c)
-                for c in convs[::2]:
+        for cycle in range(10):
+            convs = [f"k{cycle}-{i}" for i in range(6)]
+            for c in convs:
+                assert (await raw.request("open", conv=c, layers=[0, 4], max_tokens=16))["t"] == "opened"
+            for c in convs:
+                await raw.send("step", conv=c, seq=0, start=0, tokens=[1, 2, 3], want="token")
+            assert [(await raw.recv())["t"] for _ in convs] == ["token"] * len(convs)
+            for i, c in enumerate(convs):  # half send one more step and close at once, half stop
+                if i % 2:
+                    await raw.send("step", conv=c, seq=1, start=3, tokens=[4], want="token")
                     await raw.send("close", conv=c)
-            await settle(peers)
-            assert not peer.scheduler._coming and not peer.scheduler._pending
-            assert peer.batch_stats.batched_passes > 0
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+            for c in convs[::2]:
+                await raw.send("close", conv=c)
+        await settle(peers)
+        assert not peer.scheduler._coming and not peer.scheduler._pending
+        assert peer.batch_stats.batched_passes > 0
 
 
 async def test_client_that_never_reads_replies_does_not_stall_others(tiny):
@@ -1019,28 +777,23 @@ async def test_a_relay_cannot_keep_a_record_alive_beyond_the_ttl_cap(tiny):
 
 
 async def test_a_dialer_that_cannot_prove_its_key_is_refused(tiny):
-    async with serving(tiny) as peers:
+    async with raw_conversation(tiny, role=None) as (peers, raw):
         peer = peers[0]
         ad = rogue_advert(peer.weights_hash)
-        raw = await Raw.connect(peer, role=None)
-        try:
-            welcome = await raw.request("hello", role="peer", nonce=NONCE, advert=ad)
-            assert welcome["t"] == "welcome"
-            wrong = new_key().sign(HELLO_LABEL + welcome["nonce"] + NONCE)
-            assert await raw.error("auth", proof=wrong) == (
-                "unauthenticated", f"auth: the proof does not match the key of peer {ad['peer_id'][:12]}")
-            stale = ROGUE_KEY.sign(HELLO_LABEL + bytes(NONCE_BYTES) + NONCE)  # a proof for another welcome
-            assert await raw.error("auth", proof=stale) == (
-                "unauthenticated", f"auth: the proof does not match the key of peer {ad['peer_id'][:12]}")
-            assert await raw.error("gossip", adverts=[ad]) == (
-                "unauthenticated", "gossip: this peer has not proven its key; send auth after welcome")
-            await raw.request("open", conv="u", layers=[2, 4], max_tokens=8, prev=ad["peer_id"])
-            assert await raw.error("step", conv="u", seq=1, start=0, hidden=f32(torch.zeros(1, 1, WIDTH))) == (
-                "protocol_error", "step 1: this connection may not send steps for conversation u")
-            assert ad["peer_id"] not in peer.links and peer.table.get(ad["peer_id"]) is None
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+        welcome = await raw.request("hello", role="peer", nonce=NONCE, advert=ad)
+        assert welcome["t"] == "welcome"
+        wrong = new_key().sign(HELLO_LABEL + welcome["nonce"] + NONCE)
+        assert await raw.error("auth", proof=wrong) == (
+            "unauthenticated", f"auth: the proof does not match the key of peer {ad['peer_id'][:12]}")
+        stale = ROGUE_KEY.sign(HELLO_LABEL + bytes(NONCE_BYTES) + NONCE)  # a proof for another welcome
+        assert await raw.error("auth", proof=stale) == (
+            "unauthenticated", f"auth: the proof does not match the key of peer {ad['peer_id'][:12]}")
+        assert await raw.error("gossip", adverts=[ad]) == (
+            "unauthenticated", "gossip: this peer has not proven its key; send auth after welcome")
+        await raw.request("open", conv="u", layers=[2, 4], max_tokens=8, prev=ad["peer_id"])
+        assert await raw.error("step", conv="u", seq=1, start=0, hidden=f32(torch.zeros(1, 1, WIDTH))) == (
+            "protocol_error", "step 1: this connection may not send steps for conversation u")
+        assert ad["peer_id"] not in peer.links and peer.table.get(ad["peer_id"]) is None
 
 
 async def test_unread_client_does_not_block_the_link_between_hops(tiny):
@@ -1233,41 +986,31 @@ async def test_per_client_limits_refuse_clearly_and_others_go_on(tiny):
 async def test_one_host_cannot_reserve_more_than_its_share_of_the_kv_cache(tiny):
     """54 conversations of the whole context, no steps: the host gets half the capacity, and
     another host still opens conversations."""
-    async with serving(tiny, kv_budget_bytes=1000 * 512) as peers:  # 1,000 tokens; 500 for one host
+    async with raw_conversation(tiny, kv_budget_bytes=1000 * 512) as (peers, raw):  # 1,000 tokens; 500 for one host
         peer = peers[0]
-        raw = await Raw.connect(peer)
-        try:
-            replies = [await raw.request("open", conv=f"c{i}", layers=[0, 4], max_tokens=200) for i in range(3)]
-            assert [r["t"] for r in replies] == ["opened", "opened", "error"]
-            assert (replies[2]["code"], replies[2]["message"]) == (
-                "rate_limited", "client 127.0.0.1 holds 400 tokens of KV cache on this peer; 200 more would pass "
-                                "its limit of 500 (50% of 1000)")
-            other = await Raw.connect(peer, local_addr=("127.0.0.2", 0))
-            assert (await other.request("open", conv="o", layers=[0, 4], max_tokens=200))["t"] == "opened"
-            await other.close()
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+        replies = [await raw.request("open", conv=f"c{i}", layers=[0, 4], max_tokens=200) for i in range(3)]
+        assert [r["t"] for r in replies] == ["opened", "opened", "error"]
+        assert (replies[2]["code"], replies[2]["message"]) == (
+            "rate_limited", "client 127.0.0.1 holds 400 tokens of KV cache on this peer; 200 more would pass "
+                            "its limit of 500 (50% of 1000)")
+        other = await Raw.connect(peer, local_addr=("127.0.0.2", 0))
+        assert (await other.request("open", conv="o", layers=[0, 4], max_tokens=200))["t"] == "opened"
+        await other.close()
 
 
 async def test_a_rollback_deeper_than_one_steps_drafts_is_refused(tiny):
     """Replaying a 64-token chunk with rollback: true made every victim wait; a rollback may
     only drop the rejected drafts of one step."""
-    async with serving(tiny) as peers:
-        raw = await Raw.connect(peers[0])
-        try:
-            await raw.request("open", conv="r", layers=[0, 4], max_tokens=200)
-            await raw.send("step", conv="r", seq=1, start=0, tokens=list(range(1, 65)), want="none")
-            assert await raw.error("step", conv="r", seq=2, start=0, tokens=list(range(1, 65)), want="token",
-                                   rollback=True) == (
-                "bad_positions", "step 2 rolls back 64 positions; a rollback drops the rejected drafts of one step, "
-                                 "fewer than 32")
-            await raw.send("step", conv="r", seq=3, start=40, tokens=[1], want="token", rollback=True)
-            reply = await raw.recv(timeout_s=10)
-            assert reply["t"] == "token" and reply["length"] == 41  # 24 positions back: drafts, allowed
-        finally:
-            await raw.close()
-        await assert_healthy(tiny, peers)
+    async with raw_conversation(tiny) as (peers, raw):
+        await raw.request("open", conv="r", layers=[0, 4], max_tokens=200)
+        await raw.send("step", conv="r", seq=1, start=0, tokens=list(range(1, 65)), want="none")
+        assert await raw.error("step", conv="r", seq=2, start=0, tokens=list(range(1, 65)), want="token",
+                               rollback=True) == (
+            "bad_positions", "step 2 rolls back 64 positions; a rollback drops the rejected drafts of one step, "
+                             "fewer than 32")
+        await raw.send("step", conv="r", seq=3, start=40, tokens=[1], want="token", rollback=True)
+        reply = await raw.recv(timeout_s=10)
+        assert reply["t"] == "token" and reply["length"] == 41  # 24 positions back: drafts, allowed
 
 
 async def test_queued_hidden_states_are_bounded_over_all_conversations(tiny, monkeypatch):
@@ -1332,7 +1075,6 @@ async def test_unread_client_of_relayed_errors_does_not_freeze_the_link_between_
         finally:
             ws.transport.abort()
         await assert_healthy(tiny, peers)
-
 
 
 # --------------------------------------------------------------------------- adverts as weapons
@@ -1412,14 +1154,6 @@ def silent_addresses(n: int):
         silent.close()
 
 
-async def plant(peer, adverts: list[dict]) -> Raw:
-    """A rogue peer connection (its own advert lives 60 s) that has gossiped ``adverts`` to ``peer``."""
-    raw = await Raw.connect(peer, role="peer", advert=rogue_advert(peer.weights_hash, ttl_s=60.0))
-    await raw.send("gossip", adverts=adverts)
-    await raw.request("ping")
-    return raw
-
-
 async def test_a_peer_of_silent_addresses_costs_planning_one_dial_timeout(tiny):
     from meshinfer.client.mesh import MeshClient
 
@@ -1470,7 +1204,7 @@ async def test_listing_models_never_waits_for_a_route_being_planned(tiny):
 
 
 async def test_a_replayed_advert_of_a_restarted_peer_never_replaces_its_new_one(tiny):
-    from meshkit import start_peer
+    from helpers.meshkit import start_peer
 
     path, digest, tok, _ = tiny
     key = new_key()
@@ -1498,7 +1232,7 @@ async def test_a_replayed_advert_of_a_restarted_peer_never_replaces_its_new_one(
 
 async def test_a_full_table_takes_a_peer_that_proves_its_key(tiny, monkeypatch):
     unbounded_gossip(monkeypatch)
-    from meshkit import start_peer
+    from helpers.meshkit import start_peer
 
     path, digest, tok, _ = tiny
     async with serving(tiny) as peers:

@@ -1,7 +1,7 @@
 """Hostile HTTP clients against ``meshinfer serve``, and hostile peers against the newer peer
 messages (``error.suspect``, ``verify``, ``sampling``) and the per-client limits.
 
-Tiny random model only (tests/meshkit.py); each test names the attack it pins.
+Tiny random model only (tests/helpers/meshkit.py); each test names the attack it pins.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import torch
 
-from meshkit import mesh, split, tiny_model
+from helpers.meshkit import mesh, split
 from meshinfer.wire import protocol
 from meshinfer.app.api import ApiServer
 from meshinfer.core.errors import LyingPeer
@@ -25,14 +25,9 @@ from meshinfer.peer.node import ClientLimits
 from meshinfer.core.sampling_params import SamplingParams
 from meshinfer.engine.sampling import pick_token
 from meshinfer.client.mesh import MeshClient
-from test_hostile import Raw, new_key, rogue_advert
+from helpers.hostile import Raw, new_key, rogue_advert
 
 MESSAGES = [{"role": "user", "content": "a hostile world"}]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("hostile_api"))
 
 
 @contextlib.asynccontextmanager
@@ -321,7 +316,7 @@ async def test_a_body_over_the_limit_is_413_naming_the_limit(tiny):
 SERVE_SCRIPT = """
 import asyncio, sys
 sys.path.insert(0, {tests!r})
-from meshkit import mesh, split, tiny_model
+from helpers.meshkit import mesh, split, tiny_model
 from meshinfer.app.api import ApiServer
 from meshinfer.engine.generate import load_shard
 from meshinfer.client.mesh import MeshClient
@@ -406,7 +401,7 @@ async def fake_peers(digest: str, n: int):
     import websockets
 
     from meshinfer.wire.discovery import new_nonce, welcome_proof
-    from test_hostile import pack
+    from helpers.hostile import pack
 
     keys, ads, clients = [new_key() for _ in range(n)], {}, set()
 
@@ -442,7 +437,7 @@ async def test_serve_closes_links_to_peers_that_come_and_go(tiny):
     (open files 16 -> 1,023), then answered 503 for good. Now links to peers gone from the table
     are closed, and at most ``MAX_IDLE_LINKS`` links that carry no conversation are kept."""
     from meshinfer.client.links import MAX_IDLE_LINKS
-    from test_hostile import plant
+    from helpers.hostile import plant
 
     _, digest, _, _ = tiny
     body = json.dumps({"model": digest, "messages": MESSAGES, "max_tokens": 2}).encode()

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from meshkit import start_peer, tiny_model, wait_for_tables
+from helpers.meshkit import start_peer, wait_for_tables
+from helpers.lying import LyingShard, noise
 from meshinfer.client import spotcheck
 from meshinfer.peer import verify
 from meshinfer.wire import tensors
@@ -28,40 +29,15 @@ N_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path, digest, tok, whole = tiny_model(tmp_path_factory.mktemp("lying"))
+def tiny(tiny):
+    """conftest's tiny model with the chat's prompt ids and the whole model's greedy tokens after them."""
+    path, digest, tok, whole = tiny
     ids = tok.encode_chat(MESSAGES)
     return path, digest, tok, ids, greedy_generate(whole, ids, max_tokens=N_TOKENS).token_ids
 
 
-class LyingShard:
-    """A shard whose forward pass is replaced by ``lie(shard, x, start, cache, run, logits)``:
-    a peer with wrong weights or a missing layer (it logs what it sends, as such a peer would)."""
-
-    def __init__(self, shard, lie) -> None:
-        self._shard, self._lie = shard, lie
-
-    def __getattr__(self, name):
-        return getattr(self._shard, name)
-
-    def __call__(self, x, start, cache=None, *, run=None, logits="last"):
-        return self._lie(self._shard, x, start, cache, run or self._shard.range, logits)
-
-
 def skip_last_layer(shard, x, start, cache, run, logits):
     return shard(x, start, cache, run=LayerRange(run.start, run.stop - 1), logits=logits)
-
-
-def noise(relative: float, *, from_position: int = 0):
-    """Add ``relative`` x the per-position RMS of Gaussian noise at positions >= ``from_position``."""
-    def lie(shard, x, start, cache, run, logits):
-        out = shard(x, start, cache, run=run, logits=logits)
-        g = torch.Generator().manual_seed(start)
-        rms = out.pow(2).mean(-1, keepdim=True).sqrt()  # (1, T, 1)
-        bad = out + relative * rms * torch.randn(out.shape, generator=g)
-        keep = torch.arange(start, start + out.shape[1]).view(1, -1, 1) < from_position
-        return torch.where(keep, out, bad)
-    return lie
 
 
 async def run_with_liar(tiny, *, lie_shard=None, lie_compute=None, rate=spotcheck.DEFAULT_SPOT_CHECK_RATE, seed=0):
@@ -191,9 +167,9 @@ def test_relative_error_and_tolerance():
 async def test_default_model_liar_is_caught_and_output_is_exact():
     """3 honest peers + 1 liar with the same range as two of them (layers 0-11, 1% noise): the
     second honest twin settles the dispute between the liar and the first."""
-    from conftest import model_path
-    from meshkit import file_hash
-    from realmodels import DEFAULT, load_cases, shard_of
+    from helpers.realmodels import model_path
+    from helpers.meshkit import file_hash
+    from helpers.realmodels import DEFAULT, load_cases, shard_of
     from meshinfer.text.tokenizer import Tokenizer
 
     path = model_path(DEFAULT)

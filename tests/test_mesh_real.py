@@ -3,31 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
 
 import pytest
 
-from conftest import model_path
-from meshkit import file_hash, mesh
+from helpers.meshkit import chat_json, file_hash, mesh
+from helpers.realmodels import DEFAULT, first_near_tie, load_cases, model_path, shard_of
 from meshinfer.client.mesh import MeshClient
 from meshinfer.text.tokenizer import Tokenizer
-from realmodels import DEFAULT, first_near_tie, load_cases, shard_of
 
 pytestmark = pytest.mark.realmodel
-
-
-async def chat_json(url: str, messages: list, tmp_path, max_tokens: int = 32) -> dict:
-    """Run ``meshinfer chat --json`` as a user would and parse its one JSON object."""
-    file = tmp_path / f"messages-{abs(hash(json.dumps(messages)))}.json"
-    file.write_text(json.dumps(messages))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "meshinfer", "chat", "--peers", url, "--messages", str(file),
-        "--max-tokens", str(max_tokens), "--json",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 600)
-    assert proc.returncode == 0, err.decode()
-    return json.loads(out.decode().strip().splitlines()[-1])
 
 
 def until_eos(ids: list[int], eos_ids) -> tuple[list[int], bool]:

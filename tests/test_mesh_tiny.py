@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from meshkit import file_hash, mesh, split, start_peer, tiny_model, wait_for_tables
+from helpers.meshkit import file_hash, mesh, split, start_peer, wait_for_tables
 from meshinfer.wire import protocol
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import (CacheFull, ContextOverflow, LayerRangeError, NoRoute,
@@ -43,11 +43,6 @@ async def test_a_failing_bootstrap_address_is_a_warning_once_per_reason(tiny, ca
 
 
 MESSAGES = [{"role": "user", "content": "hello there, tiny model"}]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def reference(tiny, prompt_ids, max_tokens=12):

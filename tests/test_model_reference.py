@@ -7,7 +7,7 @@ import torch
 
 from meshinfer.engine.generate import greedy_generate, new_cache
 from meshinfer.engine.models.llama import Shard
-from realmodels import DEFAULT, SMOL, first_near_tie, full_tensors, load_cases, shard_of
+from helpers.realmodels import DEFAULT, SMOL, first_near_tie, full_tensors, load_cases, shard_of
 
 pytestmark = pytest.mark.realmodel
 

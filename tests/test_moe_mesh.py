@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshkit import AlwaysDraft, file_hash, generate_through, generate_through_a_middle_crash, mesh, split
+from helpers.meshkit import AlwaysDraft, file_hash, generate_through, generate_through_a_middle_crash, mesh, split
 from meshinfer.wire import protocol, tensors
 from meshinfer.core.config import LayerRange
 from meshinfer.wire.discovery import verify_advert
@@ -17,8 +17,8 @@ from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.client.mesh import MeshClient
 from meshinfer.text.tokenizer import Tokenizer
 
-import hf_families as hff  # noqa: E402  (needs transformers)
-from test_batching import PROMPTS, UNLIMITED, alone_then_together  # noqa: E402
+from helpers import hf_families as hff  # noqa: E402  (needs transformers)
+from helpers.batching import PROMPTS, UNLIMITED, alone_then_together  # noqa: E402
 
 REPEAT = [{"role": "user", "content": "abc abc abc abc abc abc abc abc"}]
 STORY = [{"role": "user", "content": "tell me a long story about experts and routers"}]
@@ -41,7 +41,7 @@ async def test_two_peers_give_the_tokens_of_generate_with_float32_hidden_states(
         wire_dtypes.append(out["dtype"])
         return out
 
-    monkeypatch.setattr(protocol, "tensor_to_wire", spy)
+    monkeypatch.setattr(tensors, "tensor_to_wire", spy)
     async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest,
                     bundle=tok.to_bundle()) as peers:
         assert [p.cfg.architecture for p in peers] == ["qwen3moe", "qwen3moe"]

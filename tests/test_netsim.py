@@ -72,12 +72,12 @@ def test_bad_settings_are_refused():
 
 
 async def test_a_conversation_through_the_proxy(tmp_path):
-    from meshkit import file_hash, mesh
+    from helpers.meshkit import file_hash, mesh
     from meshinfer.core.config import LayerRange
     from meshinfer.engine.generate import greedy_generate, load_shard
     from meshinfer.client.mesh import MeshClient
     from meshinfer.text.tokenizer import Tokenizer
-    from tiny import random_weights, tiny_config, write_gguf
+    from helpers.tiny import random_weights, tiny_config, write_gguf
 
     cfg = tiny_config("qwen2", context=128)
     path = write_gguf(tmp_path / "t.gguf", cfg, random_weights(cfg))

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshkit import mesh, split, start_peer, tiny_model
+from helpers.meshkit import mesh, split, start_peer
 from meshinfer.wire import discovery
 from meshinfer.core.errors import InvalidInput, PositionError
 from meshinfer.engine.generate import load_shard
@@ -21,11 +21,6 @@ from meshinfer.wire.transport import dial
 
 MESSAGES = [{"role": "user", "content": "count my steps"}]
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("obs"))
 
 
 async def scrape(port: int, host: str = "127.0.0.1") -> dict[tuple[str, tuple], float]:

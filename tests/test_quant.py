@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from meshkit import generate_through, mesh, start_peer, tiny_model, wait_for_tables
+from helpers.meshkit import generate_through, mesh, start_peer, wait_for_tables
 from meshinfer.core.config import PRECISION_NAMES, LayerRange
 from meshinfer.core.errors import InvalidInput, NoRoute
 from meshinfer.engine.generate import greedy_generate, load_shard, parse_precision
@@ -24,11 +24,6 @@ QUANTIZED = ["q8-bf16", "q4-g32-bf16"]
 #: may sum in another order; 1% of the largest output covers both with room to spare.
 MODULE_TOLERANCE = 1e-2
 MESSAGES = [{"role": "user", "content": "hello there, tiny model"}]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def reference_matmul(module, x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from meshinfer.engine.generate import greedy_generate
-from realmodels import DEFAULT, full_tensors, load_cases, shard_of
+from helpers.realmodels import DEFAULT, full_tensors, load_cases, shard_of
 
 pytestmark = pytest.mark.realmodel
 

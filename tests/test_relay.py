@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshkit import crash, file_hash, start_peer, wait_for_tables
+from helpers.meshkit import crash, file_hash, start_peer, wait_for_tables
 from meshinfer.wire import discovery, protocol
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import PeerUnavailable
@@ -17,7 +17,7 @@ from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.peer.node import Peer
 from meshinfer.client.mesh import MeshClient
 from meshinfer.text.tokenizer import Tokenizer
-from tiny import random_weights, tiny_config, write_gguf
+from helpers.tiny import random_weights, tiny_config, write_gguf
 
 N_TOKENS = 24
 PROMPT = [{"role": "user", "content": "a home machine behind NAT serves the first layers"}]

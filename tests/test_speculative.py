@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshkit import AlwaysDraft, generate_through_a_middle_crash, mesh, split, tiny_model
-from test_hostile import Raw, last_token, serving
+from helpers.meshkit import AlwaysDraft, generate_through_a_middle_crash, mesh, split
+from helpers.hostile import Raw, last_token, serving
 from meshinfer.wire import protocol
 from meshinfer.client import speculative
 from meshinfer.app.bench import CODE_EDIT_MESSAGES
@@ -146,11 +146,6 @@ def test_draft_limit_fits_the_verification_limit_of_a_step():
 
 
 # --------------------------------------------------------------------------- tiny mesh
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("spec"))
-
-
 def _watch_steps(conv) -> list[list[int]]:
     """Record the ids every decode step of ``conv`` returns."""
     steps: list[list[int]] = []
@@ -346,10 +341,10 @@ async def test_a_stuck_hop_still_holding_rejected_drafts_is_found():
 async def test_speculative_equals_plain_greedy_on_the_default_model():
     """Code edit (drafts mostly accepted; max_tokens and EOS inside a draft) on 2 peers, and a
     reference case (drafts mostly rejected) on 3 peers."""
-    from conftest import model_path
-    from meshkit import file_hash
+    from helpers.realmodels import model_path
+    from helpers.meshkit import file_hash
     from meshinfer.text.tokenizer import Tokenizer
-    from realmodels import DEFAULT, first_near_tie, load_cases, shard_of
+    from helpers.realmodels import DEFAULT, first_near_tie, load_cases, shard_of
 
     path = model_path(DEFAULT)
     tok = Tokenizer.from_gguf(path)

@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from meshkit import start_peer, tiny_model, wait_for_tables
+from helpers.meshkit import start_peer, wait_for_tables
 from meshinfer.wire import protocol, tls, tensors
 from meshinfer.core.errors import InvalidInput, PeerUnavailable, Unauthenticated
 from meshinfer.engine.generate import greedy_generate, load_shard
@@ -18,9 +18,7 @@ from meshinfer.client.mesh import MeshClient
 MESSAGES = [{"role": "user", "content": "a secret word"}]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("tls"), seed=5)
+TINY_MODEL = {"seed": 5}  # the seed of the tiny model's weights
 
 
 @pytest.fixture
@@ -120,7 +118,7 @@ async def test_hidden_states_are_not_in_clear_over_wss(tiny, certs, monkeypatch,
         sent.append(wire["data"])
         return wire
 
-    monkeypatch.setattr(protocol, "tensor_to_wire", spy)
+    monkeypatch.setattr(tensors, "tensor_to_wire", spy)
     opts = {}
     if use_tls:
         opts = dict(tls_cert=str(certs[0][0]), tls_key=str(certs[0][1]))

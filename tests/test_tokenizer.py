@@ -8,13 +8,11 @@ from pathlib import Path
 import gguf
 import pytest
 
-from conftest import model_path
+from helpers.realmodels import CASES as CASES_DIR
+from helpers.realmodels import model_path
 from meshinfer.core.errors import InvalidInput, TemplateError, WeightsError
 from meshinfer.text.stream import StreamDecoder
 from meshinfer.text.tokenizer import Tokenizer
-from realmodels import CASES as CASES_DIR
-
-pytestmark = pytest.mark.realmodel
 
 QWEN = "qwen2.5-coder-0.5b-instruct-q4_k_m"
 SMOL = "smollm2-135m-instruct-q4_1"
@@ -43,12 +41,14 @@ def control_names(tk: Tokenizer, ids: list[int]) -> list[str]:
     return [tk.decode([i], skip_special=False) for i in ids if i in tk.control_ids]
 
 
+@pytest.mark.realmodel
 @pytest.mark.parametrize(("model", "name"), CASES)
 def test_prompt_ids_match_reference(model, name):
     c = case(model, name)
     assert load(model).encode_chat(c["messages"]) == c["prompt_ids"]
 
 
+@pytest.mark.realmodel
 @pytest.mark.parametrize(("model", "name"), CASES)
 def test_decode_greedy_ids_matches_text(model, name):
     tk, c = load(model), case(model, name)
@@ -56,6 +56,7 @@ def test_decode_greedy_ids_matches_text(model, name):
     assert tk.decode(c["greedy_ids"]) == c["text"].replace("<|im_end|>", "")
 
 
+@pytest.mark.realmodel
 @pytest.mark.parametrize("model", MODELS)
 def test_forged_control_tokens_in_content_stay_text(model):
     tk = load(model)
@@ -71,6 +72,7 @@ def test_forged_control_tokens_in_content_stay_text(model):
         assert any(ids[i:i + len(body)] == body for i in range(len(ids)))
 
 
+@pytest.mark.realmodel
 @pytest.mark.parametrize("model", MODELS)
 def test_control_string_straddling_content_edge_stays_text(model):
     tk = load(model)
@@ -80,6 +82,7 @@ def test_control_string_straddling_content_edge_stays_text(model):
     assert tk.decode(ids, skip_special=False) == tk.render_chat([{"role": "user", "content": "a <|im_"}])
 
 
+@pytest.mark.realmodel
 def test_encode_treats_control_strings_as_text():
     tk = load(QWEN)
     ids = tk.encode("<|im_end|><|endoftext|>")
@@ -87,6 +90,7 @@ def test_encode_treats_control_strings_as_text():
     assert tk.decode(ids) == "<|im_end|><|endoftext|>"
 
 
+@pytest.mark.realmodel
 def test_render_multi_turn_with_system():
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -105,6 +109,7 @@ def test_render_multi_turn_with_system():
         assert control_names(tk, tk.encode_chat(messages)).count("<|im_start|>") == 5
 
 
+@pytest.mark.realmodel
 @pytest.mark.parametrize(("model", "default"), [(QWEN, QWEN_DEFAULT_SYSTEM), (SMOL, SMOL_DEFAULT_SYSTEM)])
 def test_render_default_system_prompt(model, default):
     rendered = load(model).render_chat([{"role": "user", "content": "Hi"}])
@@ -112,6 +117,7 @@ def test_render_default_system_prompt(model, default):
                         "<|im_start|>assistant\n")
 
 
+@pytest.mark.realmodel
 @pytest.mark.parametrize("model", MODELS)
 def test_stream_decoder_never_splits_a_character(model):
     tk = load(model)
@@ -125,6 +131,7 @@ def test_stream_decoder_never_splits_a_character(model):
     assert "" in pieces[:-1]  # something was held back
 
 
+@pytest.mark.realmodel
 def test_stream_decoder_hides_control_tokens_and_flushes_incomplete_bytes():
     tk = load(QWEN)
     decoder = StreamDecoder(tk)
@@ -137,6 +144,7 @@ def test_stream_decoder_hides_control_tokens_and_flushes_incomplete_bytes():
     assert decoder.flush() == ""
 
 
+@pytest.mark.realmodel
 @pytest.mark.parametrize("model", MODELS)
 def test_bundle_round_trip(model):
     tk = load(model)
@@ -151,10 +159,12 @@ def test_bundle_round_trip(model):
     assert copy.encode(MULTIBYTE) == tk.encode(MULTIBYTE)
 
 
+@pytest.mark.realmodel
 def test_fingerprint_differs_between_models():
     assert load(QWEN).fingerprint() != load(SMOL).fingerprint()
 
 
+@pytest.mark.realmodel
 @pytest.mark.parametrize(("change", "message"), [
     ({"version": 99}, "bundle version is 99"),
     ({"tokenizer_json": 5}, "'tokenizer_json' must be str"),
@@ -176,6 +186,7 @@ def test_from_bundle_rejects_non_mapping():
         Tokenizer.from_bundle([])
 
 
+@pytest.mark.realmodel
 @pytest.mark.parametrize(("messages", "message"), [
     ("hello", "messages must be a list"),
     ([], "messages is empty"),
@@ -195,6 +206,7 @@ def test_malformed_messages_raise_invalid_input(messages, message):
         tk.render_chat(messages)
 
 
+@pytest.mark.realmodel
 def test_decode_rejects_bad_ids():
     tk = load(SMOL)
     with pytest.raises(InvalidInput, match=r"token id 49152 is outside the vocabulary \[0, 49152\)"):
@@ -209,6 +221,7 @@ def with_template(template: str | None) -> Tokenizer:
     return Tokenizer.from_bundle({**load(SMOL).to_bundle(), "chat_template": template})
 
 
+@pytest.mark.realmodel
 def test_template_errors_raise_template_error():
     with pytest.raises(TemplateError, match="refused the messages: no system"):
         with_template("{{ raise_exception('no system') }}").encode_chat([{"role": "user", "content": "x"}])
@@ -216,6 +229,7 @@ def test_template_errors_raise_template_error():
         with_template(None).render_chat([{"role": "user", "content": "x"}])
 
 
+@pytest.mark.realmodel
 def test_template_that_alters_content():
     # Truncating content breaks the sentinel trace: safe content still encodes, forged content is refused.
     tk = with_template("{% for m in messages %}<|im_start|>{{ m.content[:-1] }}<|im_end|>{% endfor %}")
@@ -225,6 +239,7 @@ def test_template_that_alters_content():
         tk.encode_chat([{"role": "user", "content": "<|im_end|>x"}])
 
 
+@pytest.mark.realmodel
 def test_template_trim_keeps_content_spans():
     tk = with_template("{% for m in messages %}<|im_start|>{{ m.content | trim }}<|im_end|>{% endfor %}")
     ids = tk.encode_chat([{"role": "user", "content": "  <|im_end|>  "}])
@@ -232,6 +247,7 @@ def test_template_trim_keeps_content_spans():
     assert tk.decode(ids, skip_special=False) == "<|im_start|><|im_end|><|im_end|>"
 
 
+@pytest.mark.realmodel
 @pytest.mark.parametrize("model", MODELS)
 def test_hf_dir_gives_identical_ids(model, tmp_path):
     tk = load(model)
@@ -248,6 +264,7 @@ def test_hf_dir_gives_identical_ids(model, tmp_path):
     assert hf.eos_ids == tk.eos_ids
 
 
+@pytest.mark.realmodel
 def test_hf_dir_prefers_chat_template_jinja(tmp_path):
     (tmp_path / "tokenizer.json").write_text(load(SMOL).to_bundle()["tokenizer_json"], encoding="utf-8")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "config"}))

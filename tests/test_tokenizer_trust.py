@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from meshkit import start_peer, tiny_model, wait_for_tables
+from helpers.meshkit import start_peer, wait_for_tables
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import IncompatiblePeer, TemplateError
 from meshinfer.engine.generate import load_shard
@@ -19,11 +19,6 @@ from meshinfer.text.bundle import bundle_sha256
 from meshinfer.text.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "user", "content": "say hello"}]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("tokenizer-trust"))
 
 
 def poisoned(bundle: dict) -> dict:

@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from meshkit import mesh, split
+from helpers.meshkit import mesh, split
 from meshinfer.app.api import ApiError, model_id, parse_chat_request
 from meshinfer.core.errors import InvalidInput
 from meshinfer.engine.generate import load_shard
 from meshinfer.text.toolcalls import ToolCall, ToolCallStream, parse_call
-from test_api import STEADY_TTL_S, raw_post, served
+from helpers.api import STEADY_TTL_S, raw_post, served
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -197,13 +197,6 @@ def test_tool_fields_meshinfer_cannot_honour_are_400(change, param, message):
 
 
 # --------------------------------------------------------------------------- a template without tools
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from meshkit import tiny_model
-
-    return tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
 async def test_a_template_without_tool_support_gets_400_never_a_silent_drop(tiny):
     path, digest, tok, _ = tiny  # the tiny model's template is plain ChatML: no tools
     name = model_id(digest)
@@ -260,10 +253,10 @@ def qwen():
     import tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from conftest import model_path
-    from meshkit import file_hash
+    from helpers.realmodels import model_path
+    from helpers.meshkit import file_hash
     from meshinfer.text.tokenizer import Tokenizer
-    from realmodels import DEFAULT
+    from helpers.realmodels import DEFAULT
 
     path = model_path(DEFAULT)
     tok = Tokenizer.from_gguf(path)
@@ -314,9 +307,9 @@ def test_control_token_text_in_tools_and_calls_stays_text(qwen):
 
 @pytest.mark.realmodel
 def test_which_real_templates_support_tools(qwen):
-    from conftest import model_path
+    from helpers.realmodels import model_path
     from meshinfer.text.tokenizer import Tokenizer
-    from realmodels import SMOL
+    from helpers.realmodels import SMOL
 
     smol = Tokenizer.from_gguf(model_path(SMOL))  # plain ChatML, no tools
     assert qwen[2].supports_tools and not smol.supports_tools
@@ -350,7 +343,7 @@ async def test_weather_round_trip_with_the_openai_client_on_the_real_model(qwen)
     rather than writing a sentence (also with a system prompt asking for one, with a plain-text
     result, and without tools): a reply that is not only calls is text, so it comes back as
     content, with the tool's numbers in it."""
-    from realmodels import DEFAULT, shard_of
+    from helpers.realmodels import DEFAULT, shard_of
 
     _, digest, tok, hf = qwen
     ask = dict(model=DEFAULT, tools=[WEATHER_TOOL], max_tokens=48)

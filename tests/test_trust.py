@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import websockets
 
-from meshkit import generate_through, mesh, split, start_peer, tiny_model
+from helpers.meshkit import generate_through, mesh, split, start_peer
 from meshinfer.wire import discovery, protocol
 from meshinfer.core.errors import Unauthenticated
 from meshinfer.engine.generate import greedy_generate, load_shard
@@ -19,11 +19,6 @@ from meshinfer.client.mesh import MeshClient
 
 MESSAGES = [{"role": "user", "content": "a private word"}]
 KEY = b"correct horse battery staple 32b"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("trust"))
 
 
 def private_mesh(tiny, bounds=(0, 2, 4), key=KEY):

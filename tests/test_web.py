@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from meshkit import crash, mesh, split, start_peer, tiny_model
+from helpers.meshkit import crash, mesh, split, start_peer
 from meshinfer.app.api import ApiServer
 from meshinfer.core.config import LayerRange
 from meshinfer.engine.generate import load_shard
@@ -74,11 +74,6 @@ def live():
     lv = Live()
     yield lv
     lv.close()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def tiny_mesh(live: Live, tiny, **settings):
@@ -386,10 +381,10 @@ def test_private_mesh_without_key_and_no_peer_are_explained(live, tiny, browser,
 @pytest.fixture(scope="module")
 def real_served():
     """The real default model split over 2 peers (layers 0-11 and 12-23) and an API server."""
-    from conftest import model_path
-    from meshkit import file_hash
+    from helpers.realmodels import model_path
+    from helpers.meshkit import file_hash
     from meshinfer.text.tokenizer import Tokenizer
-    from realmodels import DEFAULT, shard_of
+    from helpers.realmodels import DEFAULT, shard_of
 
     path = model_path(DEFAULT)
     tok = Tokenizer.from_gguf(path)
@@ -407,7 +402,7 @@ PROMPT = "Name three primary colors, in one short sentence."
 
 @pytest.mark.realmodel
 def test_typed_prompt_streams_the_same_text_as_meshinfer_chat(real_served, browser, tmp_path):
-    from test_mesh_real import chat_json
+    from helpers.meshkit import chat_json
 
     live, peers, server = real_served
     chat = live.run(chat_json(peers[0].addrs[0], [{"role": "user", "content": PROMPT}], tmp_path, max_tokens=16))
@@ -424,7 +419,7 @@ def test_typed_prompt_streams_the_same_text_as_meshinfer_chat(real_served, brows
 
 @pytest.mark.realmodel
 def test_mesh_view_lists_both_peers_and_the_route_of_the_last_reply(real_served, browser, tmp_path):
-    from realmodels import DEFAULT
+    from helpers.realmodels import DEFAULT
 
     live, peers, server = real_served
     open_page(browser, server)

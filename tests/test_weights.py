@@ -1,6 +1,6 @@
 """Weights readers, tensor types, shard loading, bad files, model input errors and the KV cache.
 
-Everything runs on tiny random models (``tests/tiny.py``) and hand-built GGUF files. Byte
+Everything runs on tiny random models (``tests/helpers/tiny.py``) and hand-built GGUF files. Byte
 positions for patching corrupt files come from ``gguf.GGUFReader``, an implementation
 independent of ``meshinfer.engine.weights.gguf_file``.
 """
@@ -27,7 +27,7 @@ from meshinfer.engine.kv_cache import GROW_TOKENS, KVCache
 from meshinfer.text.tokenizer import Tokenizer
 from meshinfer.engine.weights import open_weights
 from meshinfer.engine.weights.gguf_file import GGUFFile
-from tiny import add_model_metadata, random_weights, tiny_config, write_gguf, write_hf_dir
+from helpers.tiny import add_model_metadata, random_weights, tiny_config, write_gguf, write_hf_dir
 
 ARCHS = ("qwen2", "llama")  # qwen2: q/k/v bias, untied head; llama: tied head, Q/K permutation
 IDS = torch.tensor([[1, 5, 258, 100, 7, 42]])  # (1, 6)

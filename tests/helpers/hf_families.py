@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tiny import MERGED, SPECIALS, _permute, add_tokenizer_metadata
+from helpers.tiny import MERGED, SPECIALS, _permute, add_tokenizer_metadata
 
 VOCAB = 256 + len(MERGED) + len(SPECIALS)
 FAMILIES = ("qwen3", "qwen3moe", "qwen2moe", "mixtral", "phi3", "gemma2", "gemma3")

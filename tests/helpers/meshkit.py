@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -99,7 +101,7 @@ def tiny_model(directory: Path, *, context: int = 256, seed: int = 0) -> tuple:
     """(gguf path, weights hash, tokenizer, whole-model shard) of a tiny random qwen2 model."""
     from meshinfer.engine.generate import load_shard
     from meshinfer.text.tokenizer import Tokenizer
-    from tiny import random_weights, tiny_config, write_gguf
+    from helpers.tiny import random_weights, tiny_config, write_gguf
 
     cfg = tiny_config("qwen2", context=context)
     path = write_gguf(directory / "tiny.gguf", cfg, random_weights(cfg, seed=seed))
@@ -157,3 +159,16 @@ async def generate_through_a_middle_crash(path: Path, digest: str, bundle: dict,
         for p in (first, *rest):
             await p.close()
     return out, mid
+
+
+async def chat_json(url: str, messages: list, tmp_path, max_tokens: int = 32) -> dict:
+    """Run ``meshinfer chat --json`` as a user would and parse its one JSON object."""
+    file = tmp_path / f"messages-{abs(hash(json.dumps(messages)))}.json"
+    file.write_text(json.dumps(messages))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "meshinfer", "chat", "--peers", url, "--messages", str(file),
+        "--max-tokens", str(max_tokens), "--json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 600)
+    assert proc.returncode == 0, err.decode()
+    return json.loads(out.decode().strip().splitlines()[-1])
