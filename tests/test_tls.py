@@ -10,7 +10,7 @@ import stat
 import pytest
 
 from helpers.meshkit import start_peer, wait_for_tables
-from meshinfer.wire import protocol, tls, tensors
+from meshinfer.wire import tensors, tls
 from meshinfer.core.errors import InvalidInput, PeerUnavailable, Unauthenticated
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.client.mesh import MeshClient
