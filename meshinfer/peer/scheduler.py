@@ -1,7 +1,7 @@
 """Per-peer step scheduler: decode steps of different conversations that are ready together
 run as one batched forward pass.
 
-Each conversation's worker (``Peer._conv_worker``) submits one step at a time and awaits its
+Each conversation's worker (:meth:`~meshinfer.peer.steps.Steps.worker`) submits one step at a time and awaits its
 result, so a conversation's steps stay in order. The scheduler runs one pass at a time on the
 device executor; while a pass runs, the steps that arrive queue up, and the next pass takes
 them together. A lone conversation runs exactly as before (one :meth:`Shard.forward`), with
