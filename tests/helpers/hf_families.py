@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from helpers.tiny import MERGED, SPECIALS, _permute, add_tokenizer_metadata
+from helpers.tiny import MERGED, SPECIALS, _permute, add_model_metadata, add_tokenizer_metadata
 
 VOCAB = 256 + len(MERGED) + len(SPECIALS)
 FAMILIES = ("qwen3", "qwen3moe", "qwen2moe", "mixtral", "phi3", "gemma2", "gemma3")
@@ -183,13 +183,7 @@ def write_gguf(model, family: str, path: Path, *, legacy_experts: bool = False) 
 
     cfg = model.config
     wr = gguf.GGUFWriter(str(path), _gguf_arch(family))
-    wr.add_block_count(cfg.num_hidden_layers)
-    wr.add_context_length(cfg.max_position_embeddings)
-    wr.add_embedding_length(cfg.hidden_size)
-    wr.add_feed_forward_length(cfg.intermediate_size)
-    wr.add_head_count(cfg.num_attention_heads)
-    wr.add_head_count_kv(cfg.num_key_value_heads)
-    wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_model_metadata(wr, cfg)  # a transformers config has the same field names
     wr.add_rope_freq_base(1000.0 if family == "gemma3" else 10000.0)
     wr.add_vocab_size(cfg.vocab_size)
     if family == "gemma2":
