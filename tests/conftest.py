@@ -6,6 +6,12 @@ under pytest, so tests write ``from helpers.meshkit import mesh``).
 
 from __future__ import annotations
 
+import asyncio
+import faulthandler
+import inspect
+import os
+import sys
+
 import pytest
 
 
@@ -36,3 +42,41 @@ def pytest_runtest_teardown(item, nextitem):
     from helpers import realmodels
 
     realmodels.running_test = None
+
+
+#: Seconds an asyncio test may run before the watchdog prints every task's stack and cancels it,
+#: so a hang fails with the awaits that never finished instead of stalling the run for the rest
+#: of CI's 90 minutes. Far above the slowest test on one loaded core (the stalled-hop failover
+#: test of the default model, a few minutes); ``MESHINFER_TEST_WATCHDOG_S`` overrides it.
+WATCHDOG_S = float(os.environ.get("MESHINFER_TEST_WATCHDOG_S", "900"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Give every asyncio test the :func:`_hang_watchdog` fixture."""
+    for item in items:
+        if inspect.iscoroutinefunction(getattr(item, "function", None)):
+            item.fixturenames.append("_hang_watchdog")
+
+
+@pytest.fixture
+async def _hang_watchdog(request):
+    """Arm a timer on the test's event loop: after :data:`WATCHDOG_S` it prints the stack of
+    every task and every thread to stderr, then cancels the test's task (it fails with
+    CancelledError). A blocked event loop cannot run the timer; pytest's own
+    ``faulthandler_timeout`` (pyproject.toml) dumps the threads then."""
+    loop = asyncio.get_running_loop()
+    code = request.node.function.__code__
+
+    def fire():
+        print(f"\n=== watchdog: {request.node.nodeid} still running after {WATCHDOG_S:.0f} s; "
+              "every task's stack follows ===", file=sys.stderr)
+        for task in asyncio.all_tasks(loop):
+            task.print_stack(limit=40, file=sys.stderr)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        for task in asyncio.all_tasks(loop):
+            if any(frame.f_code is code for frame in task.get_stack(limit=200)):
+                task.cancel(f"watchdog: still running after {WATCHDOG_S:.0f} s")
+
+    handle = loop.call_later(WATCHDOG_S, fire)
+    yield
+    handle.cancel()
