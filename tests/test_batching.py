@@ -218,6 +218,7 @@ async def after_one_pass(n: int, *, pass_s: float, queue_s: float = 0.0, max_hol
     return device, sched, convs
 
 
+@pytest.mark.slow
 async def test_a_pass_waits_for_conversations_that_are_coming():
     """Steps of the conversations of the last pass arriving 250 ms apart share one pass; without
     the wait, the first runs alone and the rest wait for the pass after it."""
@@ -233,6 +234,7 @@ async def test_a_pass_waits_for_conversations_that_are_coming():
         sched._loop_task.cancel()
 
 
+@pytest.mark.slow
 async def test_a_conversation_that_stops_costs_one_wait_and_a_lone_one_none():
     device, sched, convs = await after_one_pass(3, pass_s=1.0, max_hold_s=5.0)
     await steps_at(sched, convs[:2], [0, 0])  # c2 stopped: the pass waits half a pass for it, not max_hold_s

@@ -28,6 +28,7 @@ def meshinfer(*args: str, home, timeout: float = 600) -> subprocess.CompletedPro
                           timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_generate_at_a_quantized_precision(tiny_gguf, tmp_path):
     out = meshinfer("generate", "--model", str(tiny_gguf), "-p", "hello", "--max-tokens", "6", "--json",
                     "--dtype", "q4-g32-bf16", home=tmp_path)
@@ -45,6 +46,7 @@ def test_unknown_dtype_lists_the_choices(tiny_gguf, tmp_path):
     assert "invalid choice: 'q3' (choose from " + ", ".join(f"'{n}'" for n in PRECISION_NAMES) + ")" in out.stderr
 
 
+@pytest.mark.slow
 def test_bench_single_reports_every_engine(tiny_gguf, tmp_path):
     report = tmp_path / "single.json"
     out = meshinfer("bench", "--single", "--model", str(tiny_gguf), "--dtypes", "q8-bf16", "--threads", "1",

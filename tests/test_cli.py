@@ -38,6 +38,7 @@ def expected_tokens(path, text: str, n: int) -> list[int]:
     return greedy_generate(load_shard(path), ids, max_tokens=n, eos_ids=tok.eos_ids).token_ids
 
 
+@pytest.mark.slow
 def test_generate_json(tiny_gguf):
     out = meshinfer("generate", "--model", str(tiny_gguf), "-p", "hello", "--max-tokens", "6", "--json")
     assert out.returncode == 0, out.stderr
@@ -66,6 +67,7 @@ def free_port_base(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free loopback ports found")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", [
     (["join", "--layers", "30-40"], "layer range 30-40 is outside the model: it has 4 layers (0-3)"),
     (["join", "--layers", "3-1"], "is empty: last layer 1 < first layer 3"),
@@ -97,6 +99,7 @@ def test_user_mistakes_give_one_line_errors(tiny_gguf, args, message):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_a_bad_draft_model_is_refused_before_any_peer_is_contacted(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
@@ -107,6 +110,7 @@ def test_a_bad_draft_model_is_refused_before_any_peer_is_contacted(tmp_path):
         assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(message), out.stderr
 
 
+@pytest.mark.slow
 def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
     env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(tiny_gguf),
@@ -159,6 +163,7 @@ def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
             proc.wait()
 
 
+@pytest.mark.slow
 def test_status_require_route_fails_without_a_complete_route(tiny_gguf, tmp_path):
     env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(tiny_gguf), "--layers", "0-1",
@@ -179,6 +184,7 @@ def test_status_require_route_fails_without_a_complete_route(tiny_gguf, tmp_path
         proc.wait()
 
 
+@pytest.mark.slow
 def test_serve_starts_before_its_peers_and_answers_503_until_they_come(tiny_gguf, tmp_path):
     import urllib.error
     import urllib.request
@@ -221,6 +227,7 @@ def test_serve_starts_before_its_peers_and_answers_503_until_they_come(tiny_gguf
                 p.wait()
 
 
+@pytest.mark.slow
 def test_private_mesh_needs_the_key_file(tiny_gguf, tmp_path):
     (tmp_path / "mesh.key").write_text("a shared secret of 32 characters\n")
     env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
@@ -246,6 +253,7 @@ def test_private_mesh_needs_the_key_file(tiny_gguf, tmp_path):
         proc.wait()
 
 
+@pytest.mark.slow
 def test_join_with_a_self_signed_certificate_serves_wss(tiny_gguf, tmp_path):
     env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
     env.pop("MESHINFER_MESH_KEY_FILE", None)
@@ -281,6 +289,7 @@ def test_pull_prints_path_last(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == str(cached)
 
 
+@pytest.mark.slow
 def test_bench_measures_single_peer_and_split(tiny_gguf, tmp_path):
     from meshinfer.app.bench import even_splits
 
@@ -293,6 +302,7 @@ def test_bench_measures_single_peer_and_split(tiny_gguf, tmp_path):
     assert [r["peers"] for r in rows] == [1, 2] and all(r["decode_tokens_per_s"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_bench_speculative_and_ttft_suites_run(tiny_gguf, tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([[{"role": "user", "content": "hello"}], [{"role": "user", "content": "a haiku"}]]))
@@ -317,6 +327,7 @@ def test_bench_speculative_and_ttft_suites_run(tiny_gguf, tmp_path):
     assert bad.returncode == 2 and "--suite 'fastest': choose from splits, speculative, ttft" in bad.stderr
 
 
+@pytest.mark.slow
 def test_bench_concurrency_reports_aggregate_tokens_per_s(tiny_gguf, tmp_path):
     out = meshinfer("bench", "--model", str(tiny_gguf), "--splits", "1,2", "--concurrency", "1,3", "--max-tokens", "6",
                     "--base-port", str(free_port_base(60)), "--out", str(tmp_path / "c.json"), timeout=300)
@@ -356,6 +367,7 @@ def test_an_explicit_empty_system_message_is_kept(system, turns):
     assert _messages(args) == turns + [{"role": "user", "content": "hi"}]
 
 
+@pytest.mark.slow
 def test_three_peers_joined_without_layer_ranges_cover_the_model_and_a_route_exists(tiny_gguf, tmp_path):
     """Three peers started one after another with no layer range (``--max-layers 2`` of the tiny
     model's 4): the first, with no mesh, takes what fits; the others take the least-served
@@ -405,6 +417,7 @@ def test_three_peers_joined_without_layer_ranges_cover_the_model_and_a_route_exi
             proc.wait()
 
 
+@pytest.mark.slow
 def test_join_layers_auto_takes_the_gap_and_status_shows_coverage(tiny_gguf, tmp_path):
     """A peer of layers 0-1 is up; ``join --layers auto --max-layers 2`` takes 2-3 and says why;
     then status shows every layer covered once."""

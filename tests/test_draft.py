@@ -315,6 +315,7 @@ async def test_drafting_ahead_extends_the_line_in_the_background_and_stops_when_
     assert (model.cache_bytes, len(model.live)) == (0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["same", "other"])
 async def test_drafting_ahead_during_steps_keeps_output_identical_and_uses_the_line(tiny, drafts, which):
     """With ``draft_ahead`` on, the drafter works while each step is in flight; with the mesh's

@@ -59,8 +59,9 @@ async def start_mesh(model, **settings):
     return first, rest[:2], rest[2]
 
 
-async def run_with_fault(model, fault, **settings):
-    """Generate N_TOKENS greedily while ``fault(conversation, middle_peer)`` strikes."""
+async def run_with_fault(model, fault, *, before_close=None, **settings):
+    """Generate N_TOKENS greedily while ``fault(conversation, middle_peer)`` strikes;
+    ``before_close()`` runs once the conversation is closed, before the peers are."""
     ids = model[3]
     first, middles, last = await start_mesh(model, **settings)
     try:
@@ -74,6 +75,8 @@ async def run_with_fault(model, fault, **settings):
             await conv.close()
             return out, mid, standby, first, last, conv
     finally:
+        if before_close is not None:
+            before_close()
         for p in (first, *middles, last):
             await p.close()
 
@@ -108,8 +111,11 @@ async def test_middle_hop_stalls(model):
         mid.shard.forward = stuck
         return None
 
+    # the stuck thread is let go only once the client is done, so nothing it sends late can reach
+    # the conversation, and closing the stalled peer (which joins its device thread) does not wait
+    # out STALL_S
     try:
-        out, mid, standby, first, last, conv = await run_with_fault(model, fault)
+        out, mid, standby, first, last, conv = await run_with_fault(model, fault, before_close=release.set)
     finally:
         release.set()
     assert out.token_ids == model[4]

@@ -932,6 +932,7 @@ def check_fuzz_reply(msg: dict, stats: dict) -> None:
         stats["bad_replies"].append(msg)
 
 
+@pytest.mark.slow
 async def test_seeded_fuzzer_leaves_the_peer_serving_at_baseline(tiny):
     rng = random.Random(1234)
     async with serving(tiny, client_limits=ClientLimits(conversations=10_000, steps_per_s=1e6, bytes_per_s=1e12)) as peers:  # robustness, not rate limits
@@ -1040,6 +1041,7 @@ async def test_queued_hidden_states_are_bounded_over_all_conversations(tiny, mon
         await assert_healthy(tiny, peers)
 
 
+@pytest.mark.slow
 async def test_unread_client_of_relayed_errors_does_not_freeze_the_link_between_hops(tiny, monkeypatch):
     # The client opens conversations on the first hop only, so the second hop answers every step
     # with an error that the first hop relays to this client, which never reads.

@@ -195,6 +195,7 @@ class SlowVerify:
         return self._shard(x, start, cache, run=run, logits=logits)
 
 
+@pytest.mark.slow
 async def test_a_verify_flood_from_one_host_does_not_starve_other_spot_checks(tiny):
     """A peer ran one verify at a time for everyone and refused the others: a host sending
     verifies back to back (a liar keeping its only checker busy) made every honest spot-check
@@ -341,6 +342,7 @@ def rss_bytes(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads RSS from /proc")
 async def test_big_prompts_in_flight_from_one_address_neither_stall_others_nor_keep_memory(tmp_path):
     """8 x 4 MB prompts from one address: others waited 31-44 s, and serve grew from 314 MB to
@@ -432,6 +434,7 @@ async def fake_peers(digest: str, n: int):
         yield list(ads.values()), clients
 
 
+@pytest.mark.slow
 async def test_serve_closes_links_to_peers_that_come_and_go(tiny):
     """Rotating fake identities kept connected: serve's client leaked a connection per probed peer
     (open files 16 -> 1,023), then answered 503 for good. Now links to peers gone from the table

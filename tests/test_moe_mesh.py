@@ -91,6 +91,7 @@ async def test_failover_of_the_middle_hop_replays_and_matches_generate(moe):
     assert [f["failed"] for f in out.failovers] == [[mid.peer_id]]
 
 
+@pytest.mark.slow
 def test_cli_chat_over_two_joined_peers_equals_cli_generate(moe, tmp_path):
     """The user's path: ``meshinfer join`` twice (layers 0-1 and 2-3), then ``chat``; its tokens
     equal ``meshinfer generate`` on the same MoE GGUF."""

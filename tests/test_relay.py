@@ -332,6 +332,7 @@ def test_a_direct_peer_wins_over_a_relayed_one_of_equal_compute():
 
 
 # ---------------------------------------------------------------------------- command line
+@pytest.mark.slow
 def test_join_listen_none_from_the_command_line(model, tmp_path):
     """``join --listen none`` serves layers 0-1 through the public peer it dials; ``status`` says
     so and ``chat`` through the public peer only gives the whole model's tokens."""

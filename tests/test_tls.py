@@ -103,6 +103,7 @@ async def test_two_peers_over_wss_equal_greedy_generate(tiny, certs):
     assert out.token_ids == greedy_generate(whole, ids, max_tokens=8, eos_ids=()).token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_tls", [False, True], ids=["ws", "wss"])
 async def test_hidden_states_are_not_in_clear_over_wss(tiny, certs, monkeypatch, use_tls):
     """Hop 1 reaches hop 2 through a relay that records the bytes: a slice of the float32

@@ -311,6 +311,7 @@ async def wait_idle(peers, timeout_s: float = 30.0) -> None:
             await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_killed_peer_shows_as_gone_with_the_gap_and_the_page_recovers(live, tiny, browser, tmp_path):
     path, digest, tok, _ = tiny
     peers = tiny_mesh(live, tiny, advert_ttl_s=3.0)
