@@ -68,11 +68,13 @@ async def _hang_watchdog(request):
     code = request.node.function.__code__
 
     def fire():
-        print(f"\n=== watchdog: {request.node.nodeid} still running after {WATCHDOG_S:.0f} s; "
-              "every task's stack follows ===", file=sys.stderr)
-        for task in asyncio.all_tasks(loop):
-            task.print_stack(limit=40, file=sys.stderr)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        capture = request.config.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled():  # to the terminal now, not the test's captured output
+            print(f"\n=== watchdog: {request.node.nodeid} still running after {WATCHDOG_S:.0f} s; "
+                  "every task's awaits follow ===", file=sys.stderr)
+            for task in asyncio.all_tasks(loop):
+                print(f"--- {task.get_name()}:", " <- ".join(_awaits(task.get_coro())), file=sys.stderr)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         for task in asyncio.all_tasks(loop):
             if any(frame.f_code is code for frame in task.get_stack(limit=200)):
                 task.cancel(f"watchdog: still running after {WATCHDOG_S:.0f} s")
@@ -80,3 +82,17 @@ async def _hang_watchdog(request):
     handle = loop.call_later(WATCHDOG_S, fire)
     yield
     handle.cancel()
+
+
+def _awaits(coro) -> list[str]:
+    """``file:line function`` of ``coro`` and of each coroutine it awaits, outermost first
+    (``Task.print_stack`` shows only the outermost frame of a suspended task)."""
+    out = []
+    while coro is not None and len(out) < 60:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            out.append(type(coro).__name__)
+            break
+        out.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return out
