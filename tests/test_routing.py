@@ -19,11 +19,11 @@ HASH_B = "0a0b1c2d3e4f" + "b" * 52
 
 def peer(peer_id: str, first: int, last: int, *, num_layers: int = 24, weights: str = HASH_A,
          precision: str = "f32", state: str = READY, compute_ms: float = 12.0, free_kv: int = 4096,
-         rtts: dict[str, float] | None = None, seq: int = 0, protocol: int = 1) -> PeerAdvert:
+         rtts: dict[str, float] | None = None, seq: int = 0, protocol: int = 1, device: str = "cpu") -> PeerAdvert:
     """A ready advert holding the inclusive CLI range ``first-last``."""
     return PeerAdvert(peer_id=peer_id, addrs=(f"ws://{peer_id}:7000",), protocol_version=protocol,
                       weights_hash=weights, architecture="llama", num_layers=num_layers,
-                      layers=LayerRange(first, last + 1), device="cpu", precision=precision, state=state,
+                      layers=LayerRange(first, last + 1), device=device, precision=precision, state=state,
                       free_kv_tokens=free_kv, compute_ms_per_token=compute_ms, rtts_ms=dict(rtts or {}),
                       seq=seq)
 
@@ -523,3 +523,23 @@ def test_a_checkable_route_beats_a_faster_one_nobody_can_check():
 def test_checkable_planning_falls_back_when_no_route_can_be_checked():
     a, b = peer("a", 0, 11), peer("b", 12, 23)  # no twins at all
     assert chain(plan_route([a, b], client_rtts_ms={}, checkable=True)) == [("a", "0-11"), ("b", "12-23")]
+
+
+def test_a_precision_other_than_f32_chains_only_on_one_device_type():
+    """f32 chooses the same tokens on every backend, so a CPU and a CUDA peer chain; any other
+    precision is repeatable only on one kind of backend, so they do not, and the error says why
+    (issue 13, the route gate). Two CUDA devices are one kind."""
+    f32 = [peer("c", 0, 11, device="cpu"), peer("d", 12, 23, device="cuda:0")]
+    assert plan_route(f32, client_rtts_ms={}).peer_ids == ("c", "d")
+    mixed = [peer("a", 0, 11, precision="bf16", device="cpu"), peer("b", 12, 23, precision="bf16", device="cuda")]
+    with pytest.raises(NoRoute) as err:
+        plan_route(mixed, client_rtts_ms={})
+    message = str(err.value)
+    assert "bf16 on cpu" in message and "bf16 on cuda" in message, message
+    assert "bf16 peers on cpu and cuda do not chain: only f32 gives the same tokens on every device type" in message
+    gpus = [peer("a", 0, 11, precision="q8-bf16", device="cuda:0"), peer("b", 12, 23, precision="q8-bf16",
+                                                                          device="cuda:1")]
+    assert plan_route(gpus, client_rtts_ms={}).peer_ids == ("a", "b")
+    groups = {g.identity: g.route is not None for g in complete_routes_summary(mixed + f32)}
+    assert groups == {"weights " + HASH_A[:12] + " f32": True, "weights " + HASH_A[:12] + " bf16 on cpu": False,
+                      "weights " + HASH_A[:12] + " bf16 on cuda": False}

@@ -21,7 +21,7 @@ from meshinfer.core.config import LayerRange
 from meshinfer.client.coverage import coverage
 from meshinfer.core.errors import MeshError, Unauthenticated
 from meshinfer.wire.protocol import PeerAdvert
-from meshinfer.client.routing import GroupStatus, complete_routes_summary
+from meshinfer.client.routing import GroupStatus, compat_label, complete_routes_summary
 from meshinfer.client.mesh import MeshClient
 from meshinfer.client.results import ChatResult
 
@@ -61,7 +61,8 @@ def group_json(g: GroupStatus, peers: Iterable[PeerAdvert], *, model: str | None
            "estimated_ms_per_token": g.route.estimated_ms_per_token if g.route else None,
            "missing_layers": missing}
     if model is not None:
-        out.update(model=model, weights_hash=g.compat_key[0], precision=g.compat_key[1], num_layers=g.compat_key[3])
+        out.update(model=model, weights_hash=g.compat_key[0], precision=g.compat_key[1], num_layers=g.compat_key[3],
+                   backend=g.compat_key[4])
     return out
 
 
@@ -165,7 +166,7 @@ class MeshView:
             live, client_rtts_ms=self.client.rtts_ms, exclude=frozenset(p.peer_id for p in live) - reachable)}
         groups = []
         for key in dict.fromkeys(ad.compat_key for ad, _ in known):
-            g = summary.get(key) or GroupStatus(compat_key=key, identity=f"weights {key[0][:12]} {key[1]}",
+            g = summary.get(key) or GroupStatus(compat_key=key, identity=compat_label(key),
                                                 num_peers=0, num_usable=0, route=None,
                                                 missing=(LayerRange(0, key[3]),))
             groups.append(group_json(g, serving, model=self.model_id(key[0])))

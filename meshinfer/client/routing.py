@@ -39,7 +39,8 @@ the best chain without one (see ``_search_without_revisits``).
 
 Rules:
 
-* Every hop has the same ``compat_key``: weights hash, precision, protocol version and L.
+* Every hop has the same ``compat_key``: weights hash, precision, protocol version, L and, for
+  a precision other than f32, the device type (``protocol.numerics_backend``).
   Each key group is planned separately, and the cheapest complete route wins.
 * Only ``"ready"`` peers are used. ``"joining"`` peers have nothing loaded yet. A
   ``"draining"`` peer is about to leave: a new session on it would be cut short and
@@ -69,10 +70,10 @@ from dataclasses import dataclass, replace
 
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import NoRoute
-from meshinfer.wire.protocol import READY, PeerAdvert
+from meshinfer.wire.protocol import PORTABLE_PRECISIONS, READY, PeerAdvert
 
-#: ``(weights_hash, precision, protocol_version, num_layers)``, see ``PeerAdvert.compat_key``.
-CompatKey = tuple[str, str, int, int]
+#: ``(weights_hash, precision, protocol_version, num_layers, backend)``, see ``PeerAdvert.compat_key``.
+CompatKey = tuple[str, str, int, int, str]
 
 #: RTT assumed for a link nobody has measured, in milliseconds. 100 ms is a conservative
 #: round trip between distant sites on the public Internet (same-continent paths take
@@ -137,7 +138,7 @@ class Route:
         hops: the hops in data-path order. The first starts at layer 0 on a peer that holds
             the embedding; the last ends at ``num_layers`` on a peer that holds the output head.
         estimated_ms_per_token: the planner's cost (see the module docstring), milliseconds.
-        compat_key: ``(weights_hash, precision, protocol_version, num_layers)`` of every hop.
+        compat_key: ``(weights_hash, precision, protocol_version, num_layers, backend)`` of every hop.
     """
 
     hops: tuple[Hop, ...]
@@ -163,7 +164,7 @@ class GroupStatus:
     """Whether one compat-key group of the peer table can serve a whole model.
 
     Attributes:
-        compat_key: the group's ``(weights_hash, precision, protocol_version, num_layers)``.
+        compat_key: the group's ``(weights_hash, precision, protocol_version, num_layers, backend)``.
         identity: the same key for people, e.g. ``"weights 1d9614638d18 f32"``.
         num_peers: adverts in the group, any state.
         num_usable: peers the planner may use (ready, not excluded, enough free KV).
@@ -316,12 +317,16 @@ def hop_rtt_ms(a: PeerAdvert, b: PeerAdvert, table: Mapping[str, PeerAdvert]) ->
 
 
 def compat_label(key: CompatKey, others: Iterable[CompatKey] = ()) -> str:
-    """Name a compat key for people: ``"weights 1d9614638d18 f32"``.
+    """Name a compat key for people: ``"weights 1d9614638d18 f32"``, ``"weights 1d9614638d18
+    q8-bf16 on cuda"`` (the device type only for a precision tied to one, see
+    :func:`~meshinfer.wire.protocol.numerics_backend`).
 
     The protocol version and the layer count are added only when ``others`` differ in them.
     """
-    weights_hash, precision, protocol, num_layers = key
+    weights_hash, precision, protocol, num_layers, backend = key
     text = f"weights {weights_hash[:HASH_PREFIX_CHARS]} {precision}"
+    if backend != "any":
+        text += f" on {backend}"
     others = list(others)
     if any(k[2] != protocol for k in others):
         text += f" protocol {protocol}"
@@ -688,7 +693,20 @@ def _no_route_message(statuses: Sequence[GroupStatus], groups: Mapping[CompatKey
     parts = [f"{_layers_text(first)} {'is' if _is_one_layer(first) else 'are'} served by {first_ident}"]
     parts += [f"{_layers_text(held)} by {ident}" for held, ident in rest]
     listing = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
-    return f"no compatible chain: {listing}; with {best.identity}, {gap}"
+    return f"no compatible chain: {listing}; with {best.identity}, {gap}{_backend_note(statuses)}"
+
+
+def _backend_note(statuses: Sequence[GroupStatus]) -> str:
+    """Why groups that differ only in their device type do not chain ("" when none do)."""
+    split = {}
+    for s in statuses:
+        weights_hash, precision, protocol, num_layers, backend = s.compat_key
+        if backend != "any":
+            split.setdefault((weights_hash, precision, protocol, num_layers), set()).add(backend)
+    notes = [f"{key[1]} peers on {' and '.join(sorted(backends))} do not chain: only "
+             f"{'/'.join(sorted(PORTABLE_PRECISIONS))} gives the same tokens on every device type"
+             for key, backends in split.items() if len(backends) > 1]
+    return "".join(f" ({n})" for n in notes)
 
 
 def _held_ranges(usable: Sequence[PeerAdvert], num_layers: int) -> tuple[LayerRange, ...]:

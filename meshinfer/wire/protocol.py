@@ -55,6 +55,18 @@ MAX_VERIFY_TOKENS = 32
 #: of every position (speculative verification; added in protocol 1 without a version bump:
 #: a peer that predates it answers ``protocol_error`` naming ``want``).
 STEP_WANTS = ("none", "token", "tokens")
+#: Precisions that choose the same tokens on every backend (tested: tests/test_gpu.py checks CUDA
+#: f32 against CPU f32). Any other precision is repeatable only on one kind of backend: bf16,
+#: int8 and int4 kernels round and accumulate differently on CPU, CUDA and Metal (the blog this
+#: project follows saw Q4_K_M choose other tokens on CUDA than on Metal), so it chains only with
+#: peers of the same device type.
+PORTABLE_PRECISIONS = frozenset({"f32"})
+
+
+def numerics_backend(device: str, precision: str) -> str:
+    """The backend part of a compat key: ``"any"`` for a :data:`PORTABLE_PRECISIONS` precision,
+    else the device type (``"cpu"``, ``"cuda"``, ``"mps"``; ``"cuda:1"`` -> ``"cuda"``)."""
+    return "any" if precision in PORTABLE_PRECISIONS else (device.split(":", 1)[0] or "cpu")
 
 
 @dataclass(frozen=True)
@@ -123,9 +135,11 @@ class PeerAdvert:
     relays: tuple[str, ...] = ()
 
     @property
-    def compat_key(self) -> tuple[str, str, int, int]:
-        """Peers may share a route only when this key is equal: (hash, precision, protocol, L)."""
-        return (self.weights_hash, self.precision, self.protocol_version, self.num_layers)
+    def compat_key(self) -> tuple[str, str, int, int, str]:
+        """Peers may share a route only when this key is equal: (hash, precision, protocol, L,
+        backend), where backend is :func:`numerics_backend` of the device and precision."""
+        return (self.weights_hash, self.precision, self.protocol_version, self.num_layers,
+                numerics_backend(self.device, self.precision))
 
     def to_wire(self) -> dict:
         """A msgpack-able dict; the layer range travels half-open as ``[start, stop]``."""

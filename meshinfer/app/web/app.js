@@ -309,7 +309,8 @@ function groupBlock(g) {
       + " (~" + fmt(g.estimated_ms_per_token, 1) + " ms/token estimated)"
     : "no complete route: layers " + (g.missing_layers || []).join(", ") + " have no reachable peer";
   return el("div", { class: "group", "data-model": String(g.model) },
-    el("div", {}, el("strong", { text: g.model }), " · " + g.precision + " · " + g.num_layers + " layers · "
+    el("div", {}, el("strong", { text: g.model }), " · " + g.precision + (g.backend && g.backend !== "any" ? " on " + g.backend : "")
+      + " · " + g.num_layers + " layers · "
       + g.usable + " usable peer(s)"),
     strip, el("div", { class: "axis" }, el("span", { text: "layer 0" }), el("span", { text: "layer " + (counts.length - 1) })),
     el("div", { class: g.route ? "route" : "route error-text", text: route }));
