@@ -32,7 +32,7 @@ from helpers.hostile import (CONTEXT, MAX_STEP, NONCE, ROGUE_KEY, TASK_SLACK, VO
 from meshinfer.peer import limits as peer_module
 from meshinfer.wire import protocol, transport, tensors
 from meshinfer.core.config import LayerRange
-from meshinfer.wire.discovery import (HELLO_LABEL, MAX_TTL_S, NONCE_BYTES, peer_id_of,
+from meshinfer.wire.discovery import (HELLO_LABEL, host_key, MAX_TTL_S, NONCE_BYTES, peer_id_of,
     verify_advert)
 from meshinfer.core.errors import ProtocolError
 from meshinfer.engine.generate import load_shard
@@ -1323,6 +1323,43 @@ async def test_connections_from_one_host_are_capped_and_other_hosts_are_served(t
             while "127.0.0.2" in peer._host_connections:
                 await asyncio.sleep(0.02)
         await assert_healthy(tiny, peers)
+
+
+def test_one_ipv6_slash_64_is_one_host_for_the_caps():
+    """Per-host caps count an IPv6 client by its /64 (one subscriber or machine holds all of it),
+    an IPv4-mapped address by its IPv4 address, and leave labels that are not addresses alone."""
+    assert host_key("2001:db8:1:2:3:4:5:6") == host_key("2001:db8:1:2:ffff::1") == "2001:db8:1:2::/64"
+    assert host_key("2001:db8:1:3::1") == "2001:db8:1:3::/64"
+    assert host_key("::ffff:10.0.0.7") == host_key("10.0.0.7") == "10.0.0.7"
+    assert host_key("fe80::1%eth0") == "fe80::/64"
+    assert host_key("127.0.0.1 via 0a1b2c3d4e5f") == "127.0.0.1 via 0a1b2c3d4e5f" and host_key("?") == "?"
+
+
+class _Upgrade:
+    """What ``Connections.admit`` reads of a websocket upgrade from ``addr``."""
+
+    def __init__(self, addr: str) -> None:
+        self.remote_address = (addr, 40000, 0, 0)
+        self.connection_lost_waiter = asyncio.get_running_loop().create_future()
+
+    def respond(self, status: int, body: str) -> tuple[int, str]:
+        return status, body
+
+
+async def test_connections_from_many_addresses_of_one_ipv6_slash_64_share_one_cap(tiny):
+    async with serving(tiny, client_limits=ClientLimits(connections=2)) as peers:
+        conns = peers[0].conns
+        held = [_Upgrade("2001:db8:1:2::1"), _Upgrade("2001:db8:1:2::2")]
+        assert [conns.admit(u, None) for u in held] == [None, None]
+        assert conns.admit(_Upgrade("2001:db8:1:2:ffff::9"), None) == (
+            503, "2001:db8:1:2::/64 already holds 2 connections to this peer, the most one host may hold; "
+                 "close some and retry\n")
+        other = _Upgrade("2001:db8:1:3::1")  # another /64 is another host
+        assert conns.admit(other, None) is None
+        for u in (*held, other):
+            u.connection_lost_waiter.set_result(None)
+        await asyncio.sleep(0)
+        assert "2001:db8:1:2::/64" not in conns.host_connections and "2001:db8:1:3::/64" not in conns.host_connections
 
 
 async def test_a_connection_that_never_finishes_its_upgrade_headers_is_dropped(tiny, monkeypatch):

@@ -41,6 +41,7 @@ from meshinfer.client.routing import Route, complete_routes_summary
 from meshinfer.core.sampling_params import SEED_MODULUS, SamplingParams
 from meshinfer.client.conversation import Conversation
 from meshinfer.client.mesh import MeshClient
+from meshinfer.wire.discovery import host_key
 from meshinfer.text.template import CHAT_ROLES, ROLE_ALIASES
 from meshinfer.text.tokenizer import Tokenizer
 from meshinfer.text.toolcalls import ToolCallStream
@@ -569,7 +570,7 @@ class _Doorman(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         peer = transport.get_extra_info("peername")
-        self.addr = str(peer[0]) if peer else "?"
+        self.addr = host_key(str(peer[0])) if peer else "?"
         if self.api._admit(self.addr):
             self.inner = self.handlers()
             self.inner.connection_made(transport)
@@ -765,7 +766,7 @@ class ApiServer:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self._check_key(request)
-        addr = request.remote or "?"
+        addr = host_key(request.remote) if request.remote else "?"
         limit = self.max_requests_per_client
         if limit and self._in_flight.get(addr, 0) >= limit:
             raise ApiError(429, f"{addr} already has {limit} request{'s' if limit != 1 else ''} in flight, the most "

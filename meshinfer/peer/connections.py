@@ -19,6 +19,7 @@ from meshinfer.core.errors import InvalidInput, MeshError, PeerUnavailable
 from meshinfer.core.logs import context
 from meshinfer.peer import limits
 from meshinfer.peer.limits import Bucket
+from meshinfer.wire import discovery
 from meshinfer.wire.transport import Link, circuit_link, dial, first_success
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,7 +69,7 @@ class Connections:
     def admit(self, ws, request):
         """Answer the upgrade with HTTP 503 when the remote host already holds
         ``client_limits.connections`` connections; else count this one until its socket closes."""
-        host = str(ws.remote_address[0]) if ws.remote_address else "?"
+        host = discovery.host_key(str(ws.remote_address[0])) if ws.remote_address else "?"
         limit, held = self.peer.settings.client_limits.connections, self.host_connections.get(host, 0)
         if held >= limit:
             self.peer.metrics.error("too_many_connections")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from meshinfer.wire import discovery
+from meshinfer.wire.discovery import host_key
 from meshinfer.wire.transport import Link
 
 #: The signature check of a signed advert (:func:`meshinfer.wire.discovery.verify_advert`),
@@ -127,9 +128,9 @@ class Bucket:
 
 
 def client_host(link: Link) -> str:
-    """The IP address a client connection comes from (its limits are per host)."""
+    """The host a client connection comes from (:func:`host_key` of its IP address; its limits are per host)."""
     addr = getattr(link.ws, "remote_address", None)
-    return str(addr[0]) if addr else "?"
+    return host_key(str(addr[0])) if addr else "?"
 
 
 #: Share of the memory free at start-up that a peer's KV budget takes by default.

@@ -406,3 +406,24 @@ class PeerTable:
     def __len__(self) -> int:
         self.expire()
         return len(self._records)
+
+
+#: Prefix length that counts as one host for IPv6: a /64 is what one subscriber line or one cloud
+#: machine usually gets (RFC 6177 recommends at least a /64 per site), so an attacker holds 2^64
+#: addresses of it and per-address caps would not bind.
+IPV6_HOST_PREFIX = 64
+
+
+def host_key(address: str) -> str:
+    """The key per-host limits count under: an IPv4 address as it is (an IPv4-mapped IPv6
+    address as its IPv4 address), an IPv6 address as its /:data:`IPV6_HOST_PREFIX` network
+    (``"2001:db8:1:2::/64"``), anything else (a relayed link's label, ``"?"``) as given."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # a zone id ("fe80::1%eth0") is not an address
+    except ValueError:
+        return address
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    if ip.version == 6:
+        return str(ipaddress.ip_network(f"{ip}/{IPV6_HOST_PREFIX}", strict=False))
+    return str(ip)
