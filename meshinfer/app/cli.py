@@ -977,7 +977,7 @@ def _add_join(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
                    help="most a decode pass waits for the steps of conversations known to be coming, so "
                         "they share it; also at most half a recent pass (0: never wait) [$MESHINFER_BATCH_WAIT_MS]")
     s.add_argument("--max-connections-per-host", type=int, default=_env("MESHINFER_MAX_CONNECTIONS_PER_HOST", "256"),
-                   help="connections one remote IP address may hold open to this peer; more get HTTP 503 at the "
+                   help="connections one remote host (an IPv4 address or an IPv6 /64) may hold open to this peer; more get HTTP 503 at the "
                         "upgrade (raise it for many clients behind one NAT) [$MESHINFER_MAX_CONNECTIONS_PER_HOST]")
     s.add_argument("--key", default=_env("MESHINFER_KEY"), help="Ed25519 key file (created if missing)")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -1046,10 +1046,10 @@ def _add_serve(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
     s.add_argument("--default-max-tokens", type=int, default=512,
                    help="tokens generated when a request sets no max_tokens")
     s.add_argument("--max-requests-per-client", type=int, default=_env("MESHINFER_API_MAX_REQUESTS", "8"),
-                   help="chat requests one client address may have in flight, beyond which it gets 429 "
+                   help="chat requests one client host (an IPv4 address or an IPv6 /64) may have in flight, beyond which it gets 429 "
                         "(0: no limit) [$MESHINFER_API_MAX_REQUESTS]")
     s.add_argument("--max-connections-per-client", type=int, default=_env("MESHINFER_API_MAX_CONNECTIONS", "64"),
-                   help="connections one client address may hold open; more are answered 503 (0: no limit; "
+                   help="connections one client host (an IPv4 address or an IPv6 /64) may hold open; more are answered 503 (0: no limit; "
                         "raise it behind a reverse proxy or a shared NAT) [$MESHINFER_API_MAX_CONNECTIONS]")
     _add_draft_flags(s)
     s.set_defaults(func=cmd_serve)
