@@ -151,6 +151,11 @@ def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
         assert drafted.returncode == 0, drafted.stderr
         d2 = json.loads(drafted.stdout)
         assert (d2["token_ids"], d2["speculative"]["drafter"]) == (d["token_ids"], "model:tiny")
+        long = meshinfer("chat", "--peers", url, "-p", "x" * 4000, "--max-tokens", "4", env=env)
+        assert long.returncode == 2 and long.stderr.strip().splitlines()[-1].startswith(
+            "error: the prompt cannot fit the model's context of "), long.stderr  # the API's 400 message
+        assert "its 4000 characters are at least 308 tokens (no token of this vocabulary spells more than 13 " \
+               "characters), and max_tokens is 4" in long.stderr
         bad = meshinfer("chat", "--peers", url, "-p", "hello", env=env | {"MESHINFER_SPECULATE": "maybe"})
         assert bad.returncode == 2 and "$MESHINFER_SPECULATE='maybe' is not one of" in bad.stderr
         proc.send_signal(signal.SIGTERM)

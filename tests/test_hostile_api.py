@@ -24,6 +24,7 @@ from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.peer.node import ClientLimits
 from meshinfer.core.sampling_params import SamplingParams
 from meshinfer.engine.sampling import pick_token
+from meshinfer.text.prompt_bound import min_chat_tokens
 from meshinfer.client.mesh import MeshClient
 from helpers.hostile import Raw, new_key, rogue_advert
 
@@ -76,6 +77,102 @@ async def test_a_huge_prompt_does_not_stall_other_requests(tiny):
         status, answer = await big
     assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
     assert waited < 1.5, f"/v1/models waited {waited:.1f} s behind one request's tokenization"
+
+
+def test_the_prompt_bound_never_exceeds_the_tokens_of_a_prompt(tiny):
+    """The bound that refuses a prompt before tokenizing is a lower bound: decomposed text that
+    NFC composes, whitespace a template may trim, reasoning Qwen3's template drops, long pieces."""
+    _, _, tok, _ = tiny
+    assert tok.max_piece_chars == len("<|endoftext|>")
+    for content in ("", "x" * 999, "<|im_start|>" * 80, " " * 500 + "a", "e\u0301" * 300, "\u00e9" * 300,
+                    "\u1100\u1161\u11a8" * 100, "<|endoftext|>x" * 50):
+        for role in ("user", "assistant"):
+            messages = [{"role": role, "content": content}, {"role": "user", "content": "</think>" + content}]
+            chars, at_least = min_chat_tokens(messages, tok.max_piece_chars)
+            assert at_least <= len(tok.encode_chat(messages)), (content[:20], role)
+            assert at_least * tok.max_piece_chars >= chars
+
+
+class TokenizerCalls:
+    """Counts renders and tokenizations (``Tokenizer._render``, ``Tokenizer._encode_pieces``);
+    :attr:`entered` and :attr:`left` are set when a tokenization of a prompt holding ``mark``
+    starts and ends."""
+
+    def __init__(self, monkeypatch, mark: str | None = None) -> None:
+        from meshinfer.text.tokenizer import Tokenizer
+
+        self.renders = self.encodes = 0
+        self.entered, self.left = threading.Event(), threading.Event()
+        render, encode = Tokenizer._render, Tokenizer._encode_pieces
+
+        def counted_render(tok, *args):
+            self.renders += 1
+            return render(tok, *args)
+
+        def counted_encode(tok, pieces):
+            self.encodes += 1
+            marked = mark is not None and any(isinstance(p, str) and mark in p for p in pieces)
+            if marked:
+                self.entered.set()
+            try:
+                return encode(tok, pieces)
+            finally:
+                if marked:
+                    self.left.set()
+
+        monkeypatch.setattr(Tokenizer, "_render", counted_render)
+        monkeypatch.setattr(Tokenizer, "_encode_pieces", counted_encode)
+
+
+async def test_a_prompt_that_cannot_fit_is_refused_before_it_is_rendered_or_tokenized(tiny, monkeypatch):
+    """A 4 MB prompt under the body limit was rendered and tokenized (seconds of a core) before
+    the peers found it too long. No token of the tiny vocabulary spells more than 13 characters,
+    so 4,000 characters are at least 308 tokens: over the 256-token context, refused at once."""
+    _, digest, _, _ = tiny
+    async with api_over(tiny) as (peers, server), aiohttp.ClientSession() as http:
+        assert (await post(http, server, json.dumps({"model": digest, "messages": MESSAGES,
+                                                     "max_tokens": 1}).encode()))[0] == 200
+        calls = TokenizerCalls(monkeypatch)
+        long = [{"role": "system", "content": "s" * 1000}, {"role": "user", "content": "x" * 3000}]
+        answers = [await post(http, server, json.dumps({"model": digest, "messages": long, "max_tokens": 4,
+                                                       "stream": stream}).encode()) for stream in (False, True)]
+        assert (calls.renders, calls.encodes) == (0, 0)
+        assert (await post(http, server, json.dumps({"model": digest, "messages": MESSAGES,
+                                                     "max_tokens": 1}).encode()))[0] == 200
+        assert calls.encodes >= 1  # the counters do see a tokenization
+    for status, answer in answers:
+        assert status == 400
+        assert answer["error"] == {
+            "message": "the prompt cannot fit the model's context of 256 tokens: its 4000 characters are at least "
+                       "308 tokens (no token of this vocabulary spells more than 13 characters), and max_tokens is 4",
+            "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
+
+
+async def test_a_small_request_completes_while_a_large_admitted_prompt_is_tokenized(tmp_path, monkeypatch):
+    """A 4 MB prompt the bound admits (the model's context is 2**20 tokens here) is rendered and
+    tokenized in a worker thread that lets go of the GIL (``encode_batch``): a small chat from
+    another address, sent once that tokenization has started, is answered before it ends (the
+    peers then refuse the large one: 4 million tokens). With ``encode`` in the thread, which
+    holds the GIL, or the tokenization on the loop, the small chat waited for all of it."""
+    from helpers.meshkit import tiny_model
+
+    tiny = tiny_model(tmp_path, context=1 << 20)
+    digest = tiny[1]
+    small = json.dumps({"model": digest, "messages": MESSAGES, "max_tokens": 2}).encode()
+    large = json.dumps({"model": digest, "max_tokens": 2,
+                        "messages": [{"role": "user", "content": "held " * ((4 << 20) // 5 - 40)}]}).encode()
+    async with api_over(tiny) as (peers, server), aiohttp.ClientSession() as http:
+        other = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0)))
+        async with other:
+            assert (await post(other, server, small))[0] == 200
+            calls = TokenizerCalls(monkeypatch, mark="held held")
+            big = asyncio.ensure_future(post(http, server, large))
+            assert await asyncio.to_thread(calls.entered.wait, 60.0)
+            status, _ = await asyncio.wait_for(post(other, server, small), 120.0)
+            answered_first = not calls.left.is_set()
+        big_status, answer = await asyncio.wait_for(big, 120.0)
+    assert status == 200 and answered_first
+    assert (big_status, answer["error"]["code"]) == (400, "context_length_exceeded")
 
 
 @pytest.mark.parametrize("name, raw", [
@@ -323,7 +420,7 @@ from meshinfer.engine.generate import load_shard
 from meshinfer.client.mesh import MeshClient
 
 async def main():
-    path, digest, tok, _ = tiny_model(__import__("pathlib").Path({directory!r}))
+    path, digest, tok, _ = tiny_model(__import__("pathlib").Path({directory!r}), context=1 << 20)
     async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest,
                     bundle=tok.to_bundle(), advert_ttl_s=30.0) as peers:
         async with MeshClient(list(peers[0].addrs)) as client:
@@ -346,7 +443,9 @@ def rss_bytes(pid: int) -> int:
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads RSS from /proc")
 async def test_big_prompts_in_flight_from_one_address_neither_stall_others_nor_keep_memory(tmp_path):
     """8 x 4 MB prompts from one address: others waited 31-44 s, and serve grew from 314 MB to
-    3.1 GB that it never gave back. Now one address has one such body in flight (429 for the rest)."""
+    3.1 GB that it never gave back. Now one address has one such body in flight (429 for the rest).
+    The model's context is 2**20 tokens here, so that these prompts pass the bound of
+    ``check_prompt_fits`` and are tokenized (then refused by the peers), as in the attack."""
     import os
     import subprocess
     import sys

@@ -37,7 +37,7 @@ TORCH_FREE = ["meshinfer.core.config", "meshinfer.core.errors", "meshinfer.core.
               "meshinfer.wire.protocol", "meshinfer.wire.discovery", "meshinfer.client.routing",
               "meshinfer.client.coverage", "meshinfer.client.speculative", "meshinfer.text.tokenizer",
               "meshinfer.text.toolcalls", "meshinfer.text.vocab", "meshinfer.text.template",
-              "meshinfer.text.bundle", "meshinfer.text.stream", "meshinfer.peer.batching"]
+              "meshinfer.text.bundle", "meshinfer.text.stream", "meshinfer.text.prompt_bound", "meshinfer.peer.batching"]
 
 
 def _module_name(path: Path) -> str:

@@ -323,3 +323,40 @@ async def test_a_reply_with_every_hop_checked_reports_nothing_unverified(tiny):
     finally:
         for p in peers:
             await p.close()
+
+
+@pytest.mark.parametrize("lies", [("token",), ("token", "probed")], ids=["in_its_token_reply", "in_probes_too"])
+async def test_a_last_hop_that_over_reports_its_positions_is_the_one_excluded(tiny, monkeypatch, lies):
+    """The last hop says it holds one position more than it does, in its ``token`` replies (and,
+    a consistent liar, in its ``probed`` answers). The client banned the honest hop before it:
+    the probes blamed the previous hop of the first hop holding another count. Now the hop that
+    reported the wrong count is the suspect when the others agree with the conversation."""
+    from meshinfer.wire.transport import Link
+
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (3, 4), (3, 4)])
+    first, middle, liar, twin = peers
+    real_send = Link.send
+
+    async def send(link, msg_type, **fields):
+        if msg_type in lies and any(c.owner is link for c in liar.convs.values()):
+            fields["length"] += 1
+        return await real_send(link, msg_type, **fields)
+
+    monkeypatch.setattr(Link, "send", send)
+    try:
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan(exclude=frozenset({twin.peer_id}))
+            assert route.peer_ids == (first.peer_id, middle.peer_id, liar.peer_id)
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS)
+            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            await conv.close()
+            banned = client.backed_off()
+    finally:
+        for p in peers:
+            await p.close()
+    assert out.token_ids == expected
+    assert liar.peer_id in banned and not {first.peer_id, middle.peer_id} & banned
+    assert [d["peer"] for d in out.detections] == [liar.peer_id]
+    assert "positions after the step" in out.detections[0]["reason"]
+    assert conv.route.peer_ids == (first.peer_id, middle.peer_id, twin.peer_id)

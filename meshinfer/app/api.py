@@ -36,7 +36,7 @@ from aiohttp import web
 from meshinfer.core.errors import (CacheFull, ContextOverflow, IncompatibleDraft, IncompatiblePeer,
     InvalidInput, MeshError, NoRoute, PeerUnavailable, RateLimited, Unauthenticated)
 from meshinfer.app.meshview import MeshView
-from meshinfer.app.reply import plan_for, reply
+from meshinfer.app.reply import check_prompt_fits, plan_for, reply
 from meshinfer.client.routing import Route, complete_routes_summary
 from meshinfer.core.sampling_params import SEED_MODULUS, SamplingParams
 from meshinfer.client.conversation import Conversation
@@ -808,10 +808,20 @@ class ApiServer:
             self.models.forget(weights_hash)
             raise mesh_error(exc) from exc
         _check_tool_support(req, tok, model["id"])
-        # seconds for 4 MB: not on the loop; a template that refuses the messages is the request's fault (400)
-        prompt_ids = await asyncio.to_thread(tok.encode_chat, req.messages, tools=req.prompt_tools)
-        head = {"id": _completion_id(), "created": int(time.time()), "model": model["id"]}
         max_tokens = req.max_tokens or self.default_max_tokens
+        context_tokens = self.client.context_tokens(route)
+
+        def encode() -> list[int]:  # refuses a prompt that cannot fit before rendering (ContextOverflow: 400)
+            check_prompt_fits(tok, req.messages, context_tokens=context_tokens, max_tokens=max_tokens)
+            return tok.encode_chat(req.messages, tools=req.prompt_tools)
+
+        # seconds for 4 MB: in a worker thread, so the loop serves other requests meanwhile; a
+        # template that refuses the messages is the request's fault (400)
+        try:
+            prompt_ids = await asyncio.to_thread(encode)
+        except MeshError as exc:
+            raise mesh_error(exc) from exc
+        head = {"id": _completion_id(), "created": int(time.time()), "model": model["id"]}
         run = dict(max_tokens=max_tokens, sampling=req.sampling, stop=req.stop)
         conv = self.client.conversation(route, max_tokens_total=len(prompt_ids) + max_tokens)
         try:

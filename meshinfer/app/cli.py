@@ -404,7 +404,7 @@ async def _chat(args) -> int:
 
 
 async def _chat_with(args, messages: list[dict], interactive: bool, draft) -> int:
-    from meshinfer.app.reply import one_reply, plan_for
+    from meshinfer.app.reply import check_prompt_fits, one_reply, plan_for
     from meshinfer.client.mesh import MeshClient
 
     _warn_plain(_peers(args.peers), args.insecure)
@@ -416,6 +416,7 @@ async def _chat_with(args, messages: list[dict], interactive: bool, draft) -> in
         if not args.json:
             print(f"route: {route.describe()}", file=sys.stderr)
         if not interactive:
+            check_prompt_fits(tok, messages, context_tokens=client.context_tokens(route), max_tokens=args.max_tokens)
             ids = tok.encode_chat(messages)
             _announce_prefill(len(ids), route, args)
             result = await one_reply(client, route, tok, ids, max_tokens=args.max_tokens,

@@ -9,14 +9,15 @@ closed (freeing the hops' caches) however the reply ends, cancellation included.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from meshinfer.core.errors import NoRoute
+from meshinfer.core.errors import ContextOverflow, NoRoute
 from meshinfer.client.routing import Route
 from meshinfer.core.sampling_params import SamplingParams
 from meshinfer.client.conversation import Conversation
 from meshinfer.client.mesh import MeshClient
 from meshinfer.client.results import ChatResult
+from meshinfer.text.prompt_bound import min_chat_tokens
 from meshinfer.text.stream import StreamDecoder
 from meshinfer.text.tokenizer import Tokenizer
 
@@ -92,6 +93,37 @@ async def plan_for(client: MeshClient, *, weights_hash: str | None = None) -> tu
     if weights_hash is not None and route.compat_key[0] != weights_hash:
         raise NoRoute(f"no complete route of weights {weights_hash[:12]}")
     return route, await client.tokenizer(route)
+
+
+def check_prompt_fits(tok: Tokenizer, messages: Sequence[Mapping[str, Any]], *, context_tokens: int | None,
+                      max_tokens: int) -> None:
+    """Refuse ``messages`` whose prompt cannot fit the model's context, before the chat template
+    renders them or the tokenizer reads them (seconds of a core for a 4 MB prompt).
+
+    The bound is :func:`~meshinfer.text.prompt_bound.min_chat_tokens`: no token of the vocabulary stands for more
+    than :attr:`Tokenizer.max_piece_chars` characters, so a prompt of ``chars`` characters has
+    at least ``ceil(chars / max_piece_chars)`` tokens. A prompt under the bound may still be too
+    long; the hops' own check (``open``) then refuses it after tokenizing.
+
+    Args:
+        tok: the route's tokenizer.
+        messages: the chat, as :meth:`Tokenizer.encode_chat` takes it.
+        context_tokens: the model's context, tokens (:meth:`MeshClient.context_tokens`), or
+            None when unknown (nothing is checked).
+        max_tokens: tokens to generate at most, reserved next to the prompt.
+
+    Raises:
+        ContextOverflow: the bound plus ``max_tokens`` exceed ``context_tokens``; the message
+            names the characters, the bound, ``max_tokens`` and the context.
+        InvalidInput: malformed messages.
+    """
+    if context_tokens is None:
+        return
+    chars, at_least = min_chat_tokens(messages, tok.max_piece_chars)
+    if at_least + max_tokens > context_tokens:
+        raise ContextOverflow(f"the prompt cannot fit the model's context of {context_tokens} tokens: its "
+                              f"{chars} characters are at least {at_least} tokens (no token of this vocabulary "
+                              f"spells more than {tok.max_piece_chars} characters), and max_tokens is {max_tokens}")
 
 
 async def reply(conv: Conversation, tok: Tokenizer, prompt_ids: Sequence[int], *, max_tokens: int,

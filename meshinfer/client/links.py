@@ -15,6 +15,7 @@ from meshinfer.wire.transport import Link, circuit_link, dial, first_success
 
 if TYPE_CHECKING:
     from meshinfer.client.conversation import Conversation
+    from meshinfer.client.routing import Route
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,13 @@ class MeshLinks:
         link = self._links.get(peer_id)
         return link if link is not None and not link.closed.is_set() else None
 
+    def context_tokens(self, route: "Route") -> int | None:
+        """The model's context, tokens, as the hops of ``route`` said in their ``welcome``
+        (``context_tokens``): the least of them, or None when no open link to a hop says
+        (peers older than the field). Each hop still refuses an ``open`` beyond its own context."""
+        told = [link.info.get("context_tokens") for link in map(self.open_link, route.peer_ids) if link is not None]
+        return min((n for n in told if n is not None), default=None)
+
     def address(self, peer: PeerAdvert) -> str:
         """Where this client reaches ``peer``: ``relay://RELAY-ID`` through a relay, else its
         first address ("" when it lists none)."""
@@ -120,6 +128,7 @@ class MeshLinks:
                 raise Unauthenticated(f"{url}: {discovery.not_allowed(advert.peer_id)}")
             link.info["max_step_tokens"] = f.int("max_step_tokens", lo=1, hi=1 << 20)
             link.info["max_frame_bytes"] = f.int("max_frame_bytes", lo=1024, hi=1 << 40, default=None)
+            link.info["context_tokens"] = f.int("context_tokens", lo=1, hi=1 << 40, default=None)
             if self.mesh_key is not None:
                 await link.request("auth", timeout_s=self.request_timeout_s,
                                    **discovery.auth_macs(self.mesh_key, welcome_nonce, nonce, url))

@@ -253,16 +253,36 @@ async def _log_of(conv, j: int, start: int, stop: int) -> tuple[torch.Tensor | N
 
 
 async def find_length_liar(conv, expected: int) -> str:
-    """The hop to blame when the last hop holds a position count other than ``expected``.
+    """The hop to blame when the last hop reports a position count other than ``expected``.
 
-    Probes every hop: the first one holding another count got a wrong number of positions
-    from its previous hop, which is the suspect (hop 0 itself when it is the first); when
-    every hop holds ``expected``, the last hop misreported. Hop-to-hop frames are not signed,
-    so a hop that over-reports what it received looks the same as a previous hop that sent
-    too much; the previous hop is blamed (docs/security.md, what nothing prevents yet).
+    Probes every hop up to the first that holds another count (or does not answer). Hop 0, or
+    every hop holding ``expected`` (the last hop misreported in its ``token`` reply): that hop.
+    A later hop ``i`` that claims more positions must show the digest it logged of the hidden
+    states it received for position ``expected`` (``get_log``): a hop whose previous hop sent an
+    extra position has it, and the previous hop is blamed; a hop that over-reports (in its
+    ``token`` replies and its probes alike) received no such position, and is blamed itself,
+    not its honest previous hop, which the probes alone blamed before. A hop that holds fewer
+    positions, or does not answer, blames its previous hop. Hop-to-hop frames are not signed:
+    a liar that also forges the digest of a position it never received still gets its previous
+    hop blamed (docs/security.md).
     """
     hops = conv.route.hops
     for i, hop in enumerate(hops):
-        if await conv.probe(hop) != expected:
-            return hops[max(0, i - 1)].peer_id
+        held = await conv.probe(hop)
+        if held == expected:
+            continue
+        if i == 0 or (held is not None and held > expected and not await _shows_received(conv, i, expected)):
+            return hop.peer_id
+        return hops[i - 1].peer_id
     return hops[-1].peer_id
+
+
+async def _shows_received(conv, i: int, position: int) -> bool:
+    """Whether hop ``i`` (not the first) shows, in its log, the digest of the hidden states it
+    received for ``position``; False when it fails or refuses to."""
+    try:
+        _, received = await _log_of(conv, i, position, position + 1)
+    except MeshError as exc:
+        log.info("hop %s shows no input for position %d: %s", conv.route.hops[i].peer_id[:12], position, exc)
+        return False
+    return received is not None and len(received) == DIGEST_BYTES

@@ -80,7 +80,8 @@ class Handshake:
                         proof=discovery.welcome_proof(self.peer.key, hello_nonce, welcome_nonce,
                                                       "" if link.relay_id else self.peer.tls_fingerprint),
                         private=self.peer.settings.mesh_key is not None, max_step_tokens=self.peer.settings.max_step_tokens,
-                        max_frame_bytes=self.peer.max_frame_bytes, **extra)
+                        max_frame_bytes=self.peer.max_frame_bytes,
+                        context_tokens=self.peer.cfg.max_position_embeddings, **extra)
 
     async def on_auth(self, link: Link, f) -> None:
         """Accepting side: check the dialer's proofs; a peer's connection counts as that peer's only now."""
