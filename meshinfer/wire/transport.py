@@ -474,6 +474,7 @@ def _reply_context(f: Any) -> dict[str, Any]:
 def remote_error(f: Any) -> MeshError:
     """Rebuild an exception from an ``error`` frame, keeping the remote's code and message.
 
+    A ``lying_peer`` keeps its ``suspect``, a ``peer_unavailable`` its ``peer`` and ``relay``.
     A ``protocol_error`` naming ``want`` comes from a peer that predates ``want="tokens"``
     (:data:`~meshinfer.wire.protocol.STEP_WANTS`): it becomes :class:`~meshinfer.core.errors.DraftsRefused`.
     """
@@ -483,6 +484,8 @@ def remote_error(f: Any) -> MeshError:
     message = f.str("message", "")
     if code == errors.LyingPeer.code:
         return errors.LyingPeer(message, suspect=f.str("suspect", None))
+    if code == errors.PeerUnavailable.code:  # a hop's link to its next hop closed: which, through whom
+        return errors.PeerUnavailable(message, peer=f.str("peer", None), relay=f.str("relay", None))
     if code == errors.ProtocolError.code and "want" in message:
         return errors.DraftsRefused(message)
     for cls in vars(errors).values():
