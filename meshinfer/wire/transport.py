@@ -206,6 +206,8 @@ class Link:
         try:
             while True:
                 while not self._outbox:
+                    if self.ws.state is State.CLOSED:  # also when wait_for (3.11) swallowed run()'s cancel
+                        return
                     self._drained.set()
                     self._wake.clear()
                     await self._wake.wait()
@@ -266,6 +268,7 @@ class Link:
         finally:
             for sock in list(self.circuits.values()):  # their carrier is gone
                 sock.closed_by_remote()
+            self._wake.set()  # a writer whose cancel is lost still sees the closed socket
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
             self._outbox.clear()
