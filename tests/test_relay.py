@@ -4,6 +4,7 @@ reachability check, forged relay lists, a relay killed mid-generation, a tamperi
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
 import pytest
@@ -147,6 +148,72 @@ async def test_a_relay_killed_mid_generation_fails_over_to_another_relay(model):
         assert out.route[0]["peer_id"] == home.peer_id  # the hidden peer stays, through the other relay
     finally:
         for p in (home, *relays):
+            await p.close()
+
+
+async def test_a_relay_between_two_hidden_hops_killed_mid_generation_is_blamed_at_once(model):
+    """Hop A forwards to hop B (both hidden) through relay R, while the client reaches both through
+    relay R2. R dies carrying a decode step from A to B: A reports at once that its circuit to B
+    through R closed; the client fails over well before the step deadline, backs off R (not A
+    or B), and A reaches B through R2."""
+    path, digest, tok, ids, expected, other, other_digest = model
+    deadline_floor_s = 60.0  # a failover that waited out the step deadline would take longer than this
+    killed: list = []
+
+    class Doomed(Peer):
+        """A relay that dies, as a power cut would, while it forwards a decode step (which dies with it)."""
+
+        async def _on_relay(self, link, f):
+            if f.str("to", None) is not None and not killed:
+                msg_type, inner = protocol.decode(f.get("data", bytes), max_bytes=1 << 24)
+                if msg_type == "step" and inner.d.get("start", 0) >= len(ids) + 8:
+                    killed.append((time.monotonic(), asyncio.ensure_future(crash(self))))
+                    return
+            await super()._on_relay(link, f)
+
+    survivor = await start_peer(load_shard(other, LayerRange(0, 2)), weights_hash=other_digest)  # another model
+    doomed = await start_peer(load_shard(other, LayerRange(0, 2)), weights_hash=other_digest,
+                              bootstrap=survivor.addrs)
+    doomed.__class__ = Doomed
+    first = await hidden(path, digest, LayerRange(0, 2), survivor.addrs, bundle=tok.to_bundle())
+    last = await hidden(path, digest, LayerRange(2, 4), survivor.addrs)
+    both = (survivor.peer_id, doomed.peer_id)  # the bootstrap peer first: the client goes through it
+    try:
+        await wait_for_tables([survivor, doomed, first, last], timeout_s=30)
+        async with asyncio.timeout(30):  # each relay knows both hidden peers list both relays
+            while not all((ad := r.table.get(h.peer_id)) is not None and ad.relays == both
+                          for r in (survivor, doomed) for h in (first, last)):
+                await asyncio.sleep(0.05)
+        hop_link = await first.conns.link_to(last.peer_id, (), (doomed.peer_id,))  # A -> B through R
+        assert hop_link.relay_id == doomed.peer_id
+        async with MeshClient(list(survivor.addrs)) as client:
+            route = await client.plan()
+            assert route.peer_ids == (first.peer_id, last.peer_id)
+            assert {client._links[h].relay_id for h in route.peer_ids} == {survivor.peer_id}
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS,
+                                       deadline_floor_s=deadline_floor_s)
+            try:
+                out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            finally:
+                await conv.close()
+            done_at = time.monotonic()
+            failed_records = set(client._failed)
+        assert killed and out.token_ids == expected
+        assert len(out.failovers) == 1
+        failover = out.failovers[0]
+        assert failover["failed"] == [doomed.peer_id]  # the relay, not either hop
+        assert f"through relay {doomed.peer_id[:12]}" in failover["reason"]
+        assert failover["kept_hops"] == 2
+        assert failed_records == {doomed.peer_id}
+        # at once: far below the step deadline, which waiting for the lost step would have taken
+        assert failover["seconds"] < deadline_floor_s / 4
+        assert done_at - killed[0][0] < deadline_floor_s / 2
+        assert [h["peer_id"] for h in out.route] == [first.peer_id, last.peer_id]
+        assert first.links[last.peer_id].relay_id == survivor.peer_id
+    finally:
+        if killed:
+            await killed[0][1]
+        for p in (last, first, doomed, survivor):
             await p.close()
 
 

@@ -42,11 +42,19 @@ class Failover:
         except MeshError:
             return None
 
-    async def _find_failed(self, in_flight: int) -> set[str]:
+    async def _find_failed(self, in_flight: int, cause: MeshError | None = None) -> set[str]:
         """Peer ids of the hops to replace: those that do not answer a probe, else the first that
-        does not hold ``in_flight`` positions (the step did not get past it)."""
+        does not hold ``in_flight`` positions (the step did not get past it).
+
+        When ``cause`` is a hop's report that its connection to the next hop closed (a
+        :class:`PeerUnavailable` naming ``peer``, checked by ``_credible``), the step was lost
+        between two hops that may both be fine: only the hops that do not answer are replaced,
+        and the relay the connection ran through (``cause.relay``, not a hop) is named as failed,
+        so it is backed off and the next hop is reached another way."""
         lengths = await asyncio.gather(*(self._probe(h) for h in self.route.hops))
         failed = {h.peer_id for h, n in zip(self.route.hops, lengths) if n is None}
+        if isinstance(cause, PeerUnavailable) and cause.peer is not None:
+            return failed | ({cause.relay} if cause.relay else set())
         if not failed:  # everyone answers: the first hop that has not finished the step is stuck
             # (!=, not <: a hop that never got a step after rejected drafts still holds them, maybe
             # more positions than the step would leave; a hop that finished holds exactly in_flight)
@@ -59,7 +67,7 @@ class Failover:
         """Replace failed hops (found by probing unless given), keep the others' caches, replay
         the confirmed tokens."""
         t0 = time.perf_counter()
-        failed = failed if failed is not None else await self._find_failed(in_flight)
+        failed = failed if failed is not None else await self._find_failed(in_flight, exc)
         for pid in failed:  # a hop behind a dead relay is fine: the relay is backed off, the hop reopened
             self.client.mark_failed(self.client.culprit(pid))
         log.warning("conversation %s: %s; failing over from %s", self.conv_id[:12], exc,

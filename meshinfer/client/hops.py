@@ -20,12 +20,13 @@ MAX_FAILOVERS = 3
 FAILOVER_CODES = frozenset({"peer_unavailable"})
 
 
-def _next_hop(hop) -> dict:
+def _next_hop(hop, avoid: frozenset[str] = frozenset()) -> dict:
     """The ``next`` field of an ``open``/``reroute`` naming ``hop`` (its relays only when it has some,
-    so frames to reachable hops keep their old bytes)."""
+    so frames to reachable hops keep their old bytes). Relays in ``avoid`` (the client's backed-off
+    peers, e.g. a relay that just died) are left out, unless that would leave none."""
     out = {"peer_id": hop.peer_id, "addrs": list(hop.peer.addrs)}
     if hop.peer.relays:
-        out["relays"] = list(hop.peer.relays)
+        out["relays"] = [r for r in hop.peer.relays if r not in avoid] or list(hop.peer.relays)
     return out
 
 
@@ -49,7 +50,7 @@ class HopSteps:
             "reroute" if reroute else "open", timeout_s=self.client.request_timeout_s, conv=self.conv_id,
             layers=[hop.layers.start, hop.layers.stop], max_tokens=self.max_tokens_total,
             prev=hops[i - 1].peer_id if i else None,
-            next=_next_hop(nxt) if nxt else None)
+            next=_next_hop(nxt, self.client.backed_off()) if nxt else None)
         self._opened.add(hop.peer_id)
 
     async def _close_on(self, hops) -> None:
@@ -120,12 +121,22 @@ class HopSteps:
             return ids, f.get("trace", list, [])
 
     def _credible(self, exc: MeshError, link: Link) -> MeshError:
-        """``exc`` when it is not a :class:`LyingPeer` or its ``suspect`` is the hop just before
-        the reporting one (the only hop whose hidden states the reporter checks); otherwise a
-        :class:`LyingPeer` naming the reporter, which accused a hop it cannot have checked."""
+        """``exc`` as far as the reporting hop (``link``'s peer) can know it.
+
+        A :class:`LyingPeer` stands when its ``suspect`` is the hop just before the reporter (the
+        only hop whose hidden states the reporter checks); otherwise it becomes a :class:`LyingPeer`
+        naming the reporter, which accused a hop it cannot have checked. A :class:`PeerUnavailable`
+        naming a ``peer`` (the reporter's link to its next hop closed) keeps that name only when
+        it is the hop just after the reporter, and its ``relay`` only when that hop lists it.
+        """
+        hops = self.route.hops
+        if isinstance(exc, PeerUnavailable) and exc.peer is not None:
+            nxt = next((b for a, b in zip(hops, hops[1:]) if a.peer_id == link.remote_id), None)
+            if nxt is None or nxt.peer_id != exc.peer:
+                return PeerUnavailable(str(exc))
+            return exc if exc.relay in (None, *nxt.peer.relays) else PeerUnavailable(str(exc), peer=exc.peer)
         if not isinstance(exc, LyingPeer) or exc.suspect is None:
             return exc
-        hops = self.route.hops
         if any(a.peer_id == exc.suspect and b.peer_id == link.remote_id for a, b in zip(hops, hops[1:])):
             return exc
         return LyingPeer(f"peer {(link.remote_id or '?')[:12]} blamed peer {exc.suspect[:12]}, whose output it "

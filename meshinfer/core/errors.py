@@ -101,9 +101,20 @@ class VersionMismatch(ProtocolError):
 
 
 class PeerUnavailable(MeshError):
-    """A peer could not be reached, closed the connection, or missed its deadline."""
+    """A peer could not be reached, closed the connection, or missed its deadline.
+
+    Attributes:
+        peer: when a hop reports that its connection to its next hop closed mid-conversation,
+            that next hop's peer id (on the wire: the error frame's ``peer``); else None.
+        relay: the relay that connection ran through (the error frame's ``relay``), or None
+            for a direct connection.
+    """
 
     code = "peer_unavailable"
+
+    def __init__(self, message: str = "", *, peer: str | None = None, relay: str | None = None) -> None:
+        super().__init__(message)
+        self.peer, self.relay = peer, relay
 
 
 class Unauthenticated(MeshError):

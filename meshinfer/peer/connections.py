@@ -98,10 +98,7 @@ class Connections:
             await link.run()
         finally:
             hello_timer.cancel()
-            self.all.discard(link)
-            self.peer.relay.drop_forwards(link)
-            if link.remote_id and self.by_peer.get(link.remote_id) is link:
-                del self.by_peer[link.remote_id]
+            self.forget(link)
             for conv in [c for c in self.peer.convs.values() if c.owner is link]:
                 log.info("client of conversation %s disconnected; freeing it", conv.conv_id,
                          extra=context(conv=conv.conv_id, peer=self.peer.peer_id))
@@ -253,8 +250,11 @@ class Connections:
         return link
 
     def forget(self, link: Link) -> None:
+        """``link`` closed: stop tracking it, end the circuits forwarded over it, and tell the
+        clients of conversations whose next hop it reached (``Conversations.next_hop_lost``)."""
         self.all.discard(link)
         self.peer.relay.drop_forwards(link)
+        self.peer.conversations.next_hop_lost(link)
         if link.remote_id and self.by_peer.get(link.remote_id) is link:
             del self.by_peer[link.remote_id]
 

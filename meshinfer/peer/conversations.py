@@ -53,6 +53,8 @@ class Conv:
     last_active: float = field(default_factory=time.monotonic)
     expected_start: int = 0
     next_relays: tuple[str, ...] | None = None  # the next hop's relays from ``open`` (None: from its advert)
+    next_link: Link | None = None  # the link the last step went to the next hop on, until it closes
+    forwarded_seq: int | None = None  # the seq of that step
 
 
 class Conversations:
@@ -193,6 +195,7 @@ class Conversations:
             raise LayerRangeError(f"reroute: conversation {conv.conv_id} runs layers {conv.run.cli()} here")
         prev_id, next_id, next_addrs, next_relays = self.neighbours(f, conv.run)
         conv.prev_id, conv.next_id, conv.next_addrs, conv.next_relays = prev_id, next_id, next_addrs, next_relays
+        conv.next_link = None  # a link to the old next hop closing is no news for this conversation
         log.info("conversation %s rerouted (failover): previous hop %s, next hop %s", conv.conv_id,
                  (prev_id or "client")[:12], (next_id or "client")[:12],
                  extra=context(conv=conv.conv_id, peer=self.peer.peer_id))
@@ -212,6 +215,27 @@ class Conversations:
             log.info("closed conversation %s at %d tokens", conv.conv_id, conv.cache.length,
                      extra=context(conv=conv.conv_id, peer=self.peer.peer_id))
             await self.drop(conv.conv_id)
+
+    def next_hop_lost(self, link: Link) -> None:
+        """``link`` closed: tell the client of each conversation whose last step went to its next
+        hop on it, at once, with an ``error`` of code ``peer_unavailable`` naming that hop (``peer``)
+        and the relay the link ran through (``relay``, when it was a circuit), for the step sent
+        (``seq``). The step may be lost with the link; the client fails over instead of waiting
+        out its deadline, and blames the relay rather than either hop.
+
+        Posted, never awaited: this runs when a link's read loop ends.
+        """
+        for conv in [c for c in self.by_id.values() if c.next_link is link]:
+            conv.next_link = None
+            relay = link.relay_id
+            via = f" through relay {relay[:12]}" if relay else ""
+            exc = PeerUnavailable(f"peer {self.peer.peer_id[:12]} lost its connection{via} to next hop "
+                                  f"{(conv.next_id or '?')[:12]} after step {conv.forwarded_seq}",
+                                  peer=conv.next_id, relay=relay)
+            self.peer.metrics.error(exc.code)
+            log.warning("conversation %s: %s", conv.conv_id, exc, extra=context(conv=conv.conv_id, peer=self.peer.peer_id))
+            conv.owner.post("error", conv=conv.conv_id, seq=conv.forwarded_seq, code=exc.code, message=str(exc),
+                            peer=exc.peer, **({"relay": relay} if relay else {}))
 
     async def drop(self, conv_id: str) -> None:
         conv = self.by_id.pop(conv_id, None)

@@ -275,6 +275,7 @@ class Steps:
             await nxt.send("step", conv=conv.conv_id, seq=step.seq, start=step.start, want=step.want, replay=True,
                            hidden=tensors.tensor_to_wire(conv.sent.slice(step.start, step.start + step.kept_tokens)),
                            trace=[])
+            conv.next_link, conv.forwarded_seq = nxt, step.seq  # its closing is reported (Conversations.next_hop_lost)
 
     async def run(self, conv: Conv, step: QueuedStep) -> None:
         """Compute ``step`` in the scheduler's next pass that takes it, then forward its hidden
@@ -297,6 +298,7 @@ class Steps:
                            hidden=tensors.tensor_to_wire(out), trace=step.trace + [hop],
                            **({"sampling": sampling.to_wire()} if sampling else {}),
                            **({"rollback": True} if step.rollback else {}))
+            conv.next_link, conv.forwarded_seq = nxt, seq  # its closing is reported (Conversations.next_hop_lost)
 
     @staticmethod
     def logits_mode(want: str) -> str:

@@ -206,6 +206,8 @@ class Link:
         try:
             while True:
                 while not self._outbox:
+                    if self.ws.state is State.CLOSED:  # also when wait_for (3.11) swallowed run()'s cancel
+                        return
                     self._drained.set()
                     self._wake.clear()
                     await self._wake.wait()
@@ -266,6 +268,7 @@ class Link:
         finally:
             for sock in list(self.circuits.values()):  # their carrier is gone
                 sock.closed_by_remote()
+            self._wake.set()  # a writer whose cancel is lost still sees the closed socket
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
             self._outbox.clear()
@@ -474,6 +477,7 @@ def _reply_context(f: Any) -> dict[str, Any]:
 def remote_error(f: Any) -> MeshError:
     """Rebuild an exception from an ``error`` frame, keeping the remote's code and message.
 
+    A ``lying_peer`` keeps its ``suspect``, a ``peer_unavailable`` its ``peer`` and ``relay``.
     A ``protocol_error`` naming ``want`` comes from a peer that predates ``want="tokens"``
     (:data:`~meshinfer.wire.protocol.STEP_WANTS`): it becomes :class:`~meshinfer.core.errors.DraftsRefused`.
     """
@@ -483,6 +487,8 @@ def remote_error(f: Any) -> MeshError:
     message = f.str("message", "")
     if code == errors.LyingPeer.code:
         return errors.LyingPeer(message, suspect=f.str("suspect", None))
+    if code == errors.PeerUnavailable.code:  # a hop's link to its next hop closed: which, through whom
+        return errors.PeerUnavailable(message, peer=f.str("peer", None), relay=f.str("relay", None))
     if code == errors.ProtocolError.code and "want" in message:
         return errors.DraftsRefused(message)
     for cls in vars(errors).values():
