@@ -93,6 +93,9 @@ class Link:
         self._outbox: collections.deque[bytes] = collections.deque()
         self._outbox_bytes = 0
         self._wake = asyncio.Event()  # set when a frame is queued: the writer has work
+        # set by run() as it ends: the writer stops even when its cancel is lost (Python 3.11's
+        # asyncio.wait_for swallows a cancel that lands as the awaited ws.send completes)
+        self._stopping = False
         self._room = asyncio.Event()  # set when the writer took a frame off: senders may fit now
         self._drained = asyncio.Event()  # set while the outbox is empty
         self._drained.set()
@@ -204,9 +207,9 @@ class Link:
         On return (closed, cut, or cancelled with :meth:`run`) nothing more is written: waiting
         senders and :meth:`close` are released."""
         try:
-            while True:
+            while not self._stopping:
                 while not self._outbox:
-                    if self.ws.state is State.CLOSED:  # also when wait_for (3.11) swallowed run()'s cancel
+                    if self._stopping or self.ws.state is State.CLOSED:  # also when run()'s cancel was lost
                         return
                     self._drained.set()
                     self._wake.clear()
@@ -268,7 +271,8 @@ class Link:
         finally:
             for sock in list(self.circuits.values()):  # their carrier is gone
                 sock.closed_by_remote()
-            self._wake.set()  # a writer whose cancel is lost still sees the closed socket
+            self._stopping = True
+            self._wake.set()  # a writer whose cancel is lost (see _stopping) still stops
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
             self._outbox.clear()
