@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from meshinfer.app.bench import GENERAL_PROMPTS
+from meshinfer.app.bench_single import add_fidelity, prefix_agreement, single_table, top1_agreement
 from meshinfer.core.config import PRECISION_NAMES
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.text.tokenizer import Tokenizer
@@ -46,6 +48,42 @@ def test_unknown_dtype_lists_the_choices(tiny_gguf, tmp_path):
     assert "invalid choice: 'q3' (choose from " + ", ".join(f"'{n}'" for n in PRECISION_NAMES) + ")" in out.stderr
 
 
+def test_prefix_agreement_counts_up_to_the_first_divergence():
+    assert prefix_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert prefix_agreement([1, 2, 3, 4], [9, 2, 3, 4]) == 0.0  # diverges at once: later matches do not count
+    assert prefix_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
+    assert prefix_agreement([1, 2, 3, 4], [1, 2]) == 0.5  # missing positions diverge
+    with pytest.raises(ValueError, match="at least one reference token"):
+        prefix_agreement([], [1])
+
+
+def test_top1_agreement_counts_every_matching_position():
+    assert top1_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert top1_agreement([1, 2, 3, 4], [9, 2, 3, 4]) == 0.75  # teacher-forced: one miss costs one position
+    assert top1_agreement([1, 2, 3, 4], [5, 6, 7, 8]) == 0.0
+    assert top1_agreement([1, 2, 3, 4], [1]) == 0.25
+    with pytest.raises(ValueError, match="at least one reference token"):
+        top1_agreement([], [])
+
+
+def test_add_fidelity_averages_over_prompts_and_says_why_a_value_is_missing():
+    refs = [[1, 2, 3, 4], [5, 6]]
+    row = {"fidelity_tokens": [[1, 2, 9, 9], [5, 6]], "fidelity_argmax": [[1, 2, 9, 4], [0, 6]]}
+    add_fidelity(row, refs)
+    assert row["fidelity_greedy"] == (0.5 + 1.0) / 2 and row["fidelity_top1"] == (0.75 + 0.5) / 2
+    no_logits = {"fidelity_tokens": [[1, 2, 3, 4], [5, 6]], "fidelity_argmax_error": "TypeError: no logits_all"}
+    add_fidelity(no_logits, refs)
+    assert no_logits["fidelity_greedy"] == 1.0 and no_logits["fidelity_top1"] is None
+    no_ref = {"fidelity_tokens": [[1]]}
+    add_fidelity(no_ref, None, "the f32 reference failed: boom")
+    assert no_ref["fidelity_greedy"] is None and no_ref["fidelity_greedy_error"] == "the f32 reference failed: boom"
+    table = single_table([{"engine": "llama.cpp", "precision": "gguf as stored", "decode_tok_s": 1.0,
+                           "ttft30_ms": 1, "ttft1000_ms": 1, "peak_rss_mib": 1, "load_s": 1, **no_logits}],
+                         tokens=4, threads=1)
+    assert "| 1.0 | 1.00 | - (TypeError: no logits_all) |" in table
+    assert "f32 is not in --dtypes: it ran only as the fidelity reference." in table
+
+
 @pytest.mark.slow
 def test_bench_single_reports_every_engine(tiny_gguf, tmp_path):
     report = tmp_path / "single.json"
@@ -58,6 +96,27 @@ def test_bench_single_reports_every_engine(tiny_gguf, tmp_path):
     assert mesh["engine"] == "meshinfer" and mesh["precision"] == "q8-bf16"
     assert mesh["decode_tok_s"] > 0 and mesh["ttft1000_ms"] > 0 and mesh["peak_rss_mib"] > 0
     assert 0 < mesh["join_cached_s"] and 0 < mesh["join_cold_s"] and len(mesh["token_ids"]) == 4
+    assert 0 <= mesh["fidelity_greedy"] <= 1 and 0 <= mesh["fidelity_top1"] <= 1  # against f32 run as reference only
     assert llama == {"engine": "llama.cpp", "precision": "gguf as stored",
                      "error": f"{tmp_path / 'no-python'} does not exist"}
     assert "| meshinfer | q8-bf16 |" in out.stdout and "| llama.cpp | gguf as stored | not measured:" in out.stdout
+    assert "f32 is not in --dtypes: it ran only as the fidelity reference." in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_single_fidelity_is_computed_against_f32(tiny_gguf, tmp_path):
+    report = tmp_path / "single.json"
+    out = meshinfer("bench", "--single", "--model", str(tiny_gguf), "--dtypes", "f32,q4-g32-bf16", "--threads", "1",
+                    "--max-tokens", "5", "--llama-python", str(tmp_path / "no-python"), "--no-transformers",
+                    "--no-join", "--out", str(report), home=tmp_path)
+    assert out.returncode == 0, out.stderr
+    f32, q4, _ = json.loads(report.read_text())
+    refs = f32["fidelity_tokens"]
+    assert len(refs) == len(GENERAL_PROMPTS) >= 8 and all(len(r) == 5 for r in refs)
+    assert f32["fidelity_greedy"] == 1.0
+    assert f32["fidelity_top1"] == sum(map(top1_agreement, refs, f32["fidelity_argmax"])) / len(refs)
+    assert q4["fidelity_greedy"] == sum(map(prefix_agreement, refs, q4["fidelity_tokens"])) / len(refs)
+    assert q4["fidelity_top1"] == sum(map(top1_agreement, refs, q4["fidelity_argmax"])) / len(refs)
+    assert 0 <= q4["fidelity_greedy"] <= 1 and 0 <= q4["fidelity_top1"] <= 1
+    assert f"| meshinfer | f32 | {f32['decode_tok_s']:.1f} | 1.00 | {f32['fidelity_top1']:.2f} |" in out.stdout
+    assert "ran only as the fidelity reference" not in out.stdout

@@ -802,6 +802,9 @@ def cmd_netsim(args) -> int:
 def cmd_bench(args) -> int:
     from meshinfer.app import bench
 
+    if args.max_tokens is None:
+        # --single measures fidelity on 8 prompts x 64 greedy tokens (issue 13) with the same count.
+        args.max_tokens = 64 if args.single else 32
     if args.single:
         return _bench_single(args)
 
@@ -1078,7 +1081,9 @@ def _add_bench(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
     s = _subcommand(sub, "bench", "Benchmark a single peer against 2- and 3-peer splits on loopback.",
                     [flags["log"], flags["model"]])
     s.add_argument("--splits", default="1,2,3", help="peer counts to measure")
-    s.add_argument("--max-tokens", type=int, default=32, help="tokens generated per run")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens generated per run [32; with --single 64, also the greedy tokens of each "
+                        "fidelity prompt]")
     s.add_argument("--repeats", type=int, default=3, help="timed runs per setup, after one warm-up")
     s.add_argument("--dtype", default="f32", choices=PRECISION_NAMES, help=DTYPE_HELP)
     s.add_argument("--base-port", type=int, default=7800, help="first loopback port for the peers")
