@@ -93,6 +93,29 @@ def test_the_prompt_bound_never_exceeds_the_tokens_of_a_prompt(tiny):
             assert at_least * tok.max_piece_chars >= chars
 
 
+def test_the_prompt_bound_normalizes_a_bounded_amount_of_text(tiny, monkeypatch):
+    """NFC of a run of combining marks it must reorder costs time quadratic in the run, holding
+    the GIL (240 KB froze serve for 16 s): the bound normalizes at most NFC_BUDGET_CHARS
+    characters per prompt and counts the rest at NFC's largest shrink, still a lower bound."""
+    import unicodedata
+
+    from meshinfer.text import prompt_bound
+
+    _, _, tok, _ = tiny
+    normalized = []
+    real = unicodedata.normalize
+    monkeypatch.setattr(prompt_bound.unicodedata, "normalize",
+                        lambda form, text: normalized.append(len(text)) or real(form, text))
+    hostile = "a" + "\u0301\u0316" * 120_000
+    messages = [{"role": "user", "content": hostile}, {"role": "user", "content": "e\u0301" * 3000},
+                {"role": "user", "content": hostile[:5000]}]
+    chars, at_least = prompt_bound.min_chat_tokens(messages, tok.max_piece_chars)
+    assert sum(normalized) <= prompt_bound.NFC_BUDGET_CHARS and normalized == [6000]
+    assert chars == -(-len(hostile) // prompt_bound.NFC_MAX_SHRINK) + 3000 + -(-5000 // prompt_bound.NFC_MAX_SHRINK)
+    small = [{"role": "user", "content": hostile[:2001]}]  # within the budget: counted exactly
+    assert prompt_bound.min_chat_tokens(small, tok.max_piece_chars)[1] <= len(tok.encode_chat(small))
+
+
 class TokenizerCalls:
     """Counts renders and tokenizations (``Tokenizer._render``, ``Tokenizer._encode_pieces``);
     :attr:`entered` and :attr:`left` are set when a tokenization of a prompt holding ``mark``

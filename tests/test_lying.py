@@ -360,3 +360,42 @@ async def test_a_last_hop_that_over_reports_its_positions_is_the_one_excluded(ti
     assert [d["peer"] for d in out.detections] == [liar.peer_id]
     assert "positions after the step" in out.detections[0]["reason"]
     assert conv.route.peer_ids == (first.peer_id, middle.peer_id, twin.peer_id)
+
+
+async def test_a_peer_off_the_route_cannot_fail_over_a_conversation_by_naming_it(tiny):
+    """A peer that is not on the route but holds a link to the client (a relay sees conversation
+    ids in cleartext) sends ``peer_unavailable`` errors for the conversation, with no ``seq``: the
+    client used to fail over on them and back off honest hops until no route was left. Only the
+    route's hops speak for a conversation now."""
+    path, digest, tok, _, _ = tiny
+    bundle = tok.to_bundle()
+    a = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=bundle)
+    b = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bundle=bundle, bootstrap=a.addrs)
+    # a peer of another model (another weights hash, half of it): never on this conversation's route
+    c = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash="f" * 64, bundle=bundle, bootstrap=a.addrs)
+    ids = tok.encode_chat([{"role": "user", "content": "hello"}])
+    try:
+        await wait_for_tables([a, b, c])
+        async with MeshClient(list(a.addrs)) as client:
+            route = await client.plan()
+            assert route.peer_ids == (a.peer_id, b.peer_id)
+            await client.link(client.table[c.peer_id])
+            link = next(lk for lk in c._all_links if lk.role == "client")
+            conv = client.conversation(route, max_tokens_total=len(ids) + 8, speculate=False)
+
+            async def inject():
+                while True:
+                    link.post("error", conv=conv.conv_id, code="peer_unavailable", message="the stranger says so")
+                    await asyncio.sleep(0.005)
+
+            injecting = asyncio.ensure_future(inject())
+            try:
+                out = await conv.generate(ids, max_tokens=8, eos_ids=())
+            finally:
+                injecting.cancel()
+                await conv.close()
+            assert out.token_ids == greedy_generate(load_shard(path), ids, max_tokens=8).token_ids
+            assert conv.failovers == [] and client.backed_off() == set()
+    finally:
+        for p in (a, b, c):
+            await p.close()

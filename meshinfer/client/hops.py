@@ -103,6 +103,8 @@ class HopSteps:
                 if f in self.route.peer_ids:
                     raise PeerUnavailable(f"the connection to hop {f[:12]} closed")
                 continue
+            if link is None or link.remote_id not in self.route.peer_ids:
+                continue  # only the route's hops speak for this conversation (a stranger knowing its id does not)
             msg_seq = f.get("seq", int, None)
             if msg_seq is not None and msg_seq < self._min_seq:
                 continue  # a late reply from before a failover

@@ -38,24 +38,42 @@ def min_chat_tokens(messages: Sequence[Mapping[str, Any]], max_piece_chars: int)
     text it stands for (GPT-2's byte-to-character table), and an added token's piece is its
     text, so no token stands for more than ``max_piece_chars`` characters. Hence a prompt of
     ``chars`` such characters has at least ``ceil(chars / max_piece_chars)`` tokens, whatever
-    the merges do. Costs one pass over each content at C speed (about a millisecond per MB of
-    NFC text; normalizing text that is not NFC costs more).
+    the merges do. Costs one pass over each content at C speed: ASCII is counted as it is (NFC
+    keeps it); other text is normalized only up to :data:`NFC_BUDGET_CHARS` characters per
+    prompt, and beyond that counted as a quarter of its length (:data:`NFC_MAX_SHRINK`), because
+    CPython's NFC holds the GIL for a time that grows with the square of a run of combining marks
+    (a 240 KB run froze ``serve`` for 16 s).
 
     Raises:
         InvalidInput: malformed messages (as ``encode_chat``).
     """
-    chars = sum(_rendered_chars(m) for m in validate_messages(messages))
+    budget = [NFC_BUDGET_CHARS]
+    chars = sum(_rendered_chars(m, budget) for m in validate_messages(messages))
     return chars, -(-chars // max(1, max_piece_chars))
 
 
-def _rendered_chars(message: Mapping[str, Any]) -> int:
+#: Non-ASCII characters per prompt that :func:`min_chat_tokens` normalizes to NFC to count them
+#: exactly: its worst case (a run of combining marks NFC must reorder) costs about 0.1 s of a
+#: core at this size.
+NFC_BUDGET_CHARS = 8192
+#: Most characters NFC turns into one: a character's full canonical decomposition is at most 4
+#: code points long (e.g. U+1F82, Unicode's UnicodeData.txt), and composition only rebuilds such
+#: characters, so NFC never shortens a text to less than a quarter of its length.
+NFC_MAX_SHRINK = 4
+
+
+def _rendered_chars(message: Mapping[str, Any], budget: list[int]) -> int:
     """Characters of ``message``'s content that any chat template renders (see
     :func:`min_chat_tokens`): trimmed, an assistant's from its last ``</think>``, and no more
-    than its NFC form holds."""
+    than its NFC form holds (exactly within ``budget[0]`` non-ASCII characters, which it
+    spends; else a quarter of its length)."""
     content = (message.get("content") or "").strip()
     cut = content.rfind(THINK_END) if message.get("role") == "assistant" else -1
     if cut >= 0:
         content = content[cut + len(THINK_END):].strip()
-    if unicodedata.is_normalized("NFC", content):
+    if content.isascii():
         return len(content)
+    if len(content) > budget[0]:
+        return -(-len(content) // NFC_MAX_SHRINK)
+    budget[0] -= len(content)
     return min(len(content), len(unicodedata.normalize("NFC", content)))

@@ -93,9 +93,7 @@ class Link:
         self._outbox: collections.deque[bytes] = collections.deque()
         self._outbox_bytes = 0
         self._wake = asyncio.Event()  # set when a frame is queued: the writer has work
-        # set by run() as it ends: the writer stops even when its cancel is lost (Python 3.11's
-        # asyncio.wait_for swallows a cancel that lands as the awaited ws.send completes)
-        self._stopping = False
+        self._stopping = False  # set by run() as it ends: the writer stops even if its cancel was lost
         self._room = asyncio.Event()  # set when the writer took a frame off: senders may fit now
         self._drained = asyncio.Event()  # set while the outbox is empty
         self._drained.set()
@@ -203,9 +201,7 @@ class Link:
 
     async def _write_loop(self) -> None:
         """Write queued frames in order; cut the connection when one is not taken in time (:meth:`_patience_s`).
-
-        On return (closed, cut, or cancelled with :meth:`run`) nothing more is written: waiting
-        senders and :meth:`close` are released."""
+        On return (closed, cut, or stopped by :meth:`run`) waiting senders and :meth:`close` are released."""
         try:
             while not self._stopping:
                 while not self._outbox:
@@ -271,8 +267,8 @@ class Link:
         finally:
             for sock in list(self.circuits.values()):  # their carrier is gone
                 sock.closed_by_remote()
-            self._stopping = True
-            self._wake.set()  # a writer whose cancel is lost (see _stopping) still stops
+            self._stopping = True  # Python 3.11's wait_for loses a cancel that lands as ws.send completes
+            self._wake.set()
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
             self._outbox.clear()
