@@ -205,7 +205,7 @@ class Link:
         try:
             while not self._stopping:
                 while not self._outbox:
-                    if self._stopping or self.ws.state is State.CLOSED:  # also when run()'s cancel was lost
+                    if self._stopping:  # run() ended (the socket closed, or it was cancelled)
                         return
                     self._drained.set()
                     self._wake.clear()
