@@ -324,7 +324,8 @@ async def test_concurrent_conversations_give_the_tokens_each_gives_alone_default
                 "Explain recursion in one sentence.", "Reverse a string in Python."]
     shards = [shard_of(DEFAULT, 0, 12), shard_of(DEFAULT, 12, 24)]
     async with mesh(shards, weights_hash=file_hash(path), bundle=bundle, client_limits=UNLIMITED) as peers:
-        alone, together, batched = await alone_then_together(peers, tok, prompts, max_tokens=8, stagger_s=0.2)
+        alone, together, batched = await alone_then_together(peers, tok, prompts, max_tokens=8, stagger_s=0.2,
+                                                             hold_devices_s=len(prompts) * 0.2 + 2.0)
         assert together == alone
         assert all(b > 0 for b in batched), batched
         assert all(p.batch_stats.largest_batch > 1 for p in peers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 
 import torch
 
@@ -75,8 +76,15 @@ def compare_batched_with_single(shards: list, prompts: list[list[int]], steps: i
     return compared
 
 
-async def alone_then_together(peers, tok, prompts: list[str], *, max_tokens: int, stagger_s: float):
-    """Each prompt through the mesh alone, then all at once (started ``stagger_s`` apart)."""
+async def alone_then_together(peers, tok, prompts: list[str], *, max_tokens: int, stagger_s: float,
+                              hold_devices_s: float = 0.0):
+    """Each prompt through the mesh alone, then all at once (started ``stagger_s`` apart).
+
+    With ``hold_devices_s`` > 0, every peer's device thread is held that long while the
+    conversations start, so their first steps queue together however loaded the machine is (on a
+    loaded core, one conversation's whole reply can otherwise finish before the next arrives).
+    Returns (alone ids, together ids, batched passes per peer during the together run).
+    """
     alone = []
     for p in prompts:
         _, _, out = await generate_through(peers, tok, [{"role": "user", "content": p}], max_tokens=max_tokens,
@@ -90,5 +98,13 @@ async def alone_then_together(peers, tok, prompts: list[str], *, max_tokens: int
                                          max_tokens_total=200, deadline_floor_s=CONCURRENT_DEADLINE_FLOOR_S)
         return out.token_ids
 
-    together = await asyncio.gather(*(later(i, p) for i, p in enumerate(prompts)))
+    gates = [threading.Event() for _ in peers] if hold_devices_s > 0 else []
+    for peer, gate in zip(peers, gates):
+        peer.executor.submit(gate.wait, hold_devices_s + 60)
+    running = asyncio.gather(*(later(i, p) for i, p in enumerate(prompts)))
+    if gates:
+        await asyncio.sleep(hold_devices_s)
+        for gate in gates:
+            gate.set()
+    together = await running
     return alone, list(together), [p.batch_stats.batched_passes - b for p, b in zip(peers, before)]
