@@ -229,14 +229,16 @@ async def test_conversations_on_a_route_share_the_draft_policy_of_their_drafter(
         async with MeshClient(list(peers[0].addrs), draft_model=drafts["same"]) as client:
             route = await client.plan()
             convs = [client.conversation(route, max_tokens_total=len(ids) + 8, **opts)
-                     for opts in ({}, {}, {"draft_model": None})]
+                     for opts in ({}, {}, {"draft_model": None}, {"draft_ahead": not client.draft_ahead})]
             steps = []  # decode steps of each conversation
             for conv in convs:
                 out = await conv.generate(ids, max_tokens=8, eos_ids=())
                 await conv.close()
                 assert out.token_ids == greedy_generate(whole, ids, max_tokens=8).token_ids
                 steps.append(out.speculative["steps"] + out.speculative["plain_steps"])
-    assert convs[0].policy is convs[1].policy is client.draft_policy(route, ModelDrafter(drafts["same"]))
+    assert convs[0].policy is convs[1].policy is client.draft_policy(route, ModelDrafter(drafts["same"]),
+                                                                      ahead=client.draft_ahead)
+    assert convs[3].policy is not convs[0].policy  # drafting ahead or not: other step times
     assert convs[2].policy is not convs[0].policy and convs[2].policy.prior_acceptance == 0.5
     assert convs[0].policy.steps_recorded == steps[0] + steps[1] and convs[2].policy.steps_recorded == steps[2]
 

@@ -104,6 +104,28 @@ def test_many_rows_take_the_dense_path_and_agree_with_the_kernel(make, monkeypat
         assert (y - ref).abs().max() <= MODULE_TOLERANCE * ref.abs().max()
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-hardware", "no-bf16-hardware"])
+def test_the_dense_path_runs_in_f32_where_the_cpu_has_no_bf16_matmul(native, monkeypatch):
+    """Without bf16 hardware the dense path multiplies the same bf16 values in f32 (software bf16
+    GEMM is 5x slower there); with it, one bf16 matmul. Both give the bf16 product: they differ
+    only by summation order and the final rounding to bf16 (2^-8 relative)."""
+    from meshinfer.engine.models import quant
+
+    g = torch.Generator().manual_seed(5)
+    m = Int8Linear(256, 96, False)
+    m.set_float_weight(torch.randn(96, 256, generator=g))
+    x = torch.randn(DENSE_MIN_ROWS, 256, generator=g)
+    monkeypatch.setattr(quant, "native_bf16_matmul", lambda: native)
+    y = m(x)
+    xb, wb = x.bfloat16(), m.dense_weight(0, 96)  # the values both paths multiply
+    f32_path = torch.nn.functional.linear(xb.float(), wb.float()).bfloat16().float()
+    if native:
+        assert torch.equal(y, torch.nn.functional.linear(xb, wb).float())
+    else:
+        assert torch.equal(y, f32_path)
+    assert (y - f32_path).abs().max() <= 2 ** -7 * f32_path.abs().max()
+
+
 @pytest.mark.parametrize("make", [lambda: Int8Linear(128, 320, False), lambda: Int4Linear(128, 320, False, 32)],
                          ids=["int8", "int4"])
 def test_the_dense_path_dequantizes_a_large_weight_in_row_chunks(make, monkeypatch):

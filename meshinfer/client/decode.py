@@ -47,7 +47,7 @@ class DecodeSteps:
         if self.drafter is None:
             self.drafter = self.draft_model.drafter() if self.draft_model is not None else PromptLookup()
         if self.policy is None:
-            self.policy = self.client.draft_policy(self.route, self.drafter)
+            self.policy = self.client.draft_policy(self.route, self.drafter, ahead=self.draft_ahead)
         return SpecStats(draft_tokens=self.draft_tokens, drafter=self.drafter.name)
 
     async def _decode_step(self, result: ChatResult, history: list[int], remaining: int,

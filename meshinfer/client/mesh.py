@@ -222,11 +222,13 @@ class MeshClient(MeshLinks):
             self.draft_model.check_vocabulary(self._tokenizers[key])
         return self._tokenizers[key]
 
-    def draft_policy(self, route: Route, drafter: Drafter) -> DraftPolicy:
+    def draft_policy(self, route: Route, drafter: Drafter, *, ahead: bool | str = False) -> DraftPolicy:
         """The draft-length policy of ``drafter``'s kind on ``route``, shared by this client's
         conversations: step times and draft costs belong to the route and the machine, and
-        acceptance to the drafter, so a new conversation starts from what earlier ones measured."""
-        key = (route.peer_ids, drafter.name)
+        acceptance to the drafter, so a new conversation starts from what earlier ones measured.
+        Conversations with another ``ahead`` (their ``draft_ahead`` setting) get another policy:
+        drafting during steps changes the step times (a draft model sharing the hops' CPU)."""
+        key = (route.peer_ids, drafter.name, ahead)
         if key not in self._policies:
             self._policies[key] = DraftPolicy.for_route(route, prior_acceptance=drafter.prior_acceptance,
                                                         prior_draft_ms=drafter.prior_draft_ms)

@@ -4,7 +4,8 @@ For the default model's largest projection shapes it times ``Int8Linear`` and ``
 (group 32) on ``M`` rows both ways: through the kernel (``torch._weight_int8pack_mm``,
 ``torch._weight_int4pack_mm_for_cpu``) and through the dense path the modules take from
 ``meshinfer.engine.models.quant.DENSE_MIN_ROWS`` rows on (weight dequantized to bf16, one bf16
-matmul). Best of ``--runs`` calls each; prints a markdown table.
+matmul, or one f32 matmul of the same values on a CPU without bf16 hardware:
+``quant.native_bf16_matmul``). Best of ``--runs`` calls each; prints a markdown table.
 
     python tests/benchmarks/prefill_kernels.py --threads 2 --rows 32,64,128,256,512
 """
