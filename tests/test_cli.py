@@ -131,11 +131,12 @@ def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
         assert tls.returncode == 2 and tls.stderr.strip().splitlines()[-1].endswith(
             "if the peer serves plain websockets, use ws://"), tls.stderr
         repl = meshinfer("chat", "--peers", url, "--max-tokens", "3", "--no-speculate", env=env,
-                         stdin="/help\n/bogus\n\n//x\n/reset\n/exit\nnever sent\n")
+                         stdin="/help\n/bogus\n\n//x\n" + "y" * 4000 + "\n/reset\n/exit\nnever sent\n")
         assert repl.returncode == 0, repl.stderr
         assert "commands: /help shows this; /reset starts" in repl.stderr
         assert "unknown command /bogus; commands:" in repl.stderr and "(conversation reset)" in repl.stderr
-        assert repl.stdout.count("> ") == 6  # help, bogus, blank, the //x message, reset, exit
+        assert repl.stdout.count("> ") == 7  # help, bogus, blank, the //x message, the long one, reset, exit
+        assert "error: the prompt cannot fit the model's context of " in repl.stderr  # refused, chat went on
         chat = meshinfer("chat", "--peers", url, "-p", "hello", "--max-tokens", "6", "--json", env=env)
         assert chat.returncode == 0, chat.stderr
         d = json.loads(chat.stdout)

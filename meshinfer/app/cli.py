@@ -491,7 +491,10 @@ def _repl_command(line: str | None) -> str | None:
 
 
 async def _repl(client, route, tok, args) -> None:
-    """Interactive chat: Ctrl-C stops the current reply, Ctrl-D or /exit leaves."""
+    """Interactive chat: Ctrl-C stops the current reply, Ctrl-D or /exit leaves. A message whose
+    chat cannot fit the context (``--context`` or the model's) is refused before it is tokenized."""
+    from meshinfer.app.reply import check_prompt_fits
+
     system = _system_turn(args)
     messages = list(system)
     conv = client.conversation(route, max_tokens_total=args.context, **_spec(args))
@@ -519,6 +522,14 @@ async def _repl(client, route, tok, args) -> None:
             if line.startswith("//"):
                 line = line[1:]
             messages.append({"role": "user", "content": line})
+            try:  # before tokenizing: a pasted megabyte would take seconds of it
+                check_prompt_fits(tok, messages, max_tokens=args.max_tokens, context_tokens=min(
+                    args.context, client.context_tokens(route) or args.context))
+            except ContextOverflow as exc:
+                print(f"error: {exc}\n(type /reset to start over, or start chat with a larger --context)",
+                      file=sys.stderr)
+                messages.pop()
+                continue
             prompt_ids = tok.encode_chat(messages)
             reply = asyncio.ensure_future(_reply(conv, tok, prompt_ids, args))
             loop.add_signal_handler(signal.SIGINT, reply.cancel)
