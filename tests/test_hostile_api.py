@@ -171,6 +171,24 @@ async def test_a_prompt_that_cannot_fit_is_refused_before_it_is_rendered_or_toke
             "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
 
 
+async def test_a_hop_that_tells_a_tiny_context_cannot_make_serve_refuse_prompts(tiny):
+    """A hop's welcome said ``context_tokens`` 1 (as a lying peer may): serve took the least over
+    the route and refused every prompt routed through it. The largest told counts now."""
+    _, digest, _, _ = tiny
+    async with api_over(tiny) as (peers, server), aiohttp.ClientSession() as http:
+        body = json.dumps({"model": digest, "messages": MESSAGES, "max_tokens": 2}).encode()
+        assert (await post(http, server, body))[0] == 200
+        links = [server.client.open_link(p.peer_id) for p in peers]
+        assert all(link is not None and link.info["context_tokens"] == 256 for link in links)
+        links[1].info["context_tokens"] = 1  # what that welcome leaves on the client's link
+        status, answer = await post(http, server, body)
+        assert status == 200, answer
+        long = [{"role": "user", "content": "x" * 4000}]
+        status, answer = await post(http, server, json.dumps({"model": digest, "messages": long,
+                                                              "max_tokens": 4}).encode())
+        assert status == 400 and "context of 256 tokens" in answer["error"]["message"]  # still refused early
+
+
 async def test_a_small_request_completes_while_a_large_admitted_prompt_is_tokenized(tmp_path, monkeypatch):
     """A 4 MB prompt the bound admits (the model's context is 2**20 tokens here) is rendered and
     tokenized in a worker thread that lets go of the GIL (``encode_batch``): a small chat from

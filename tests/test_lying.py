@@ -399,3 +399,49 @@ async def test_a_peer_off_the_route_cannot_fail_over_a_conversation_by_naming_it
     finally:
         for p in (a, b, c):
             await p.close()
+
+
+async def test_a_hop_that_keeps_reporting_its_next_hop_gone_is_replaced_with_it(tiny):
+    """A first hop that answers decode steps with ``peer_unavailable`` naming its next hop, while
+    every hop answers the client's probes, cost 3 failovers a step, every step, and was chosen
+    again. Its second report that no probe bears out replaces it and the hop it names (which of
+    the two broke their link cannot be told); the reply is still exact."""
+    path, digest, tok, _, _ = tiny
+    bundle = tok.to_bundle()
+    liar = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=bundle)
+    spare = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=bundle,
+                             bootstrap=liar.addrs)
+    peers = [liar, spare] + [await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bundle=bundle,
+                                              bootstrap=liar.addrs) for _ in range(2)]
+    ids = tok.encode_chat([{"role": "user", "content": "hello"}])
+    honest_run, reports = liar.steps.run, []
+    try:
+        await wait_for_tables(peers)
+        async with MeshClient(list(liar.addrs)) as client:
+            client.mark_failed(spare.peer_id)  # so every route runs through the liar until it is blamed
+
+            async def run(conv, step):
+                if step.start == 0 or step.replay:
+                    return await honest_run(conv, step)
+                reports.append(conv.next_id)
+                if len(reports) == 2:
+                    client._failed.pop(spare.peer_id)  # the liar's replacement is there when it is needed
+                await conv.owner.send("error", conv=conv.conv_id, seq=step.seq, code="peer_unavailable",
+                                      message="my next hop is gone", peer=conv.next_id)
+
+            liar.steps.run = run
+            route = await client.plan()
+            conv = client.conversation(route, max_tokens_total=len(ids) + 8, speculate=False)
+            try:
+                out = await conv.generate(ids, max_tokens=8, eos_ids=())
+            finally:
+                await conv.close()
+            assert out.token_ids == greedy_generate(load_shard(path), ids, max_tokens=8).token_ids
+            assert route.hops[0].peer_id == liar.peer_id and len(reports) == 2
+            assert conv.unconfirmed_reports == {liar.peer_id: 2}
+            assert len(conv.failovers) == 2 and conv.failovers[1]["failed"] == sorted([liar.peer_id, reports[1]])
+            assert {liar.peer_id, reports[1]} <= client.backed_off()
+            assert conv.route.hops[0].peer_id == spare.peer_id and reports[1] not in conv.route.peer_ids
+    finally:
+        for p in peers:
+            await p.close()

@@ -18,6 +18,10 @@ log = logging.getLogger(__name__)
 
 #: Lying hops excluded during one step before the error reaches the caller.
 MAX_DETECTIONS = 3
+#: A hop's ``peer_unavailable`` reports in one conversation that no probe bears out before the
+#: reporter and its next hop are replaced (:meth:`Failover._find_failed`): one is a link that
+#: broke once (it is reopened); a second in the same conversation is a pattern.
+UNCONFIRMED_REPORTS_BLAMED = 2
 
 
 class Failover:
@@ -50,9 +54,18 @@ class Failover:
         :class:`PeerUnavailable` naming ``peer``, checked by ``_credible``), the step was lost
         between two hops that may both be fine: only the hops that do not answer are replaced,
         and the relay the connection ran through (``cause.relay``, not a hop) is named as failed,
-        so it is backed off and the next hop is reached another way."""
+        so it is backed off and the next hop is reached another way.
+
+        A hop's reports that no probe bears out (every hop answers) are counted per reporter; from
+        the :data:`UNCONFIRMED_REPORTS_BLAMED`-th on, the reporter and its next hop are both
+        replaced (:meth:`_reported_pair`): the link between them broke again, or the reporter
+        says so falsely, and the client cannot tell which. A hop on the route that made reports
+        up used to cost :data:`~meshinfer.client.hops.MAX_FAILOVERS` failovers a step, every
+        step, and was chosen again."""
         lengths = await asyncio.gather(*(self._probe(h) for h in self.route.hops))
         failed = {h.peer_id for h, n in zip(self.route.hops, lengths) if n is None}
+        if not failed and self._unconfirmed_again(cause):
+            return self._reported_pair(cause) | ({cause.relay} if cause.relay else set())
         if isinstance(cause, PeerUnavailable) and cause.peer is not None:
             return failed | ({cause.relay} if cause.relay else set())
         if not failed:  # everyone answers: the first hop that has not finished the step is stuck
@@ -62,6 +75,21 @@ class Failover:
             if stuck is not None:
                 failed.add(stuck.peer_id)
         return failed
+
+    def _unconfirmed_again(self, cause: MeshError | None) -> bool:
+        """Count ``cause``, a hop's report that every hop's probe answered; True from the
+        :data:`UNCONFIRMED_REPORTS_BLAMED`-th such report of the same hop in this conversation."""
+        reporter = getattr(cause, "reporter", None) if isinstance(cause, PeerUnavailable) else None
+        if reporter is None:
+            return False
+        self.unconfirmed_reports[reporter] = self.unconfirmed_reports.get(reporter, 0) + 1
+        return self.unconfirmed_reports[reporter] >= UNCONFIRMED_REPORTS_BLAMED
+
+    def _reported_pair(self, cause: PeerUnavailable) -> set[str]:
+        """The reporter of ``cause`` and the hop after it on the route (the one it reports about)."""
+        ids = list(self.route.peer_ids)
+        i = ids.index(cause.reporter) if cause.reporter in ids else len(ids)
+        return {cause.reporter, *ids[i + 1:i + 2]}
 
     async def _failover(self, exc: MeshError, *, in_flight: int, failed: set[str] | None = None) -> None:
         """Replace failed hops (found by probing unless given), keep the others' caches, replay

@@ -129,14 +129,18 @@ class HopSteps:
         only hop whose hidden states the reporter checks); otherwise it becomes a :class:`LyingPeer`
         naming the reporter, which accused a hop it cannot have checked. A :class:`PeerUnavailable`
         naming a ``peer`` (the reporter's link to its next hop closed) keeps that name only when
-        it is the hop just after the reporter, and its ``relay`` only when that hop lists it.
+        it is the hop just after the reporter, and its ``relay`` only when that hop lists it; every
+        :class:`PeerUnavailable` from a hop carries the reporter's id as ``reporter``.
         """
         hops = self.route.hops
-        if isinstance(exc, PeerUnavailable) and exc.peer is not None:
+        if isinstance(exc, PeerUnavailable):
             nxt = next((b for a, b in zip(hops, hops[1:]) if a.peer_id == link.remote_id), None)
-            if nxt is None or nxt.peer_id != exc.peer:
-                return PeerUnavailable(str(exc))
-            return exc if exc.relay in (None, *nxt.peer.relays) else PeerUnavailable(str(exc), peer=exc.peer)
+            if exc.peer is not None and (nxt is None or nxt.peer_id != exc.peer):
+                exc = PeerUnavailable(str(exc))
+            elif exc.relay not in (None, *(nxt.peer.relays if nxt is not None else ())):
+                exc = PeerUnavailable(str(exc), peer=exc.peer)
+            exc.reporter = link.remote_id  # whose word it is (see Failover._find_failed)
+            return exc
         if not isinstance(exc, LyingPeer) or exc.suspect is None:
             return exc
         if any(a.peer_id == exc.suspect and b.peer_id == link.remote_id for a, b in zip(hops, hops[1:])):

@@ -82,10 +82,16 @@ class MeshLinks:
 
     def context_tokens(self, route: "Route") -> int | None:
         """The model's context, tokens, as the hops of ``route`` said in their ``welcome``
-        (``context_tokens``): the least of them, or None when no open link to a hop says
-        (peers older than the field). Each hop still refuses an ``open`` beyond its own context."""
+        (``context_tokens``): the largest of them, or None when no open link to a hop says
+        (peers older than the field).
+
+        The largest, not the least: the hops run one weights file, so they share one context, and
+        the value only lets a caller refuse prompts early (:func:`~meshinfer.app.reply.check_prompt_fits`).
+        A hop that told a smaller one (1, say) would otherwise make every prompt refused on routes
+        through it; with the largest, a liar can only make the early check weaker. Each hop still
+        refuses an ``open`` beyond its own context."""
         told = [link.info.get("context_tokens") for link in map(self.open_link, route.peer_ids) if link is not None]
-        return min((n for n in told if n is not None), default=None)
+        return max((n for n in told if n is not None), default=None)
 
     def address(self, peer: PeerAdvert) -> str:
         """Where this client reaches ``peer``: ``relay://RELAY-ID`` through a relay, else its

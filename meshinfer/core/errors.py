@@ -108,6 +108,8 @@ class PeerUnavailable(MeshError):
             that next hop's peer id (on the wire: the error frame's ``peer``); else None.
         relay: the relay that connection ran through (the error frame's ``relay``), or None
             for a direct connection.
+        reporter: the hop that sent this error (set by the client when a hop reports it), or
+            None when the client found it itself (a closed link, a missed deadline).
     """
 
     code = "peer_unavailable"
@@ -115,6 +117,7 @@ class PeerUnavailable(MeshError):
     def __init__(self, message: str = "", *, peer: str | None = None, relay: str | None = None) -> None:
         super().__init__(message)
         self.peer, self.relay = peer, relay
+        self.reporter: str | None = None
 
 
 class Unauthenticated(MeshError):
