@@ -85,3 +85,36 @@ def test_long_prompt_prefills_in_chunks():
     assert len(out.prompt_ids) == 3000
     assert len(out.token_ids) + (out.finish_reason == "stop") >= 1
     assert all(0 <= t < shard.cfg.vocab_size for t in out.token_ids)
+
+
+def test_a_verification_step_gives_the_logits_of_one_position_at_a_time(monkeypatch):
+    """A step of 2-64 positions runs the float output head in row blocks (``row_blocked_linear``);
+    its logits at each position equal those of feeding the positions one by one (the same dot
+    products, up to the summation order of the layers' small-M GEMMs: within 1e-4)."""
+    import meshinfer.engine.models.llama as llama
+
+    c = next(iter(load_cases(DEFAULT).values()))
+    shard = shard_of(DEFAULT, 0, full_tensors(DEFAULT)[0].num_hidden_layers)
+    prompt, step = c["prompt_ids"], c["greedy_ids"][:9]
+    blocked, real = [], llama.row_blocked_linear
+    monkeypatch.setattr(llama, "row_blocked_linear", lambda x, w, *a: blocked.append(x.shape) or real(x, w, *a))
+    cache = new_cache(shard)
+    shard(torch.tensor([prompt]), 0, cache)
+    together = shard(torch.tensor([step]), len(prompt), cache, logits="all")[0]  # (9, V)
+    assert blocked == [torch.Size([1, 9, shard.cfg.hidden_size])]
+    cache = new_cache(shard)
+    shard(torch.tensor([prompt]), 0, cache)
+    for j, token in enumerate(step):
+        alone = shard(torch.tensor([[token]]), len(prompt) + j, cache)[0, -1]  # (V,)
+        assert (alone - together[j]).abs().max() <= 1e-4 * alone.abs().max()
+        assert int(alone.argmax()) == int(together[j].argmax())
+
+
+def test_row_blocked_linear_equals_the_plain_product():
+    from meshinfer.engine.models.common import row_blocked_linear
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(2500, 96, generator=g), torch.randn(2, 3, 96, generator=g)  # 2,500 rows: a partial last block
+    got = row_blocked_linear(x, w, block=1024)
+    assert got.shape == (2, 3, 2500)
+    assert torch.allclose(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)

@@ -22,7 +22,8 @@ from torch.nn import functional as F
 
 from meshinfer.core.config import LayerRange, ModelConfig
 from meshinfer.core.errors import InvalidInput, PositionError, WeightsError
-from meshinfer.engine.models.common import (LayerCache, RMSNorm, apply_rope, causal_attention,
+from meshinfer.engine.models.common import (HEAD_BLOCKED_MAX_ROWS, LayerCache, RMSNorm, apply_rope, causal_attention,
+                                            row_blocked_linear,
     rope_tables)
 from meshinfer.engine.models.quant import Precision, quantize_modules
 
@@ -300,8 +301,16 @@ class Shard(nn.Module):
         return h
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``(B, T, C)`` -> float32 logits ``(B, T, V)``, soft-capped when the config says."""
-        out = self.lm_head(self.norm(h)).float()  # (B, T, V)
+        """Hidden states ``(B, T, C)`` -> float32 logits ``(B, T, V)``, soft-capped when the config says.
+
+        A float head on the CPU given a few rows (a verification step, a small batch) runs in
+        blocks of output rows (:func:`~meshinfer.engine.models.common.row_blocked_linear`)."""
+        hn = self.norm(h)
+        head = self.lm_head
+        if type(head) is nn.Linear and hn.device.type == "cpu" and 1 < hn.shape[0] * hn.shape[1] <= HEAD_BLOCKED_MAX_ROWS:
+            out = row_blocked_linear(hn, head.weight).float()  # (B, T, V)
+        else:
+            out = head(hn).float()  # (B, T, V)
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(out / cap) * cap if cap else out
 
