@@ -22,9 +22,8 @@ from torch.nn import functional as F
 
 from meshinfer.core.config import LayerRange, ModelConfig
 from meshinfer.core.errors import InvalidInput, PositionError, WeightsError
-from meshinfer.engine.models.common import (HEAD_BLOCKED_MAX_ROWS, LayerCache, RMSNorm, apply_rope, causal_attention,
-                                            row_blocked_linear,
-    rope_tables)
+from meshinfer.engine.models.common import (HEAD_BLOCKED_MAX_ROWS, LayerCache, RMSNorm, apply_rope,
+                                            causal_attention, row_blocked_linear, rope_tables)
 from meshinfer.engine.models.quant import Precision, quantize_modules
 
 
@@ -306,11 +305,11 @@ class Shard(nn.Module):
         A float head on the CPU given a few rows (a verification step, a small batch) runs in
         blocks of output rows (:func:`~meshinfer.engine.models.common.row_blocked_linear`)."""
         hn = self.norm(h)
-        head = self.lm_head
-        if type(head) is nn.Linear and hn.device.type == "cpu" and 1 < hn.shape[0] * hn.shape[1] <= HEAD_BLOCKED_MAX_ROWS:
-            out = row_blocked_linear(hn, head.weight).float()  # (B, T, V)
+        rows = hn.shape[0] * hn.shape[1]
+        if type(self.lm_head) is nn.Linear and hn.device.type == "cpu" and 1 < rows <= HEAD_BLOCKED_MAX_ROWS:
+            out = row_blocked_linear(hn, self.lm_head.weight).float()  # (B, T, V)
         else:
-            out = head(hn).float()  # (B, T, V)
+            out = self.lm_head(hn).float()  # (B, T, V)
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(out / cap) * cap if cap else out
 
