@@ -131,12 +131,17 @@ def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
         assert tls.returncode == 2 and tls.stderr.strip().splitlines()[-1].endswith(
             "if the peer serves plain websockets, use ws://"), tls.stderr
         repl = meshinfer("chat", "--peers", url, "--max-tokens", "3", "--no-speculate", env=env,
-                         stdin="/help\n/bogus\n\n//x\n" + "y" * 4000 + "\n/reset\n/exit\nnever sent\n")
+                         stdin="/help\n/bogus\n\n//x\n" + "y" * 4000 + "\n" + "z" * 1000
+                         + "\n/reset\n/exit\nnever sent\n")
         assert repl.returncode == 0, repl.stderr
         assert "commands: /help shows this; /reset starts" in repl.stderr
         assert "unknown command /bogus; commands:" in repl.stderr and "(conversation reset)" in repl.stderr
-        assert repl.stdout.count("> ") == 7  # help, bogus, blank, the //x message, the long one, reset, exit
-        assert "error: the prompt cannot fit the model's context of " in repl.stderr  # refused, chat went on
+        assert repl.stdout.count("> ") == 8  # help, bogus, blank, //x, the two long ones, reset, exit
+        # the bound refuses 4,000 characters before tokenizing; 1,000 pass it and their count is refused
+        assert "error: the prompt cannot fit the model's context of " in repl.stderr
+        assert re.search(r"error: the chat is 10\d\d tokens; with --max-tokens 3 it cannot fit the context of "
+                         r"256 tokens \(/reset starts over", repl.stderr), repl.stderr
+        assert "(reading" not in repl.stderr  # refused before the prefill was announced
         chat = meshinfer("chat", "--peers", url, "-p", "hello", "--max-tokens", "6", "--json", env=env)
         assert chat.returncode == 0, chat.stderr
         d = json.loads(chat.stdout)

@@ -522,15 +522,17 @@ async def _repl(client, route, tok, args) -> None:
             if line.startswith("//"):
                 line = line[1:]
             messages.append({"role": "user", "content": line})
-            try:  # before tokenizing: a pasted megabyte would take seconds of it
-                check_prompt_fits(tok, messages, max_tokens=args.max_tokens, context_tokens=min(
-                    args.context, client.context_tokens(route) or args.context))
+            context = min(args.context, client.context_tokens(route) or args.context)
+            try:  # the bound before tokenizing (a pasted megabyte would take seconds), the count after
+                check_prompt_fits(tok, messages, max_tokens=args.max_tokens, context_tokens=context)
+                prompt_ids = tok.encode_chat(messages)
+                if len(prompt_ids) + args.max_tokens > context:
+                    raise ContextOverflow(f"the chat is {len(prompt_ids)} tokens; with --max-tokens {args.max_tokens} "
+                                          f"it cannot fit the context of {context} tokens")
             except ContextOverflow as exc:
-                print(f"error: {exc}\n(type /reset to start over, or start chat with a larger --context)",
-                      file=sys.stderr)
+                print(f"error: {exc} (/reset starts over; chat --context N reserves more)", file=sys.stderr)
                 messages.pop()
                 continue
-            prompt_ids = tok.encode_chat(messages)
             reply = asyncio.ensure_future(_reply(conv, tok, prompt_ids, args))
             loop.add_signal_handler(signal.SIGINT, reply.cancel)
             try:
@@ -617,7 +619,10 @@ def _stats_line(r) -> str:
     unverified = getattr(r, "unverified", None) or []
     liars += "".join(f"; UNVERIFIED: peer {u['peer'][:12]} (layers {u['layers']}): {u['reason']}" for u in unverified)
     spec = getattr(r, "speculative", None) or {}
-    drafts = f", drafts {spec['accepted']}/{spec['proposed']} accepted" if spec.get("proposed") else ""
+    drafter = spec.get("drafter", "")
+    drafts = (f", drafts {spec['accepted']}/{spec['proposed']} accepted"
+              + (f" ({drafter.removeprefix('model:')})" if drafter.startswith("model:") else "")
+              if spec.get("proposed") or drafter.startswith("model:") else "")
     return (f"[{n} token{'s' if n != 1 else ''}, TTFT {r.ttft_ms:.0f} ms{speed}{drafts}{failover}{liars}, "
             f"finish: {r.finish_reason}]")
 
