@@ -445,3 +445,115 @@ async def test_a_hop_that_keeps_reporting_its_next_hop_gone_is_replaced_with_it(
     finally:
         for p in peers:
             await p.close()
+
+
+async def test_a_hop_that_withholds_its_output_cannot_get_its_next_hops_backed_off_for_free(tiny):
+    """A first hop that computes each decode step but never forwards it: every hop answers the
+    probes, and the next hop, holding fewer positions, looked stuck and was backed off alone, so
+    the liar, never blamed, got each honest peer of the next layers backed off in turn until no
+    route was left (found by an attack run). Now from the second such loss after the same hop in
+    one conversation, that hop is replaced with the one after it."""
+    path, digest, tok, _, _ = tiny
+    bundle = tok.to_bundle()
+    liar = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=bundle)
+    spare = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=bundle,
+                             bootstrap=liar.addrs)
+    tails = [await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bundle=bundle,
+                              bootstrap=liar.addrs) for _ in range(3)]
+    peers = [liar, spare] + tails
+    ids = tok.encode_chat([{"role": "user", "content": "hello"}])
+    honest_run, real_link_to, withheld = liar.steps.run, liar.conns.link_to, []
+
+    class Sink:
+        async def send(self, *args, **fields):
+            return None
+
+    async def sink(*args, **kwargs):
+        return Sink()
+
+    async def run(conv, step):
+        if step.start == 0 or step.replay:
+            return await honest_run(conv, step)
+        withheld.append(conv.next_id)
+        if len(withheld) == 2:
+            client._failed.pop(spare.peer_id)  # the liar's replacement is there when it is needed
+        old, liar.conns.link_to = conv.next_link, sink
+        try:
+            await honest_run(conv, step)  # the liar's cache grows; its next hop never hears of it
+        finally:
+            liar.conns.link_to, conv.next_link = real_link_to, old
+
+    try:
+        await wait_for_tables(peers)
+        async with MeshClient(list(liar.addrs)) as client:
+            client.mark_failed(spare.peer_id)  # so every route runs through the liar until it is blamed
+            liar.steps.run = run
+            route = await client.plan()
+            conv = client.conversation(route, max_tokens_total=len(ids) + 8, speculate=False, deadline_floor_s=1.0)
+            try:
+                out = await conv.generate(ids, max_tokens=8, eos_ids=())
+            finally:
+                await conv.close()
+            assert route.hops[0].peer_id == liar.peer_id
+            assert out.token_ids == greedy_generate(load_shard(path), ids, max_tokens=8).token_ids
+            assert len(withheld) == 2 and conv.unconfirmed_reports == {liar.peer_id: 2}
+            assert len(conv.failovers) == 2 and conv.failovers[1]["failed"] == sorted([liar.peer_id, withheld[1]])
+            assert liar.peer_id in client.backed_off() and set(withheld) <= client.backed_off()
+            assert conv.route.hops[0].peer_id == spare.peer_id and not set(withheld) & set(conv.route.peer_ids)
+    finally:
+        for p in peers:
+            await p.close()
+
+
+async def test_frames_naming_an_idle_conversation_do_not_pile_up(tiny):
+    """While a conversation waits between replies (a chat REPL waiting for its user), a peer off
+    its route and a hop on it sent 1 MB frames naming it (found by an attack run): the client
+    queued every one for the conversation's next step (frames of 64 MiB are allowed, so
+    gigabytes in seconds). Frames from off the route are dropped on arrival now, and a
+    conversation keeps at most ``INBOX_BYTES`` of its hops' unread frames (the oldest go first)."""
+    from meshinfer.client import conversation as conversation_module
+
+    path, digest, tok, _, _ = tiny
+    bundle = tok.to_bundle()
+    a = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=bundle)
+    b = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bundle=bundle, bootstrap=a.addrs)
+    c = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash="f" * 64, bundle=bundle, bootstrap=a.addrs)
+    ids = tok.encode_chat([{"role": "user", "content": "hello"}])
+    big, n = "x" * (1 << 20), 24
+    try:
+        await wait_for_tables([a, b, c])
+        async with MeshClient(list(a.addrs)) as client:
+            route = await client.plan()
+            await client.link(client.table[c.peer_id])
+            conv = client.conversation(route, max_tokens_total=len(ids) + 8, speculate=False)
+            arrived, count = asyncio.Event(), {"n": 0}
+
+            def counted(handler):
+                async def on_message(link, msg_type, f):
+                    await handler(link, msg_type, f)
+                    count["n"] += msg_type in ("token", "error") and len(f.get("message", str, "") or f.get("pad", str, "")) > 1000
+                    if count["n"] == 2 * n:
+                        arrived.set()
+                return on_message
+
+            try:
+                out = await conv.generate(ids, max_tokens=4, eos_ids=())
+                for lk in client._links.values():
+                    lk.on_message = counted(lk.on_message)
+                stranger = next(lk for lk in c._all_links if lk.role == "client")
+                hop = b.convs[conv.conv_id].owner
+                for _ in range(n):
+                    await stranger.send("error", conv=conv.conv_id, code="peer_unavailable", message=big)
+                    await hop.send("token", conv=conv.conv_id, seq=10 ** 9, token=1, pad=big)
+                await asyncio.wait_for(arrived.wait(), 60)
+                queued = list(conv.inbox._queue)
+                assert sum(item[3] for item in queued) <= conversation_module.INBOX_BYTES + len(big) + 1024
+                assert queued and all(item[0].remote_id == b.peer_id for item in queued)
+                more = await conv.generate(ids + out.token_ids, max_tokens=2, eos_ids=())
+            finally:
+                await conv.close()
+            whole = greedy_generate(load_shard(path), ids, max_tokens=6).token_ids
+            assert out.token_ids + more.token_ids == whole and conv.failovers == []
+    finally:
+        for p in (a, b, c):
+            await p.close()

@@ -28,6 +28,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Bytes of a conversation's unread ``token``/``error`` frames kept (:meth:`Conversation.hear`):
+#: a step's reply is a few hundred bytes (its token and one trace entry per hop), so this holds
+#: thousands; beyond it the oldest go first. Unbounded, a hop's 64 MiB frames naming an idle
+#: conversation took gigabytes of the client.
+INBOX_BYTES = 1 << 20
+#: Unread frames a conversation keeps at most (the same reason, for many small frames).
+INBOX_FRAMES = 1024
+
 
 class Conversation(HopSteps, Failover, DecodeSteps):
     """One conversation over a route: prefill, decode, multi-turn reuse, failover with replay.
@@ -87,7 +95,8 @@ class Conversation(HopSteps, Failover, DecodeSteps):
         self.conv_id = uuid.uuid4().hex
         self.max_tokens_total = max_tokens_total
         self.deadline_floor_s = deadline_floor_s
-        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.inbox: asyncio.Queue = asyncio.Queue()  # (link, type, fields, frame bytes): see hear()
+        self._inbox_bytes = 0
         self.ledger = PositionLedger()  # cached, confirmed and held positions
         self.draft_model = draft_model
         self.drafter: Drafter | None = None  # made on the first speculative generate
@@ -106,6 +115,16 @@ class Conversation(HopSteps, Failover, DecodeSteps):
         self.audit = spotcheck.Auditor(rate=spot_check_rate, seed=spot_check_seed)
         self.detections: list[dict] = []
         self._reply_length: int | None = None  # positions the last hop said it holds after a step
+
+    def hear(self, link, msg_type: str, f, nbytes: int = 0) -> None:
+        """Queue a frame for :meth:`_await_token` (``nbytes``: its size on the wire; 0 for the
+        client's own "closed" notices). Beyond :data:`INBOX_FRAMES` frames or
+        :data:`INBOX_BYTES` bytes unread, the oldest are dropped (a late reply is stale by then;
+        the newest frame is always kept)."""
+        self.inbox.put_nowait((link, msg_type, f, nbytes))
+        self._inbox_bytes += nbytes
+        while self.inbox.qsize() > 1 and (self.inbox.qsize() > INBOX_FRAMES or self._inbox_bytes > INBOX_BYTES):
+            self._inbox_bytes -= self.inbox.get_nowait()[3]
 
     @property
     def cached(self) -> list[int]:

@@ -71,19 +71,28 @@ class Failover:
         if not failed:  # everyone answers: the first hop that has not finished the step is stuck
             # (!=, not <: a hop that never got a step after rejected drafts still holds them, maybe
             # more positions than the step would leave; a hop that finished holds exactly in_flight)
-            stuck = next((h for h, n in zip(self.route.hops, lengths) if n != in_flight), None)
-            if stuck is not None:
-                failed.add(stuck.peer_id)
+            hops = self.route.hops
+            i = next((i for i, n in enumerate(lengths) if n != in_flight), None)
+            if i is not None:
+                failed.add(hops[i].peer_id)
+                if i and self._counted_again(hops[i - 1].peer_id):  # lost after a hop that finished it
+                    failed.add(hops[i - 1].peer_id)
         return failed
 
     def _unconfirmed_again(self, cause: MeshError | None) -> bool:
         """Count ``cause``, a hop's report that every hop's probe answered; True from the
         :data:`UNCONFIRMED_REPORTS_BLAMED`-th such report of the same hop in this conversation."""
         reporter = getattr(cause, "reporter", None) if isinstance(cause, PeerUnavailable) else None
-        if reporter is None:
-            return False
-        self.unconfirmed_reports[reporter] = self.unconfirmed_reports.get(reporter, 0) + 1
-        return self.unconfirmed_reports[reporter] >= UNCONFIRMED_REPORTS_BLAMED
+        return reporter is not None and self._counted_again(reporter)
+
+    def _counted_again(self, hop_id: str) -> bool:
+        """Count one step lost between hop ``hop_id`` and its next hop while every hop answers its
+        probe (``hop_id`` reported the link gone, or finished the step and its next hop never got
+        it: which of the two lies cannot be told); True from the
+        :data:`UNCONFIRMED_REPORTS_BLAMED`-th in this conversation. A hop that withheld its output
+        got each next hop it was given blamed alone, and was never blamed itself."""
+        self.unconfirmed_reports[hop_id] = self.unconfirmed_reports.get(hop_id, 0) + 1
+        return self.unconfirmed_reports[hop_id] >= UNCONFIRMED_REPORTS_BLAMED
 
     def _reported_pair(self, cause: PeerUnavailable) -> set[str]:
         """The reporter of ``cause`` and the hop after it on the route (the one it reports about)."""

@@ -96,9 +96,10 @@ class HopSteps:
         while True:
             remaining = deadline - time.monotonic()
             try:
-                link, msg_type, f = await asyncio.wait_for(self.inbox.get(), max(remaining, 0.001))
+                link, msg_type, f, nbytes = await asyncio.wait_for(self.inbox.get(), max(remaining, 0.001))
             except asyncio.TimeoutError:
                 raise PeerUnavailable(f"no token for step {seq} within {timeout_s:.1f} s") from None
+            self._inbox_bytes -= nbytes
             if msg_type == "closed":
                 if f in self.route.peer_ids:
                     raise PeerUnavailable(f"the connection to hop {f[:12]} closed")

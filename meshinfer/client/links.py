@@ -105,7 +105,8 @@ class MeshLinks:
     async def _on_message(self, link: Link, msg_type: str, f) -> None:
         conv = self._convs.get(f.str("conv", "") or "")
         if conv is not None and msg_type in ("token", "error"):
-            conv.inbox.put_nowait((link, msg_type, f))
+            if link.remote_id in conv.route.peer_ids:  # only the route's hops speak for it (see _await_token)
+                conv.hear(link, msg_type, f, link.last_frame_bytes)
         elif msg_type == "error":
             log.warning("error from %s: %s", link.name, f.str("message", ""))
         elif msg_type == "ping":
@@ -230,7 +231,7 @@ class MeshLinks:
         """Wake every conversation routed through ``peer_id``: its connection is gone."""
         for conv in self._convs.values():
             if peer_id in conv.route.peer_ids:
-                conv.inbox.put_nowait((None, "closed", peer_id))
+                conv.hear(None, "closed", peer_id)
 
     async def _prune_links(self) -> None:
         """Close links that no open conversation routes through to peers gone from the table,
