@@ -336,6 +336,36 @@ async def test_a_stuck_hop_still_holding_rejected_drafts_is_found():
     assert await conv._find_failed(in_flight=10) == {"c"}
 
 
+async def test_reports_of_a_circuit_cut_blame_the_relay_before_the_hops():
+    """Every hop answers its probe; hop "b" reports that its circuit to "c" through relay "r"
+    closed. The first report names the relay only; while "r" is backed off, reports naming it
+    count against "b", and the second of those replaces "b" and "c" (a relay that cut the circuit
+    twice used to get both hops backed off)."""
+    from types import SimpleNamespace
+
+    from meshinfer.client.conversation import Conversation
+    from meshinfer.core.errors import PeerUnavailable
+
+    hops = [SimpleNamespace(peer_id=p) for p in ("a", "b", "c")]
+    client = MeshClient(["ws://127.0.0.1:1"])
+    conv = Conversation(client, SimpleNamespace(hops=hops, peer_ids=("a", "b", "c")), max_tokens_total=64)
+
+    async def probe(hop):
+        return 10
+
+    conv._probe = probe
+
+    def report():
+        exc = PeerUnavailable("circuit closed", peer="c", relay="r")
+        exc.reporter = "b"
+        return exc
+
+    assert await conv._find_failed(10, report()) == {"r"}
+    client.mark_failed("r")  # what the failover does with it
+    assert await conv._find_failed(10, report()) == {"r"} and conv.unconfirmed_reports == {"b": 1}
+    assert await conv._find_failed(10, report()) == {"b", "c", "r"}
+
+
 # --------------------------------------------------------------------------- real model
 @pytest.mark.realmodel
 async def test_speculative_equals_plain_greedy_on_the_default_model():

@@ -81,9 +81,16 @@ class Failover:
 
     def _unconfirmed_again(self, cause: MeshError | None) -> bool:
         """Count ``cause``, a hop's report that every hop's probe answered; True from the
-        :data:`UNCONFIRMED_REPORTS_BLAMED`-th such report of the same hop in this conversation."""
+        :data:`UNCONFIRMED_REPORTS_BLAMED`-th such report of the same hop in this conversation.
+
+        A report naming a relay that is not backed off yet is not counted: the relay is blamed
+        for it. Counted, a relay that cut a circuit twice got both honest hops backed off."""
         reporter = getattr(cause, "reporter", None) if isinstance(cause, PeerUnavailable) else None
-        return reporter is not None and self._counted_again(reporter)
+        if reporter is None:
+            return False
+        if cause.relay is not None and cause.relay not in self.client.backed_off():
+            return False  # the relay takes this one (it is backed off); a report naming it again counts
+        return self._counted_again(reporter)
 
     def _counted_again(self, hop_id: str) -> bool:
         """Count one step lost between hop ``hop_id`` and its next hop while every hop answers its
