@@ -87,21 +87,16 @@ def test_long_prompt_prefills_in_chunks():
     assert all(0 <= t < shard.cfg.vocab_size for t in out.token_ids)
 
 
-def test_a_verification_step_gives_the_logits_of_one_position_at_a_time(monkeypatch):
-    """A step of 2-64 positions runs the float output head in row blocks (``row_blocked_linear``);
-    its logits at each position equal those of feeding the positions one by one (the same dot
-    products, up to the summation order of the layers' small-M GEMMs: within 1e-4)."""
-    import meshinfer.engine.models.llama as llama
-
+def test_a_verification_step_gives_the_logits_of_one_position_at_a_time():
+    """A step of several positions runs every float projection and the output head as
+    ``(W @ x.T).T`` (``common.linear``); its logits at each position equal those of feeding the
+    positions one by one (MKL's GEMV for one row), within 1e-4 and with the same argmax."""
     c = next(iter(load_cases(DEFAULT).values()))
     shard = shard_of(DEFAULT, 0, full_tensors(DEFAULT)[0].num_hidden_layers)
     prompt, step = c["prompt_ids"], c["greedy_ids"][:9]
-    blocked, real = [], llama.row_blocked_linear
-    monkeypatch.setattr(llama, "row_blocked_linear", lambda x, w, *a: blocked.append(x.shape) or real(x, w, *a))
     cache = new_cache(shard)
     shard(torch.tensor([prompt]), 0, cache)
     together = shard(torch.tensor([step]), len(prompt), cache, logits="all")[0]  # (9, V)
-    assert blocked == [torch.Size([1, 9, shard.cfg.hidden_size])]
     cache = new_cache(shard)
     shard(torch.tensor([prompt]), 0, cache)
     for j, token in enumerate(step):
@@ -110,11 +105,24 @@ def test_a_verification_step_gives_the_logits_of_one_position_at_a_time(monkeypa
         assert int(alone.argmax()) == int(together[j].argmax())
 
 
-def test_row_blocked_linear_equals_the_plain_product():
-    from meshinfer.engine.models.common import row_blocked_linear
+@pytest.mark.parametrize("rows", [1, 2, 9, 64, 65])
+def test_linear_equals_torchs_linear(rows, monkeypatch):
+    """``common.linear`` takes the transposed form for 2-64 rows and a large weight, else
+    ``F.linear``; either way it equals ``F.linear`` up to summation order."""
+    from meshinfer.engine.models import common
+    from meshinfer.engine.models.common import Linear, linear
 
-    g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(2500, 96, generator=g), torch.randn(2, 3, 96, generator=g)  # 2,500 rows: a partial last block
-    got = row_blocked_linear(x, w, block=1024)
-    assert got.shape == (2, 3, 2500)
-    assert torch.allclose(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(rows)
+    w, b, x = torch.randn(300, 96, generator=g), torch.randn(300, generator=g), torch.randn(1, rows, 96, generator=g)
+    monkeypatch.setattr(common, "TRANSPOSED_MIN_WEIGHT", w.numel())  # this small weight counts as large
+    calls = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(common.F, "linear", lambda *a: calls.append(1) or real(*a))
+    want = real(x, w, b)
+    got = linear(x, w, b)
+    assert (len(calls) == 0) == (2 <= rows <= common.TRANSPOSED_MAX_ROWS)
+    assert got.shape == (1, rows, 300) and got.is_contiguous()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    m = Linear(96, 300)
+    m.load_state_dict({"weight": w, "bias": b})  # the same state dict as nn.Linear
+    assert torch.equal(m(x), got)

@@ -20,27 +20,46 @@ from meshinfer.core.config import ModelConfig
 ATTENTION_QUERY_CHUNK = 256
 
 
-#: Output rows per block of :func:`row_blocked_linear` (3.7 MB of a 896-wide f32 weight: stays in
-#: a core's share of the last-level cache while every input row passes over it).
-LINEAR_ROW_BLOCK = 1024
-#: Most input rows for which the output head runs row-blocked; from about this many rows on, the
-#: BLAS GEMM's own blocking does as well (prefill needs only the last row anyway).
-HEAD_BLOCKED_MAX_ROWS = 64
+#: Rows from which :func:`linear` stays with ``F.linear``: by 512 rows (a prefill chunk) the
+#: transposed form is 5-12% slower (``tests/benchmarks/small_m_gemm.py``).
+TRANSPOSED_MAX_ROWS = 64
+#: Weight elements from which :func:`linear` takes the transposed form: the 4864 x 896 and
+#: 896 x 4864 projections (4.4 M) and the head gain 1.6-3.6x; the 896 x 896 and 128 x 896 ones
+#: (0.8 M, 0.1 M) lose up to 30% there.
+TRANSPOSED_MIN_WEIGHT = 1 << 21
 
 
-def row_blocked_linear(x: torch.Tensor, w: torch.Tensor, block: int = LINEAR_ROW_BLOCK) -> torch.Tensor:
-    """``x @ w.T`` for ``x`` ``(..., K)`` and ``w`` ``(N, K)``, ``block`` rows of ``w`` at a time:
-    ``(..., N)`` in ``x``'s dtype, each output element the same dot product as ``F.linear``.
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + b`` for ``x`` ``(..., K)``, ``w`` ``(N, K)``, ``b`` ``(N,)`` or None: ``(..., N)``.
 
-    For a wide weight and a few input rows (the 151,936 x 896 output head on a verification step
-    of 2-16 positions), MKL's small-M GEMM on an AVX2 CPU reads the weight from memory more than
-    once: on one core of this project's AMD EPYC the head took 119 ms for 2 rows and 238 ms for 9
-    against 50 ms for 1; in blocks of 1,024 rows, 94 ms and 168 ms (results bitwise equal there).
+    A float32 product of 2 to :data:`TRANSPOSED_MAX_ROWS` rows by a weight of at least
+    :data:`TRANSPOSED_MIN_WEIGHT` elements on the CPU runs as ``(w @ x.T).T``. torch's
+    ``F.linear`` form (``x @ w.T``) takes a slow small-M GEMM path there: with MKL 2024 on this
+    project's 2-core AMD EPYC, 2 threads (``python tests/benchmarks/small_m_gemm.py --threads 2``,
+    docs/performance.md), a 4864 x 896 weight took 5.2 / 7.2 ms for 2 / 9 rows against 1.9 /
+    2.6 ms transposed (2.4 ms for 1 row), and the 151,936 x 896 output head 168 / 253 ms against
+    58 / 80 ms (64 ms for 1 row). So a verification step of a few positions cost about twice a
+    one-token step. The results differ from ``F.linear``'s by summation order only (within 1e-5
+    relative). One row stays ``F.linear`` (MKL's GEMV), and so does every other device and dtype.
     """
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    out = torch.cat([F.linear(x2, w[i:i + block]) for i in range(0, w.shape[0], block)], dim=1)
-    return out.reshape(*lead, w.shape[0])
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (x.device.type != "cpu" or w.dtype != torch.float32 or not 2 <= rows <= TRANSPOSED_MAX_ROWS
+            or w.numel() < TRANSPOSED_MIN_WEIGHT):
+        return F.linear(x, w, b)
+    x2 = x.reshape(rows, x.shape[-1])  # (M, K)
+    y = (w @ x2.T).T.contiguous()  # (M, N)
+    if b is not None:
+        y = y + b
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and state dict) computing through :func:`linear`.
+    Quantized precisions replace it like any ``nn.Linear`` (``quant.quantize_modules``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., in_features)`` -> ``(..., out_features)``."""
+        return linear(x, self.weight, self.bias)
 
 
 class LayerCache(Protocol):

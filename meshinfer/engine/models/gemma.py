@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from meshinfer.core.config import ModelConfig
-from meshinfer.engine.models.common import ATTENTION_QUERY_CHUNK, RMSNorm
+from meshinfer.engine.models.common import ATTENTION_QUERY_CHUNK, Linear, RMSNorm
 from meshinfer.engine.models.llama import Attention
 
 
@@ -105,9 +105,9 @@ class GemmaMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))  # (B, T, C)

@@ -22,8 +22,8 @@ from torch.nn import functional as F
 
 from meshinfer.core.config import LayerRange, ModelConfig
 from meshinfer.core.errors import InvalidInput, PositionError, WeightsError
-from meshinfer.engine.models.common import (HEAD_BLOCKED_MAX_ROWS, LayerCache, RMSNorm, apply_rope,
-                                            causal_attention, row_blocked_linear, rope_tables)
+from meshinfer.engine.models.common import (LayerCache, Linear, RMSNorm, apply_rope, causal_attention,
+                                            rope_tables)
 from meshinfer.engine.models.quant import Precision, quantize_modules
 
 
@@ -34,10 +34,10 @@ class Attention(nn.Module):
         super().__init__()
         C, H, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim, self.window = H, Hkv, D, cfg.sliding_window
-        self.q_proj = nn.Linear(C, H * D, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(H * D, C, bias=False)
+        self.q_proj = Linear(C, H * D, bias=cfg.attention_bias)
+        self.k_proj = Linear(C, Hkv * D, bias=cfg.attention_bias)
+        self.v_proj = Linear(C, Hkv * D, bias=cfg.attention_bias)
+        self.o_proj = Linear(H * D, C, bias=False)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``(B, T, C)`` -> q ``(B, H, T, D)``, k and v ``(B, Hkv, T, D)``, before RoPE."""
@@ -91,9 +91,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         width = intermediate_size or cfg.intermediate_size
-        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = Linear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C)
@@ -157,7 +157,7 @@ class Shard(nn.Module):
 
         self.layers = nn.ModuleDict({str(i): make_block(cfg, i) for i in range(layers.start, layers.stop)})
         self.norm = make_final_norm(cfg) if self.is_last else None
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last else None
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -300,16 +300,8 @@ class Shard(nn.Module):
         return h
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``(B, T, C)`` -> float32 logits ``(B, T, V)``, soft-capped when the config says.
-
-        A float head on the CPU given a few rows (a verification step, a small batch) runs in
-        blocks of output rows (:func:`~meshinfer.engine.models.common.row_blocked_linear`)."""
-        hn = self.norm(h)
-        rows = hn.shape[0] * hn.shape[1]
-        if type(self.lm_head) is nn.Linear and hn.device.type == "cpu" and 1 < rows <= HEAD_BLOCKED_MAX_ROWS:
-            out = row_blocked_linear(hn, self.lm_head.weight).float()  # (B, T, V)
-        else:
-            out = self.lm_head(hn).float()  # (B, T, V)
+        """Hidden states ``(B, T, C)`` -> float32 logits ``(B, T, V)``, soft-capped when the config says."""
+        out = self.lm_head(self.norm(h)).float()  # (B, T, V)
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(out / cap) * cap if cap else out
 

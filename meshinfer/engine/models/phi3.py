@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from meshinfer.core.config import ModelConfig
+from meshinfer.engine.models.common import Linear
 from meshinfer.engine.models.llama import Attention, Block
 
 
@@ -27,8 +28,8 @@ class Phi3Attention(Attention):
         nn.Module.__init__(self)  # not Attention's: no separate q/k/v projections
         C, H, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim, self.window = H, Hkv, D, cfg.sliding_window
-        self.qkv_proj = nn.Linear(C, (H + 2 * Hkv) * D, bias=False)
-        self.o_proj = nn.Linear(H * D, C, bias=False)
+        self.qkv_proj = Linear(C, (H + 2 * Hkv) * D, bias=False)
+        self.o_proj = Linear(H * D, C, bias=False)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``(B, T, C)`` -> q ``(B, H, T, D)``, k and v ``(B, Hkv, T, D)``, before RoPE."""
@@ -44,8 +45,8 @@ class Phi3MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, F) x 2
