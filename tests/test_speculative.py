@@ -366,6 +366,34 @@ async def test_reports_of_a_circuit_cut_blame_the_relay_before_the_hops():
     assert await conv._find_failed(10, report()) == {"b", "c", "r"}
 
 
+async def test_a_report_without_a_peer_counts_once_against_its_reporter():
+    """Hop "a" reports ``peer_unavailable`` naming no peer; every hop answers, "a" finished the
+    step and "b" never got it. The report and the lost step are one event: "a" is counted once
+    (the stuck "b" is replaced), and only its second such report replaces "a" too."""
+    from types import SimpleNamespace
+
+    from meshinfer.client.conversation import Conversation
+    from meshinfer.core.errors import PeerUnavailable
+
+    hops = [SimpleNamespace(peer_id=p) for p in ("a", "b", "c")]
+    conv = Conversation(MeshClient(["ws://127.0.0.1:1"]), SimpleNamespace(hops=hops, peer_ids=("a", "b", "c")),
+                        max_tokens_total=64)
+    lengths = {"a": 10, "b": 8, "c": 8}
+
+    async def probe(hop):
+        return lengths[hop.peer_id]
+
+    conv._probe = probe
+
+    def report():
+        exc = PeerUnavailable("cannot reach my next hop")
+        exc.reporter = "a"
+        return exc
+
+    assert await conv._find_failed(10, report()) == {"b"} and conv.unconfirmed_reports == {"a": 1}
+    assert await conv._find_failed(10, report()) == {"a", "b"}
+
+
 # --------------------------------------------------------------------------- real model
 @pytest.mark.realmodel
 async def test_speculative_equals_plain_greedy_on_the_default_model():

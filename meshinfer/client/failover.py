@@ -75,8 +75,9 @@ class Failover:
             i = next((i for i, n in enumerate(lengths) if n != in_flight), None)
             if i is not None:
                 failed.add(hops[i].peer_id)
-                if i and self._counted_again(hops[i - 1].peer_id):  # lost after a hop that finished it
-                    failed.add(hops[i - 1].peer_id)
+                before = hops[i - 1].peer_id if i else None  # finished the step; the step was lost after it
+                if before is not None and before != getattr(cause, "reporter", None) and self._counted_again(before):
+                    failed.add(before)  # (a reporter's report was counted above: once per event)
         return failed
 
     def _unconfirmed_again(self, cause: MeshError | None) -> bool:
