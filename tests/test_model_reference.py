@@ -88,7 +88,7 @@ def test_long_prompt_prefills_in_chunks():
 
 
 def test_a_verification_step_gives_the_logits_of_one_position_at_a_time():
-    """A step of several positions runs every float projection and the output head as
+    """A step of several positions runs the large float projections and the output head as
     ``(W @ x.T).T`` (``common.linear``); its logits at each position equal those of feeding the
     positions one by one (MKL's GEMV for one row), within 1e-4 and with the same argmax."""
     c = next(iter(load_cases(DEFAULT).values()))
