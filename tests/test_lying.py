@@ -362,20 +362,32 @@ async def test_a_last_hop_that_over_reports_its_positions_is_the_one_excluded(ti
     assert conv.route.peer_ids == (first.peer_id, middle.peer_id, twin.peer_id)
 
 
+async def two_hops_and_a_stranger(tiny):
+    """Peers a (layers 0-1) and b (2-3) of the tiny model, and c: a peer of another model (another
+    weights hash, half of it) linked to them, never on their conversations' routes. Tables synced."""
+    path, digest, tok, _, _ = tiny
+    bundle = tok.to_bundle()
+    a = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=bundle)
+    b = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bundle=bundle, bootstrap=a.addrs)
+    c = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash="f" * 64, bundle=bundle, bootstrap=a.addrs)
+    try:
+        await wait_for_tables([a, b, c])
+    except BaseException:
+        for p in (a, b, c):
+            await p.close()
+        raise
+    return a, b, c
+
+
 async def test_a_peer_off_the_route_cannot_fail_over_a_conversation_by_naming_it(tiny):
     """A peer that is not on the route but holds a link to the client (a relay sees conversation
     ids in cleartext) sends ``peer_unavailable`` errors for the conversation, with no ``seq``: the
     client used to fail over on them and back off honest hops until no route was left. Only the
     route's hops speak for a conversation now."""
-    path, digest, tok, _, _ = tiny
-    bundle = tok.to_bundle()
-    a = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=bundle)
-    b = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bundle=bundle, bootstrap=a.addrs)
-    # a peer of another model (another weights hash, half of it): never on this conversation's route
-    c = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash="f" * 64, bundle=bundle, bootstrap=a.addrs)
+    path, _, tok, _, _ = tiny
+    a, b, c = await two_hops_and_a_stranger(tiny)
     ids = tok.encode_chat([{"role": "user", "content": "hello"}])
     try:
-        await wait_for_tables([a, b, c])
         async with MeshClient(list(a.addrs)) as client:
             route = await client.plan()
             assert route.peer_ids == (a.peer_id, b.peer_id)
@@ -513,15 +525,11 @@ async def test_frames_naming_an_idle_conversation_do_not_pile_up(tiny):
     conversation keeps at most ``INBOX_BYTES`` of its hops' unread frames (the oldest go first)."""
     from meshinfer.client import conversation as conversation_module
 
-    path, digest, tok, _, _ = tiny
-    bundle = tok.to_bundle()
-    a = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=bundle)
-    b = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bundle=bundle, bootstrap=a.addrs)
-    c = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash="f" * 64, bundle=bundle, bootstrap=a.addrs)
+    path, _, tok, _, _ = tiny
+    a, b, c = await two_hops_and_a_stranger(tiny)
     ids = tok.encode_chat([{"role": "user", "content": "hello"}])
     big, n = "x" * (1 << 20), 24
     try:
-        await wait_for_tables([a, b, c])
         async with MeshClient(list(a.addrs)) as client:
             route = await client.plan()
             await client.link(client.table[c.peer_id])

@@ -619,10 +619,10 @@ def _stats_line(r) -> str:
     unverified = getattr(r, "unverified", None) or []
     liars += "".join(f"; UNVERIFIED: peer {u['peer'][:12]} (layers {u['layers']}): {u['reason']}" for u in unverified)
     spec = getattr(r, "speculative", None) or {}
-    drafter = spec.get("drafter", "")
-    drafts = (f", drafts {spec['accepted']}/{spec['proposed']} accepted"
-              + (f" ({drafter.removeprefix('model:')})" if drafter.startswith("model:") else "")
-              if spec.get("proposed") or drafter.startswith("model:") else "")
+    model = spec.get("drafter", "").removeprefix("model:") if spec.get("drafter", "").startswith("model:") else None
+    drafts = ""
+    if spec.get("proposed") or model:
+        drafts = f", drafts {spec['accepted']}/{spec['proposed']} accepted" + (f" ({model})" if model else "")
     return (f"[{n} token{'s' if n != 1 else ''}, TTFT {r.ttft_ms:.0f} ms{speed}{drafts}{failover}{liars}, "
             f"finish: {r.finish_reason}]")
 

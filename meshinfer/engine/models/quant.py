@@ -304,14 +304,12 @@ def _dense_matmul(x: torch.Tensor, n: int, dense_weight) -> torch.Tensor:
     same bf16 values (exact widening; f32 accumulation, as the bf16 kernels accumulate) and is
     rounded to bf16: the same result up to summation order, at a fifth of the time there.
     """
-    if x.device.type == "cpu" and not native_bf16_matmul():
-        x32 = x.float()
+    f32 = x.device.type == "cpu" and not native_bf16_matmul()
+    xm = x.float() if f32 else x
 
-        def part(i: int, j: int) -> torch.Tensor:
-            return F.linear(x32, dense_weight(i, j).float()).to(torch.bfloat16)
-    else:
-        def part(i: int, j: int) -> torch.Tensor:
-            return F.linear(x, dense_weight(i, j))
+    def part(i: int, j: int) -> torch.Tensor:
+        w = dense_weight(i, j)  # (j - i, K) bf16
+        return F.linear(xm, w.float()).to(torch.bfloat16) if f32 else F.linear(xm, w)
     if n <= QUANT_ROWS_PER_CHUNK:
         return part(0, n)
     return torch.cat([part(i, min(i + QUANT_ROWS_PER_CHUNK, n)) for i in range(0, n, QUANT_ROWS_PER_CHUNK)], dim=1)
