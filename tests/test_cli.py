@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import builtins
+import io
 import json
 import os
 import random
@@ -130,13 +132,16 @@ def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
         tls = meshinfer("status", "--peers", url.replace("ws://", "wss://"), env=env)
         assert tls.returncode == 2 and tls.stderr.strip().splitlines()[-1].endswith(
             "if the peer serves plain websockets, use ws://"), tls.stderr
-        repl = meshinfer("chat", "--peers", url, "--max-tokens", "3", "--no-speculate", env=env,
+        repl = meshinfer("chat", "--peers", url, "--max-tokens", "3", "--no-speculate", "--context", "256", env=env,
                          stdin="/help\n/bogus\n\n//x\n" + "y" * 4000 + "\n" + "z" * 1000
                          + "\n/reset\n/exit\nnever sent\n")
         assert repl.returncode == 0, repl.stderr
         assert "commands: /help shows this; /reset starts" in repl.stderr
         assert "unknown command /bogus; commands:" in repl.stderr and "(conversation reset)" in repl.stderr
-        assert repl.stdout.count("> ") == 8  # help, bogus, blank, //x, the two long ones, reset, exit
+        # stdin is a pipe: no "> " prompts on stdout, only the one reply (to //x, 3 tokens) on its own line
+        assert "> " not in repl.stdout and len(repl.stdout.splitlines()) == 1 and repl.stdout.endswith("\n"), \
+            repl.stdout
+        assert "[3 tokens, TTFT" in repl.stderr
         # the bound refuses 4,000 characters before tokenizing; 1,000 pass it and their count is refused
         assert "error: the prompt cannot fit the model's context of " in repl.stderr
         assert re.search(r"error: the chat is 10\d\d tokens; with --max-tokens 3 it cannot fit the context of "
@@ -467,3 +472,97 @@ def test_join_layers_auto_takes_the_gap_and_status_shows_coverage(tiny_gguf, tmp
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def no_torch(monkeypatch):
+    """Importing torch, the peer, the client or the engine (its torch-free model registry aside)
+    raises ImportError: what ``join`` may not load while it checks its arguments. Modules already
+    imported by this process do not run again, so a subprocess test checks the real import chain."""
+    real = builtins.__import__
+
+    def guarded(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and name != "meshinfer.engine.weights.registry" and (
+                name == "torch" or name.startswith(("torch.", "meshinfer.peer", "meshinfer.client", "meshinfer.engine"))):
+            raise ImportError(f"{name} was imported while checking join's arguments")
+        return real(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", guarded)
+
+
+def join_args(tiny_gguf, *extra: str):
+    from meshinfer.app.cli import build_parser
+
+    return build_parser().parse_args(["join", "--model", str(tiny_gguf), "--listen", "127.0.0.1:0", *extra])
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--layers", "5-2"], "layer range '5-2' is empty: last layer 2 < first layer 5"),
+    (["--layers", "0-99"], "layer range 0-99 is outside the model: it has 4 layers (0-3)"),  # from the header
+    (["--layers", "zero-3"], "layer range 'zero-3' is not of the form FIRST-LAST, e.g. 0-11"),
+    (["--peers", "10.0.0.5:7700"], "peer address '10.0.0.5:7700' is not ws://HOST:PORT or wss://HOST:PORT"),
+    (["--peers", "ws://10.0.0.5:70000"], "peer address 'ws://10.0.0.5:70000' has no host or a port outside 1-65535"),
+    (["--public-addr", "wss://:7700"], "peer address 'wss://:7700' has no host or a port outside 1-65535"),
+    (["--listen", "127.0.0.1:70000"], "--listen '127.0.0.1:70000' is not HOST:PORT with a port 0-65535"),
+    (["--metrics-port", "70000"], "--metrics-port 70000 is not a TCP port (0 turns metrics off)"),
+    (["--listen", "none"], "--listen none needs --peers"),
+    (["--listen", "none", "--peers", "ws://127.0.0.1:1", "--public-addr", "ws://h:1"],
+     "--listen none and --public-addr contradict each other"),
+    (["--layers", "0-1", "--max-layers", "2"], "--max-layers goes with --layers auto"),
+    (["--layers", "auto", "--max-layers", "0"], "--max-layers must be at least 1, got 0"),
+    (["--tls-cert", "peer.crt"], "--tls-cert and --tls-key go together"),
+    (["--tls-cert", "/nonexistent/peer.crt", "--tls-key", "/nonexistent/peer.key"],
+     "cannot load TLS certificate /nonexistent/peer.crt with key /nonexistent/peer.key"),
+    (["--max-batch", "0"], "--max-batch must be at least 1 (1 turns batching off), got 0"),
+    (["--threads", "0"], "--threads must be at least 1, got 0"),
+    (["--idle-timeout", "0"], "--idle-timeout must be above 0 seconds, got 0.0"),
+    (["--kv-budget", "lots"], "'lots' is not a size such as 2GiB or 512MB"),
+    (["--model", "/nonexistent/model.gguf"], "model '/nonexistent/model.gguf' is not a known model name"),
+])
+def test_join_checks_its_arguments_before_torch_loads(tiny_gguf, no_torch, extra, message):
+    from meshinfer.app.cli import check_join_args
+    from meshinfer.core.errors import MeshError
+
+    with pytest.raises((ValueError, MeshError)) as info:  # what main() prints as one error: line, exit 2
+        check_join_args(join_args(tiny_gguf, *extra))
+    assert message in str(info.value)
+
+
+def test_join_arguments_that_pass_the_checks_give_the_plan(tiny_gguf, no_torch):
+    from meshinfer.app.cli import check_join_args
+    from meshinfer.core.config import LayerRange
+
+    plan = check_join_args(join_args(tiny_gguf, "--layers", "1-3", "--kv-budget", "1MiB"))
+    assert (plan.layers, plan.auto, plan.port, plan.kv_budget_bytes) == (LayerRange(1, 4), False, 0, 1 << 20)
+    plan = check_join_args(join_args(tiny_gguf, "--peers", "ws://127.0.0.1:1", "--max-layers", "2"))
+    assert (plan.layers, plan.auto, plan.bootstrap) == (None, True, ("ws://127.0.0.1:1",))
+
+
+@pytest.mark.slow
+def test_join_fails_fast_without_torch(tiny_gguf, tmp_path):
+    """The whole command, in a process where importing torch fails: every argument error comes
+    first, as one ``error:`` line with exit status 2."""
+    poison = tmp_path / "torch"
+    poison.mkdir()
+    (poison / "__init__.py").write_text("raise ImportError('torch was imported')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    for extra, message in ((["--layers", "5-2"], "error: layer range '5-2' is empty: last layer 2 < first layer 5"),
+                           (["--layers", "0-99"], "error: layer range 0-99 is outside the model: it has 4 layers")):
+        started = time.monotonic()
+        out = meshinfer("join", "--model", str(tiny_gguf), "--listen", "127.0.0.1:0", *extra, env=env)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.splitlines() == [out.stderr.splitlines()[0]] and out.stderr.startswith(message), out.stderr
+        assert time.monotonic() - started < 30  # no model load (seconds); generous for a loaded machine
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_the_chat_prompt_is_shown_only_to_a_terminal(monkeypatch, capsys, tty):
+    from meshinfer.app.cli import _show_prompt
+
+    class Stdin(io.StringIO):
+        def isatty(self) -> bool:
+            return tty
+
+    monkeypatch.setattr(sys, "stdin", Stdin("hi\n"))
+    _show_prompt()
+    assert capsys.readouterr() == ("> " if tty else "", "")

@@ -17,10 +17,11 @@ import os
 import re
 import signal
 import sys
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 from pathlib import Path
 
-from meshinfer.core.config import PRECISION_NAMES
+from meshinfer.core.config import PRECISION_NAMES, LayerRange
 from meshinfer.core.errors import ContextOverflow, MeshError
 from meshinfer.client.speculative import DEFAULT_DRAFT_TOKENS
 from meshinfer.engine.weights.registry import DEFAULT_MODEL
@@ -105,16 +106,27 @@ def parse_bytes(text: str) -> int:
 def _listen(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"--listen {text!r} is not HOST:PORT")
+        raise ValueError(f"--listen {text!r} is not HOST:PORT with a port 0-65535 (0: any free port)")
     return host or "127.0.0.1", int(port)
 
 
 def _peers(text: str | None) -> list[str]:
+    """The comma-separated ws:// or wss:// addresses of ``text`` (``--peers``, ``--public-addr``).
+
+    Raises:
+        ValueError: an address that is no such URL, has no host, or a port outside 1-65535.
+    """
     urls = [u.strip() for u in (text or "").split(",") if u.strip()]
     for u in urls:
         if not re.fullmatch(r"wss?://[^\s/]+(/\S*)?", u):
             raise ValueError(f"peer address {u!r} is not ws://HOST:PORT or wss://HOST:PORT (what a peer's "
                              f"ready: line shows)")
+        try:
+            port, host = urlsplit(u).port, urlsplit(u).hostname
+        except ValueError:  # a port that is no number or past 65535
+            port, host = -1, None
+        if not host or port is not None and not 1 <= port <= 65535:
+            raise ValueError(f"peer address {u!r} has no host or a port outside 1-65535")
     return urls
 
 
@@ -281,57 +293,133 @@ def _check_port_free(host: str, port: int) -> None:
                          f"(is another peer using it? pick another --listen port)") from None
 
 
-async def _join(args) -> int:
-    from meshinfer.core.config import LayerRange
-    from meshinfer.peer.launch import ClientLimits, PeerSettings, launch_peer
+@dataclass(frozen=True)
+class JoinPlan:
+    """``join``'s arguments once checked (:func:`check_join_args`), before torch or the weights load.
 
-    from meshinfer.wire.tls import check_listen
+    ``layers`` is half-open; None with ``auto`` False means every layer of the model."""
+
+    listen: bool
+    host: str
+    port: int
+    layers: LayerRange | None
+    auto: bool
+    bootstrap: tuple[str, ...]
+    public_addrs: tuple[str, ...]
+    kv_budget_bytes: int | None
+    mesh_key: bytes | None
+    allow_ids: frozenset[str] | None
+
+
+def check_join_args(args) -> JoinPlan:
+    """Every check of ``join``'s arguments that needs no weights, run before torch is imported:
+    addresses and ports (``--listen``, ``--peers``, ``--public-addr``, ``--metrics-port``, each
+    bound once to see that it is free), option combinations, limits, TLS and key files, and
+    ``--layers`` against the layer count in the model's GGUF header (torch-free, no tensors read).
+
+    Raises:
+        ValueError, MeshError (LayerRangeError, InvalidInput, ModelNotFound, WeightsError): the
+            message names the flag; the CLI prints it as one ``error:`` line and exits 2.
+    """
+    listen, host, port, bootstrap, public = _check_join_addresses(args)
+    _check_join_limits(args)
+    auto = args.layers == "auto" or (args.layers is None and bool(bootstrap))
+    if args.max_layers is not None and not auto:
+        raise ValueError("--max-layers goes with --layers auto")
+    layers = LayerRange.parse(args.layers) if args.layers and args.layers != "auto" else None
+    num_layers = _model_layer_count(args.model)
+    if layers is not None and num_layers is not None:
+        layers.check_within(num_layers)
+    if args.metrics_port:
+        _check_port_free(args.metrics_host or host, args.metrics_port)
+    return JoinPlan(listen=listen, host=host, port=port, layers=layers, auto=auto, bootstrap=bootstrap,
+                    public_addrs=public,
+                    kv_budget_bytes=None if args.kv_budget == "auto" else parse_bytes(args.kv_budget),
+                    mesh_key=_mesh_key(args), allow_ids=_allow_ids(args))
+
+
+def _check_join_addresses(args) -> tuple[bool, str, int, tuple[str, ...], tuple[str, ...]]:
+    """(listen, host, port, bootstrap urls, public urls) of ``join``, checked: address syntax,
+    ``--listen none`` combinations, TLS files, no plain ws:// listener off loopback, a free port."""
+    from meshinfer.wire.tls import check_listen, client_context, server_context
 
     listen = args.listen.strip().lower() != "none"
     host, port = _listen(args.listen) if listen else ("127.0.0.1", 0)
-    if not listen and not _peers(args.peers):
+    bootstrap, public = tuple(_peers(args.peers)), tuple(_peers(args.public_addr))
+    if not listen and not bootstrap:
         raise ValueError("--listen none needs --peers: a peer that does not listen is reached through the "
                          "peers it dials (its relays)")
     if not listen and args.public_addr:
         raise ValueError("--listen none and --public-addr contradict each other: a peer that does not listen "
                          "has no address")
-    layers = LayerRange.parse(args.layers) if args.layers and args.layers != "auto" else None
-    if args.max_layers is not None and args.max_layers < 1:
-        raise ValueError(f"--max-layers must be at least 1, got {args.max_layers}")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_cert is not None:
+        server_context(args.tls_cert, args.tls_key)
+    if args.tls_ca is not None:
+        client_context(args.tls_ca)
+    if not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0 turns metrics off)")
+    if listen:
+        check_listen(host, tls=bool(args.tls or args.tls_cert), insecure=args.insecure)
+        _check_port_free(host, port)
+    return listen, host, port, bootstrap, public
+
+
+def _check_join_limits(args) -> None:
+    """``join``'s numeric limits: layers, batching, connections, threads, idle timeout."""
+    if args.max_layers is not None and args.max_layers < 1:
+        raise ValueError(f"--max-layers must be at least 1, got {args.max_layers}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be at least 1 (1 turns batching off), got {args.max_batch}")
     if not 0 <= args.batch_wait_ms <= 1000:
         raise ValueError(f"--batch-wait-ms must be 0-1000 (0: never wait), got {args.batch_wait_ms}")
     if args.max_connections_per_host < 1:
         raise ValueError(f"--max-connections-per-host must be at least 1, got {args.max_connections_per_host}")
-    if listen:
-        check_listen(host, tls=bool(args.tls or args.tls_cert), insecure=args.insecure)
-    settings = PeerSettings(host=host, port=port, public_addrs=tuple(_peers(args.public_addr)), listen=listen,
-                            bootstrap=tuple(_peers(args.peers)),
-                            kv_budget_bytes=None if args.kv_budget == "auto" else parse_bytes(args.kv_budget),
-                            idle_timeout_s=args.idle_timeout, mesh_key=_mesh_key(args),
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    if not args.idle_timeout > 0:
+        raise ValueError(f"--idle-timeout must be above 0 seconds, got {args.idle_timeout}")
+
+
+def _model_layer_count(model: str) -> int | None:
+    """The decoder layer count of ``--model`` from its GGUF header (no torch, no tensors), or None
+    when it cannot be known before loading: a Hugging Face directory, or a known model not pulled
+    yet (join pulls it) or whose file is unreadable (join pulls it again).
+
+    Raises:
+        ModelNotFound: ``model`` is neither an existing path nor a known name.
+        WeightsError: a GGUF file given by path has no readable header or layer count.
+    """
+    from meshinfer.core.gguf_header import read_gguf_layer_count
+    from meshinfer.engine.weights.registry import KNOWN_MODELS, model_path, resolve_model
+
+    if not Path(model).expanduser().exists() and model in KNOWN_MODELS:
+        try:
+            return read_gguf_layer_count(model_path(model))
+        except (OSError, MeshError):
+            return None
+    path = resolve_model(model, pull_missing=False)
+    return read_gguf_layer_count(path) if path.is_file() else None
+
+
+async def _join(args, plan: JoinPlan) -> int:
+    from meshinfer.peer.launch import ClientLimits, PeerSettings, launch_peer
+
+    settings = PeerSettings(host=plan.host, port=plan.port, public_addrs=plan.public_addrs, listen=plan.listen,
+                            bootstrap=plan.bootstrap, kv_budget_bytes=plan.kv_budget_bytes,
+                            idle_timeout_s=args.idle_timeout, mesh_key=plan.mesh_key,
                             tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure,
                             tls_ca=args.tls_ca, metrics_port=args.metrics_port or None,
                             metrics_host=args.metrics_host or None,
-                            allow_ids=_allow_ids(args), max_batch=args.max_batch,
+                            allow_ids=plan.allow_ids, max_batch=args.max_batch,
                             max_hold_s=args.batch_wait_ms / 1000,
                             client_limits=ClientLimits(connections=args.max_connections_per_host))
-    if not 0 <= args.metrics_port <= 65535:
-        raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0 turns metrics off)")
-    if listen:
-        _check_port_free(host, port)
-    if args.metrics_port:
-        _check_port_free(args.metrics_host or host, args.metrics_port)
     _warn_plain(list(settings.bootstrap), args.insecure)
-    if args.layers == "auto" or (args.layers is None and settings.bootstrap):
-        layers = await _auto_layers(args, settings)
-    elif args.max_layers is not None:
-        raise ValueError("--max-layers goes with --layers auto")
-    key = args.key or _default_key_path(port)
+    layers = await _auto_layers(args, settings) if plan.auto else plan.layers
+    key = args.key or _default_key_path(plan.port)
     peer = await launch_peer(args.model, layers, device=args.device, dtype=args.dtype, settings=settings,
-                             key_path=key, threads=args.threads, tls_self_signed=bool(args.tls) and listen)
+                             key_path=key, threads=args.threads, tls_self_signed=bool(args.tls) and plan.listen)
     stop = _stop_on_signals()
     where = ", ".join(peer.addrs) or "no address (--listen none: reached through the peers it dials)"
     _announce(args, f"ready: peer {peer.peer_id} serving layers {peer.shard.range.cli()} of "
@@ -377,7 +465,8 @@ async def _auto_layers(args, settings):
 
 
 def cmd_join(args) -> int:
-    return _run(_join(args))
+    plan = check_join_args(args)  # before torch loads: a mistake fails in a fraction of a second
+    return _run(_join(args, plan))
 
 
 # --------------------------------------------------------------------------- chat
@@ -503,7 +592,7 @@ async def _repl(client, route, tok, args) -> None:
     print("meshinfer chat: type a message; /help lists commands; /exit or Ctrl-D leaves", file=sys.stderr)
     try:
         while True:
-            print("> ", end="", flush=True)
+            _show_prompt()
             line = await lines.get()
             command = _repl_command(line)
             if command == "exit":
@@ -557,6 +646,13 @@ def _outgrew_context(exc: MeshError, n_prompt: int, args) -> bool:
     ``--context`` tokens its conversation reserved (the conversation's own check, which
     /reset or a larger --context cures), rather than the model's context on a hop."""
     return isinstance(exc, ContextOverflow) and n_prompt + args.max_tokens > args.context
+
+
+def _show_prompt() -> None:
+    """The REPL's ``> `` on stdout, only when stdin is a terminal: with piped input stdout holds
+    the replies alone (one line each)."""
+    if sys.stdin is not None and sys.stdin.isatty():
+        print("> ", end="", flush=True)
 
 
 def _stdin_lines() -> asyncio.Queue:

@@ -196,3 +196,24 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     with map_gguf(path) as buf:
         return read_header(Cursor(buf, path))[1]
+
+
+def read_gguf_layer_count(path: str | os.PathLike) -> int:
+    """The number of decoder blocks of a GGUF model (``<general.architecture>.block_count``),
+    read from its header alone: no tensors, no torch. ``meshinfer join`` checks ``--layers``
+    with it before loading the weights.
+
+    Raises:
+        FileNotFoundError: no such file.
+        WeightsError: not a readable GGUF header (see :func:`read_gguf_metadata`), or the
+            architecture or its block count is missing or not a positive whole number.
+    """
+    meta = read_gguf_metadata(path)
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise WeightsError(f"{path}: metadata field 'general.architecture' is missing or not a string")
+    count = meta.get(f"{arch}.block_count")
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+        raise WeightsError(f"{path}: metadata field '{arch}.block_count' must be a positive whole number, "
+                           f"got {count!r}")
+    return int(count)
