@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import importlib
 import io
 import json
 import os
@@ -479,6 +480,8 @@ def no_torch(monkeypatch):
     """Importing torch, the peer, the client or the engine (its torch-free model registry aside)
     raises ImportError: what ``join`` may not load while it checks its arguments. Modules already
     imported by this process do not run again, so a subprocess test checks the real import chain."""
+    importlib.import_module("meshinfer.app.cli")  # loaded before the guard: the module itself is torch-free
+
     real = builtins.__import__
 
     def guarded(name, globals=None, locals=None, fromlist=(), level=0):
@@ -536,6 +539,21 @@ def test_join_arguments_that_pass_the_checks_give_the_plan(tiny_gguf, no_torch):
     assert (plan.layers, plan.auto, plan.port, plan.kv_budget_bytes) == (LayerRange(1, 4), False, 0, 1 << 20)
     plan = check_join_args(join_args(tiny_gguf, "--peers", "ws://127.0.0.1:1", "--max-layers", "2"))
     assert (plan.layers, plan.auto, plan.bootstrap) == (None, True, ("ws://127.0.0.1:1",))
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--messages", "/nonexistent/chat.json"], "error: --messages /nonexistent/chat.json: [Errno 2] No such file"),
+    (["-p", "hi", "--model", "/nonexistent/model.gguf"], "error: model '/nonexistent/model.gguf' is not a known"),
+    (["-p", "hi", "--threads", "0"], "error: --threads must be at least 1, got 0"),
+])
+def test_generate_checks_its_arguments_before_torch_loads(tiny_gguf, no_torch, capsys, monkeypatch, extra, message):
+    from meshinfer.app import cli
+
+    monkeypatch.setattr(cli, "_setup_logging", lambda *a: None)  # leave this process's logging alone
+    monkeypatch.setenv("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))  # restored after
+    assert cli.main(["generate", "--model", str(tiny_gguf), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.slow

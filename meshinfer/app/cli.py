@@ -238,6 +238,13 @@ def cmd_pull(args) -> int:
 
 # --------------------------------------------------------------------------- generate
 def cmd_generate(args) -> int:
+    from meshinfer.engine.weights.registry import resolve_model
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    messages = _messages(args)  # a bad --messages file or --model fails before torch loads
+    path = resolve_model(args.model)
+
     import torch
 
     from meshinfer.engine.executor import parse_device
@@ -245,16 +252,14 @@ def cmd_generate(args) -> int:
     from meshinfer.text.stream import StreamDecoder
     from meshinfer.text.tokenizer import Tokenizer
     from meshinfer.engine.weights import open_weights
-    from meshinfer.engine.weights.registry import resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = resolve_model(args.model)
     dtype = parse_dtype(args.dtype)
     device = parse_device(args.device)
     src = open_weights(path)
     tok = Tokenizer.from_gguf(src) if path.is_file() else Tokenizer.from_hf_dir(path)
-    prompt_ids = tok.encode_chat(_messages(args))
+    prompt_ids = tok.encode_chat(messages)
     from meshinfer.engine.weights.registry import meshinfer_home
     shard = load_shard(src, dtype=dtype, device=str(device), cache_dir=meshinfer_home() / "converted")
     stream = StreamDecoder(tok)
