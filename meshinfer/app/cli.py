@@ -655,7 +655,7 @@ def _outgrew_context(exc: MeshError, n_prompt: int, args) -> bool:
 
 def _show_prompt() -> None:
     """The REPL's ``> `` on stdout, only when stdin is a terminal: with piped input stdout holds
-    the replies alone (one line each)."""
+    the replies alone, each ended by a newline."""
     if sys.stdin is not None and sys.stdin.isatty():
         print("> ", end="", flush=True)
 
