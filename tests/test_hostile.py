@@ -614,7 +614,8 @@ async def test_abrupt_disconnect_mid_step_frees_the_cache(tiny):
 async def test_conversations_closed_while_batched_or_awaited_leave_nothing_behind(tiny):
     """Open, step, close: conversations closed while their step is pending or while a pass waits
     for them (the scheduler holds the coming ones) leave no cache, no scheduler entry, no task."""
-    async with raw_conversation(tiny, client_limits=ClientLimits(steps_per_s=1e6, bytes_per_s=1e12)) as (peers, raw):
+    unlimited = ClientLimits(steps_per_s=1e6, bytes_per_s=1e12, frames_per_s=1e9)
+    async with raw_conversation(tiny, client_limits=unlimited) as (peers, raw):
         peer = peers[0]
         for cycle in range(10):
             convs = [f"k{cycle}-{i}" for i in range(6)]
@@ -636,7 +637,8 @@ async def test_conversations_closed_while_batched_or_awaited_leave_nothing_behin
 
 async def test_client_that_never_reads_replies_does_not_stall_others(tiny):
     # the stall is under test here, not the per-host rate limit (both clients share 127.0.0.1)
-    async with serving(tiny, client_limits=ClientLimits(steps_per_s=1e6, bytes_per_s=1e12)) as peers:
+    unlimited = ClientLimits(steps_per_s=1e6, bytes_per_s=1e12, frames_per_s=1e9)
+    async with serving(tiny, client_limits=unlimited) as peers:
         peer = peers[0]
         ws = await websockets.connect(peer.addrs[0], sock=small_socket(peer.port), compression=None,
                                       ping_interval=None, max_queue=1)
@@ -935,7 +937,8 @@ def check_fuzz_reply(msg: dict, stats: dict) -> None:
 @pytest.mark.slow
 async def test_seeded_fuzzer_leaves_the_peer_serving_at_baseline(tiny):
     rng = random.Random(1234)
-    async with serving(tiny, client_limits=ClientLimits(conversations=10_000, steps_per_s=1e6, bytes_per_s=1e12)) as peers:  # robustness, not rate limits
+    no_limits = ClientLimits(conversations=10_000, steps_per_s=1e6, bytes_per_s=1e12, frames_per_s=1e9)
+    async with serving(tiny, client_limits=no_limits) as peers:  # robustness, not rate limits
         peer = peers[0]
         templates = fuzz_templates(peer.weights_hash)
         frames = [fuzz_frame(rng, templates) for _ in range(FUZZ_FRAMES)]
@@ -1046,7 +1049,7 @@ async def test_unread_client_of_relayed_errors_does_not_freeze_the_link_between_
     # The client opens conversations on the first hop only, so the second hop answers every step
     # with an error that the first hop relays to this client, which never reads.
     monkeypatch.setattr(transport, "SEND_TIMEOUT_S", 5.0)
-    limits = ClientLimits(conversations=64, steps_per_s=1e6, bytes_per_s=1e12)
+    limits = ClientLimits(conversations=64, steps_per_s=1e6, bytes_per_s=1e12, frames_per_s=1e9)
     async with serving(tiny, (0, 2, 4), client_limits=limits) as peers:
         first, second = peers
         link = first.links[second.peer_id]
@@ -1441,4 +1444,91 @@ async def test_a_flood_of_large_gossip_frames_costs_a_bounded_share_of_the_peer(
             for ad in p.table.adverts():
                 if ad.peer_id not in {q.peer_id for q in peers}:
                     p.table.remove(ad.peer_id)
+        await assert_healthy(tiny, peers)
+
+
+@pytest.mark.parametrize("kind", ["frames", "bytes"])
+async def test_a_flood_over_a_hosts_budget_is_dropped_before_it_is_decoded(tiny, monkeypatch, kind):
+    """A flood of frames from one client host was decoded (msgpack, milliseconds per 100 KB)
+    before the per-host limit could drop it. Now the host's frame and byte budgets are spent on a
+    frame's size alone: past them the frames are dropped unread (``protocol.decode`` never sees
+    them), the sender is told at most once a second, another host is served during the flood, and
+    once the budget refills the same connection and an honest client are served again."""
+    marker, decoded = b"FLOODMARK", []
+    real_decode = protocol.decode
+
+    def counting_decode(frame, **kw):
+        if marker in bytes(frame):
+            decoded.append(len(frame))
+        return real_decode(frame, **kw)
+
+    monkeypatch.setattr(protocol, "decode", counting_decode)
+    if kind == "frames":  # 3,000 frames of 1 KB at 100 frames/s (bursts of 200)
+        cl, n, pad, rate = ClientLimits(frames_per_s=100.0), 3000, marker * 100, 100.0
+        told = "client 127.0.0.1 sends more than 100 frames/s; frames over it are dropped unread"
+    else:  # 200 frames of 100 KB at 1 MiB/s (bursts of 2 MiB)
+        cl, n, pad, rate = ClientLimits(bytes_per_s=float(2 ** 20)), 200, marker * 10_000, float(2 ** 20)
+        told = "client 127.0.0.1 sends more than 1048576 bytes/s; frames over it are dropped unread"
+    async with serving(tiny, client_limits=cl) as peers:
+        peer = peers[0]
+        raw = await Raw.connect(peer)
+        link = next(lk for lk in peer._all_links if lk.role == "client")
+        try:
+            t0 = time.monotonic()
+            for _ in range(n):
+                await raw.send("ping", pad=pad)
+            other = await Raw.connect(peer, local_addr=("127.0.0.2", 0))  # another host: its own budget
+            assert (await other.request("ping"))["t"] == "pong"
+            await other.close()
+            async with asyncio.timeout(30):
+                while len(decoded) + link.dropped_frames < n:
+                    await asyncio.sleep(0.01)
+            elapsed_s = time.monotonic() - t0
+            spent = len(decoded) if kind == "frames" else sum(decoded)
+            assert spent <= 2 * rate + rate * elapsed_s  # the burst, and what refilled during the flood
+            assert link.dropped_frames == n - len(decoded) > 0
+            await asyncio.sleep(2.5)  # the budget refills (bursts of 2 s), and the replies have arrived
+            replies = []
+            while not raw.inbox.empty():
+                replies.append(raw.inbox.get_nowait())
+            notices = [r for r in replies if r["t"] == "error"]
+            assert notices and [(r["code"], r["message"], "re" in r) for r in notices] == [
+                ("rate_limited", told, False)] * len(notices)
+            assert len(notices) <= elapsed_s / peer_module.DROP_NOTICE_EVERY_S + 1
+            assert (await raw.request("ping"))["t"] == "pong"  # the same connection is served again
+        finally:
+            await raw.close()
+        await assert_healthy(tiny, peers)
+
+
+async def test_a_flood_on_a_peer_link_is_dropped_before_it_is_decoded(tiny, monkeypatch):
+    """A connection that says it is a peer (keys are free) has no host budget, since a previous
+    hop relays every client's steps; its own frame budget (``PEER_LINK_FRAMES_PER_S``) is still
+    spent before decoding, and frames past it are dropped unread."""
+    decoded = []
+    real_decode = protocol.decode
+
+    def counting_decode(frame, **kw):
+        if b"FLOODMARK" in bytes(frame):
+            decoded.append(len(frame))
+        return real_decode(frame, **kw)
+
+    monkeypatch.setattr(protocol, "decode", counting_decode)
+    monkeypatch.setattr(peer_module, "PEER_LINK_FRAMES_PER_S", 50.0)
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raw = await Raw.connect(peer, role="peer", advert=rogue_advert(tiny[1]))
+        link = next(lk for lk in peer._all_links if lk.role == "peer" and lk.remote_id == peer_id_of(ROGUE_KEY))
+        try:
+            t0 = time.monotonic()
+            for _ in range(1000):
+                await raw.send("ping", pad="FLOODMARK")
+            async with asyncio.timeout(30):
+                while len(decoded) + link.dropped_frames < 1000:
+                    await asyncio.sleep(0.01)
+            assert len(decoded) <= 100 + 50 * (time.monotonic() - t0) and link.dropped_frames > 0
+            await asyncio.sleep(2.5)
+            assert (await raw.request("ping"))["t"] == "pong"
+        finally:
+            await raw.close()
         await assert_healthy(tiny, peers)

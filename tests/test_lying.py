@@ -459,6 +459,60 @@ async def test_a_hop_that_keeps_reporting_its_next_hop_gone_is_replaced_with_it(
             await p.close()
 
 
+async def test_a_hop_that_reports_its_next_hop_gone_once_per_conversation_is_blamed_by_its_second(tiny):
+    """A first hop that makes one false ``peer_unavailable`` report in each new conversation: counted
+    per conversation, each report was a first, so the liar was never replaced and cost each
+    conversation a failover (and one honest next hop with a second report). Counted by the client,
+    its report in the second conversation replaces it, and its third, after its backoff ran out,
+    replaces it alone: the honest hop named that time stays."""
+    path, digest, tok, _, _ = tiny
+    bundle = tok.to_bundle()
+    liar = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=bundle)
+    spare = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=bundle,
+                             bootstrap=liar.addrs)
+    peers = [liar, spare] + [await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bundle=bundle,
+                                              bootstrap=liar.addrs) for _ in range(2)]
+    ids = tok.encode_chat([{"role": "user", "content": "hello"}])
+    expected = greedy_generate(load_shard(path), ids, max_tokens=6).token_ids
+    honest_run, named = liar.steps.run, {}  # conversation id -> the next hop its one report named
+
+    async def run(conv, step):
+        if step.start == 0 or step.replay or conv.conv_id in named:
+            return await honest_run(conv, step)
+        named[conv.conv_id] = conv.next_id
+        client._failed.pop(spare.peer_id, None)  # the liar's replacement is there if it is needed
+        await conv.owner.send("error", conv=conv.conv_id, seq=step.seq, code="peer_unavailable",
+                              message="my next hop is gone", peer=conv.next_id)
+
+    try:
+        await wait_for_tables(peers)
+        async with MeshClient(list(liar.addrs)) as client:
+            liar.steps.run = run
+            convs = []
+            for _ in range(3):
+                client._failed.pop(liar.peer_id, None)  # its backoff ran out
+                client._failed[spare.peer_id] = (math.inf, 0)  # so the route runs through the liar
+                route = await client.plan()
+                assert route.hops[0].peer_id == liar.peer_id
+                conv = client.conversation(route, max_tokens_total=len(ids) + 6, speculate=False)
+                try:
+                    assert (await conv.generate(ids, max_tokens=6, eos_ids=())).token_ids == expected
+                finally:
+                    await conv.close()
+                convs.append(conv)
+                if len(convs) == 1:
+                    assert conv.failovers[0]["failed"] == [] and client.backed_off() == set()
+            _, second, third = (named[c.conv_id] for c in convs)
+            assert [c.failovers[0]["failed"] for c in convs] == [
+                [], sorted([liar.peer_id, second]), [liar.peer_id]]
+            assert all(len(c.failovers) == 1 for c in convs) and client.reports.count(liar.peer_id) == 3
+            assert liar.peer_id in client.backed_off() and third not in client.backed_off()
+            assert convs[2].route.hops[0].peer_id == spare.peer_id
+    finally:
+        for p in peers:
+            await p.close()
+
+
 async def test_a_hop_that_withholds_its_output_cannot_get_its_next_hops_backed_off_for_free(tiny):
     """A first hop that computes each decode step but never forwards it: every hop answers the
     probes, and the next hop, holding fewer positions, looked stuck and was backed off alone, so

@@ -104,7 +104,7 @@ class Conversation(HopSteps, Failover, DecodeSteps):
         self._warm: asyncio.Future | None = None  # the drafter's prefill of a generate() in progress
         self.max_step_tokens = 512
         self.failovers: list[dict] = []
-        self.unconfirmed_reports: dict[str, int] = {}  # reporting hop -> its peer_unavailable reports no probe bore out
+        self.unconfirmed_reports: dict[str, int] = {}  # reporting hop -> its unconfirmed reports here (see client.reports)
         self._seq = 0
         self._min_seq = 0  # replies to steps before this one are stale
         self._open = False

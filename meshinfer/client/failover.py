@@ -18,10 +18,6 @@ log = logging.getLogger(__name__)
 
 #: Lying hops excluded during one step before the error reaches the caller.
 MAX_DETECTIONS = 3
-#: A hop's ``peer_unavailable`` reports in one conversation that no probe bears out before the
-#: reporter and its next hop are replaced (:meth:`Failover._find_failed`): one is a link that
-#: broke once (it is reopened); a second in the same conversation is a pattern.
-UNCONFIRMED_REPORTS_BLAMED = 2
 
 
 class Failover:
@@ -56,57 +52,63 @@ class Failover:
         and the relay the connection ran through (``cause.relay``, not a hop) is named as failed,
         so it is backed off and the next hop is reached another way.
 
-        A hop's reports that no probe bears out (every hop answers) are counted per reporter; from
-        the :data:`UNCONFIRMED_REPORTS_BLAMED`-th on, the reporter and its next hop are both
-        replaced (:meth:`_reported_pair`): the link between them broke again, or the reporter
-        says so falsely, and the client cannot tell which. A hop on the route that made reports
-        up used to cost :data:`~meshinfer.client.hops.MAX_FAILOVERS` failovers a step, every
-        step, and was chosen again."""
+        A hop's reports that no probe bears out (every hop answers) are counted per reporter, in
+        the client's :class:`~meshinfer.client.reports.ReportLedger` (``client.reports``), which
+        outlives conversations; from the ``UNCONFIRMED_REPORTS_BLAMED``-th on, the reporter is
+        replaced, at that count with its next hop (:meth:`_count_report`): the link between them
+        broke again, or the reporter says so falsely, and the client cannot tell which. A hop on
+        the route that made reports up used to cost :data:`~meshinfer.client.hops.MAX_FAILOVERS`
+        failovers a step, every step, and was chosen again."""
         lengths = await asyncio.gather(*(self._probe(h) for h in self.route.hops))
         failed = {h.peer_id for h, n in zip(self.route.hops, lengths) if n is None}
-        if not failed and self._unconfirmed_again(cause):
-            return self._reported_pair(cause) | ({cause.relay} if cause.relay else set())
+        relay = {cause.relay} if isinstance(cause, PeerUnavailable) and cause.relay else set()
+        reporter = self._countable_reporter(cause)
+        if not failed and reporter is not None:
+            blamed = self._count_report(reporter, self._next_hop(reporter))
+            if blamed:
+                return blamed | relay
         if isinstance(cause, PeerUnavailable) and cause.peer is not None:
-            return failed | ({cause.relay} if cause.relay else set())
+            return failed | relay
         if not failed:  # everyone answers: the first hop that has not finished the step is stuck
             # (!=, not <: a hop that never got a step after rejected drafts still holds them, maybe
             # more positions than the step would leave; a hop that finished holds exactly in_flight)
             hops = self.route.hops
             i = next((i for i, n in enumerate(lengths) if n != in_flight), None)
             if i is not None:
-                failed.add(hops[i].peer_id)
                 before = hops[i - 1].peer_id if i else None  # finished the step; the step was lost after it
-                if before is not None and before != getattr(cause, "reporter", None) and self._counted_again(before):
-                    failed.add(before)  # (a reporter's report was counted above: once per event)
+                counted = before is not None and before != getattr(cause, "reporter", None)  # once per event
+                failed |= (self._count_report(before, hops[i].peer_id) if counted else set()) or {hops[i].peer_id}
         return failed
 
-    def _unconfirmed_again(self, cause: MeshError | None) -> bool:
-        """Count ``cause``, a hop's report that every hop's probe answered; True from the
-        :data:`UNCONFIRMED_REPORTS_BLAMED`-th such report of the same hop in this conversation.
+    def _countable_reporter(self, cause: MeshError | None) -> str | None:
+        """The hop that reported ``cause`` when it is a ``peer_unavailable`` report to count, else None.
 
         A report naming a relay that is not backed off yet is not counted: the relay is blamed
         for it. Counted, a relay that cut a circuit twice got both honest hops backed off."""
         reporter = getattr(cause, "reporter", None) if isinstance(cause, PeerUnavailable) else None
         if reporter is None:
-            return False
+            return None
         if cause.relay is not None and cause.relay not in self.client.backed_off():
-            return False  # the relay takes this one (it is backed off); a report naming it again counts
-        return self._counted_again(reporter)
+            return None  # the relay takes this one (it is backed off); a report naming it again counts
+        return reporter
 
-    def _counted_again(self, hop_id: str) -> bool:
-        """Count one step lost between hop ``hop_id`` and its next hop while every hop answers its
-        probe (``hop_id`` reported the link gone, or finished the step and its next hop never got
-        it: which of the two lies cannot be told); True from the
-        :data:`UNCONFIRMED_REPORTS_BLAMED`-th in this conversation. A hop that withheld its output
-        got each next hop it was given blamed alone, and was never blamed itself."""
+    def _count_report(self, hop_id: str, next_id: str | None) -> frozenset[str]:
+        """Count one step lost between hop ``hop_id`` and its next hop ``next_id`` while every hop
+        answers its probe (``hop_id`` reported the link gone, or finished the step and its next hop
+        never got it: which of the two lies cannot be told); return whom to replace for it
+        (:meth:`~meshinfer.client.reports.ReportLedger.blame`: nobody before the
+        ``UNCONFIRMED_REPORTS_BLAMED``-th of ``hop_id`` in the client's memory). A hop that
+        withheld its output got each next hop it was given blamed alone, and was never blamed
+        itself; one that made a false report in each new conversation was never counted twice.
+        ``unconfirmed_reports`` keeps this conversation's share of the counts."""
         self.unconfirmed_reports[hop_id] = self.unconfirmed_reports.get(hop_id, 0) + 1
-        return self.unconfirmed_reports[hop_id] >= UNCONFIRMED_REPORTS_BLAMED
+        return self.client.reports.blame(hop_id, next_id)
 
-    def _reported_pair(self, cause: PeerUnavailable) -> set[str]:
-        """The reporter of ``cause`` and the hop after it on the route (the one it reports about)."""
+    def _next_hop(self, hop_id: str) -> str | None:
+        """The hop after ``hop_id`` on the route (the one its reports are about), or None."""
         ids = list(self.route.peer_ids)
-        i = ids.index(cause.reporter) if cause.reporter in ids else len(ids)
-        return {cause.reporter, *ids[i + 1:i + 2]}
+        i = ids.index(hop_id) if hop_id in ids else len(ids)
+        return ids[i + 1] if i + 1 < len(ids) else None
 
     async def _failover(self, exc: MeshError, *, in_flight: int, failed: set[str] | None = None) -> None:
         """Replace failed hops (found by probing unless given), keep the others' caches, replay

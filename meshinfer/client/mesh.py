@@ -19,6 +19,7 @@ from meshinfer.client import spotcheck, tokenizer_trust
 from meshinfer.client.conversation import Conversation
 from meshinfer.client.draft import DraftModel, Drafter
 from meshinfer.client.links import DIAL_TIMEOUT_S, MeshLinks
+from meshinfer.client.reports import ReportLedger
 from meshinfer.client.routing import Route, plan_route
 from meshinfer.client.speculative import DraftPolicy
 from meshinfer.core.errors import InvalidInput, MeshError, NoRoute, PeerUnavailable, Unauthenticated
@@ -80,6 +81,7 @@ class MeshClient(MeshLinks):
         self._convs: dict[str, "Conversation"] = {}
         self._tokenizers: dict[tuple[str, str], Tokenizer] = {}  # (weights hash, tokenizer hash) ->
         self._failed: dict[str, tuple[float, int]] = {}  # peer id -> (excluded until, failures)
+        self.reports = ReportLedger()  # hops' reports no probe bore out, over all conversations (client.failover)
         self._policies: dict[tuple, DraftPolicy] = {}  # (route's peers, drafter) -> its draft policy
 
     async def __aenter__(self) -> "MeshClient":

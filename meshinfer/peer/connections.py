@@ -90,7 +90,7 @@ class Connections:
         await self.serve_link(link)
 
     async def serve_link(self, link: Link) -> None:
-        link.meter = self.peer.metrics
+        link.meter, link.admit = self.peer.metrics, self.peer.budgets.admit
         self.all.add(link)
         hello_timer = asyncio.get_running_loop().call_later(
             limits.HELLO_TIMEOUT_S, lambda: link.role is None and self.peer._spawn(link.close(1008, "no hello"), "close"))
@@ -235,7 +235,7 @@ class Connections:
         Raises:
             PeerUnavailable: the handshake failed, naming the link.
         """
-        link.meter = self.peer.metrics
+        link.meter, link.admit = self.peer.metrics, self.peer.budgets.admit
         self.all.add(link)
         link.reader.add_done_callback(lambda _t, lk=link: self.forget(lk))
         try:

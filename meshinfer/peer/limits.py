@@ -7,11 +7,13 @@ advert signature check :func:`verify_advert` is looked up here the same way.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
+from meshinfer.core.errors import RateLimited
 from meshinfer.wire import discovery
 from meshinfer.wire.discovery import host_key
 from meshinfer.wire.transport import Link
@@ -56,6 +58,14 @@ MAX_QUEUED_STEPS = 64
 #: 512 tokens of the default model (1.8 MB each). Beyond it a step is refused (rate_limited),
 #: so a previous hop that floods queues cannot grow the peer's memory without bound.
 MAX_QUEUED_BYTES = 256 << 20
+#: Frames one connection whose hello said "peer" may send per second, sustained (token bucket,
+#: bursts of 2 s), counted before a frame is decoded; further ones are dropped unread
+#: (:class:`FrameBudgets`). An honest hop sends one frame per conversation per pass (a decode pass
+#: of 64 conversations every 16 ms is 4,000 a second) plus gossip, probes and their replies, and
+#: a previous hop relays every client's steps, so peer links get no per-host budget.
+PEER_LINK_FRAMES_PER_S = 8192.0
+#: Seconds between two ``rate_limited`` notices telling a connection that its frames are dropped unread.
+DROP_NOTICE_EVERY_S = 1.0
 #: Most conversations one client connection may hold open at once.
 MAX_CONVERSATIONS_PER_LINK = 64
 #: Frame overhead allowed beyond the largest hidden-state payload, bytes.
@@ -102,6 +112,12 @@ class ClientLimits:
         bytes_per_s: frame bytes per second, sustained (token bucket, bursts of 2 s).
         kv_share: share of the peer's KV capacity (tokens) the host's open conversations may
             reserve together, so that one host cannot reserve all of it and send nothing.
+        frames_per_s: frames per second of every kind, sustained (token bucket, bursts of 2 s):
+            five times the step rate, room for the probes, closes and spot-checks around steps.
+
+    ``frames_per_s`` and ``bytes_per_s`` are checked on a frame's size before it is decoded
+    (:class:`FrameBudgets`); a frame over them is dropped unread, so a flood costs the peer a
+    length check per frame.
     """
 
     conversations: int = 64
@@ -109,6 +125,7 @@ class ClientLimits:
     steps_per_s: float = 200.0
     bytes_per_s: float = 32 * 2 ** 20
     kv_share: float = 0.5
+    frames_per_s: float = 1000.0
 
 
 class Bucket:
@@ -117,14 +134,96 @@ class Bucket:
     def __init__(self, rate: float, burst: float) -> None:
         self.rate, self.burst, self.level, self.t = rate, burst, burst, time.monotonic()
 
-    def take(self, amount: float) -> bool:
+    def _refill(self) -> None:
         now = time.monotonic()
         self.level = min(self.burst, self.level + (now - self.t) * self.rate)
         self.t = now
+
+    def take(self, amount: float) -> bool:
+        """Take ``amount`` if the bucket holds it; False (nothing taken) if not."""
+        self._refill()
         if amount > self.level:
             return False
         self.level -= amount
         return True
+
+    def full(self) -> bool:
+        """Whether the bucket has refilled to ``burst`` (its owner has been idle)."""
+        self._refill()
+        return self.level >= self.burst
+
+
+class FrameBudgets:
+    """What a peer's connections may send: per client host (all its client connections together,
+    :class:`ClientLimits`) and per peer link (:data:`PEER_LINK_FRAMES_PER_S`).
+
+    :meth:`admit` runs on a frame's size before it is decoded (``Link.admit``); :meth:`charge`
+    on a client request after (it needs the frame's type: steps per second, and the bytes of
+    client requests made over a peer link).
+
+    Args:
+        client_limits: returns the peer's current :class:`ClientLimits` (read at each frame).
+        metrics: counts a dropped frame as an error ``rate_limited`` (``PeerMetrics.error``).
+    """
+
+    def __init__(self, client_limits, metrics) -> None:
+        self.client_limits, self.metrics = client_limits, metrics
+        self.hosts: dict[str, tuple[Bucket, Bucket, Bucket]] = {}  # host -> (steps, bytes, frames)
+
+    def _host(self, host: str) -> tuple[Bucket, Bucket, Bucket]:
+        cl = self.client_limits()
+        if host not in self.hosts:
+            self.hosts[host] = (Bucket(cl.steps_per_s, 2 * cl.steps_per_s), Bucket(cl.bytes_per_s, 2 * cl.bytes_per_s),
+                                Bucket(cl.frames_per_s, 2 * cl.frames_per_s))
+        return self.hosts[host]
+
+    def admit(self, link: Link, nbytes: int) -> bool:
+        """Whether to decode a frame of ``nbytes`` bytes from ``link``. A client connection (or one
+        that has not said hello) spends its host's frame and byte budgets; a peer link its own frame
+        budget. Over budget: False, and at most one ``rate_limited`` notice a second (with no ``re``:
+        the frame was not read) tells the connection why; a connection that does not read them is
+        cut off by its outbox limit."""
+        if link.role == "peer":
+            frames = link.info.get("frame_budget")
+            if frames is None:
+                frames = link.info["frame_budget"] = Bucket(PEER_LINK_FRAMES_PER_S, 2 * PEER_LINK_FRAMES_PER_S)
+            if frames.take(1):
+                return True
+            why = f"peer link {(link.remote_id or '?')[:12]} sends more than {PEER_LINK_FRAMES_PER_S:g} frames/s"
+        else:
+            host, cl = client_host(link), self.client_limits()
+            _, volume, frames = self._host(host)
+            if not frames.take(1):
+                why = f"client {host} sends more than {cl.frames_per_s:g} frames/s"
+            elif not volume.take(nbytes):
+                why = f"client {host} sends more than {cl.bytes_per_s:.0f} bytes/s"
+            else:
+                return True
+        self.metrics.error("rate_limited")
+        now = time.monotonic()
+        if now - link.info.get("drop_notice_at", -math.inf) >= DROP_NOTICE_EVERY_S:
+            link.info["drop_notice_at"] = now
+            link.post("error", code="rate_limited", message=f"{why}; frames over it are dropped unread")
+        return False
+
+    def charge(self, link: Link, msg_type: str) -> None:
+        """Count a decoded client request against its host: its bytes when it came over a peer link
+        (a client connection's were counted by :meth:`admit`), and a step or verify against the
+        step rate.
+
+        Raises:
+            RateLimited: over ``bytes_per_s`` or ``steps_per_s``, naming the host and the limit.
+        """
+        host, cl = client_host(link), self.client_limits()
+        steps, volume, _ = self._host(host)
+        if link.role != "client" and not volume.take(link.last_frame_bytes):
+            raise RateLimited(f"client {host} sends more than {cl.bytes_per_s:.0f} bytes/s")
+        if msg_type in ("step", "verify") and not steps.take(1):
+            raise RateLimited(f"client {host} sends more than {cl.steps_per_s:g} steps/s")
+
+    def forget_idle(self) -> None:
+        """Drop the buckets of hosts that have sent nothing for long enough to refill them all."""
+        self.hosts = {h: b for h, b in self.hosts.items() if not all(bucket.full() for bucket in b)}
 
 
 def client_host(link: Link) -> str:

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from meshinfer.core.errors import InvalidInput, PeerUnavailable, ProtocolError, RateLimited, Unauthenticated
+from meshinfer.core.errors import InvalidInput, PeerUnavailable, ProtocolError, Unauthenticated
 from meshinfer.core.logs import context
 from meshinfer.engine.executor import DeviceExecutor
 from meshinfer.engine.models.llama import Shard
@@ -38,7 +38,7 @@ from meshinfer.peer.connections import Connections
 from meshinfer.peer.conversations import Conv, Conversations
 from meshinfer.peer.gossip import Gossip
 from meshinfer.peer.handshake import Handshake
-from meshinfer.peer.limits import PRIVATE_MESH, Bucket, ClientLimits, client_host, default_kv_budget
+from meshinfer.peer.limits import PRIVATE_MESH, ClientLimits, FrameBudgets, default_kv_budget
 from meshinfer.peer.metrics import PeerMetrics, PeerUsage
 from meshinfer.peer.relay import Relay
 from meshinfer.peer.scheduler import BatchStats, StepScheduler
@@ -122,8 +122,8 @@ class Peer(_Handlers):
                                 + limits.FRAME_OVERHEAD_BYTES)
         self._closing = False
         self.owns_executor = False
-        self._buckets: dict[str, tuple[Bucket, Bucket]] = {}
         self.metrics = PeerMetrics(self)
+        self.budgets = FrameBudgets(lambda: self.settings.client_limits, self.metrics)  # see Link.admit
         #: whether others can dial this peer's addresses: None until checked (a peer that cannot
         #: check counts as reachable), False makes it advertise relays (see :meth:`relays`)
         self.reachable: bool | None = None
@@ -295,7 +295,7 @@ class Peer(_Handlers):
             await asyncio.sleep(min(5.0, self.settings.idle_timeout_s / 2, limits.IDLE_LINK_TIMEOUT_S / 2))
             now = time.monotonic()
             self.conns.close_idle(now)
-            self._buckets = {h: b for h, b in self._buckets.items() if b[1].level < b[1].burst}  # drop idle hosts
+            self.budgets.forget_idle()
             self.conns.dial_failures = {p: f for p, f in self.conns.dial_failures.items()
                                         if f[0] + limits.MAX_DIAL_BACKOFF_S > now}
             await self.conversations.expire_idle(now)
@@ -314,15 +314,8 @@ class Peer(_Handlers):
         await handler(link, f)
 
     def _charge(self, link: Link, msg_type: str) -> None:
-        """Count a client's frame against its host's :class:`ClientLimits`."""
-        host = client_host(link)
-        cl = self.settings.client_limits
-        steps, volume = self._buckets.setdefault(host, (Bucket(cl.steps_per_s, 2 * cl.steps_per_s),
-                                                        Bucket(cl.bytes_per_s, 2 * cl.bytes_per_s)))
-        if not volume.take(link.last_frame_bytes):
-            raise RateLimited(f"client {host} sends more than {cl.bytes_per_s:.0f} bytes/s")
-        if msg_type in ("step", "verify") and not steps.take(1):
-            raise RateLimited(f"client {host} sends more than {cl.steps_per_s:g} steps/s")
+        """Count a client's decoded frame against its host's :class:`ClientLimits` (:meth:`FrameBudgets.charge`)."""
+        self.budgets.charge(link, msg_type)
 
     async def _on_ping(self, link: Link, f) -> None:
         await link.send("pong", re=f.get("id", int, None))

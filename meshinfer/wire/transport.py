@@ -56,6 +56,15 @@ RELAY_OVERHEAD_BYTES = 1024
 CIRCUIT_TYPES = frozenset({"relay", "relay_back", "relay_close"})
 
 Handler = Callable[["Link", str, "protocol.Fields"], Awaitable[None]]
+#: ``admit(link, nbytes)``: whether a received frame of ``nbytes`` bytes is decoded (False: dropped unread).
+Admit = Callable[["Link", int], bool]
+
+
+def send_patience_s(nbytes: int) -> float:
+    """Seconds ``nbytes`` may take to go out before the remote counts as a slow reader."""
+    return SEND_TIMEOUT_S + nbytes / MIN_READ_BYTES_PER_S
+
+
 T = TypeVar("T")
 
 
@@ -72,6 +81,8 @@ class Link:
         remote_id: the remote peer id once known (None for clients).
         role: ``"peer"`` or ``"client"`` once the handshake is done.
         tls_fingerprint: on a dialed ``wss://`` link, hex SHA-256 of the server's certificate.
+        admit: the owner's check of a received frame's size before decoding it (:data:`Admit`, None:
+            all); a frame it refuses is dropped unread (``dropped_frames``): a flood costs no decode.
     """
 
     def __init__(self, ws, *, max_bytes: int, on_message: Handler, name: str = "") -> None:
@@ -90,6 +101,7 @@ class Link:
         self.last_frame_at = time.monotonic()  # when the last frame (not a websocket ping) arrived
         self.closed = asyncio.Event()
         self.meter = None  # a PeerMetrics counting frame bytes and errors, when the owner sets one
+        self.admit, self.dropped_frames = None, 0  # an Admit or None, and the frames it refused
         self._outbox: collections.deque[bytes] = collections.deque()
         self._outbox_bytes = 0
         self._wake = asyncio.Event()  # set when a frame is queued: the writer has work
@@ -132,11 +144,6 @@ class Link:
     def _fits(self, n: int) -> bool:
         return not self._outbox or self._outbox_bytes + n <= OUTBOX_BYTES
 
-    @staticmethod
-    def _patience_s(nbytes: int) -> float:
-        """Seconds ``nbytes`` may take to go out before the remote counts as a slow reader."""
-        return SEND_TIMEOUT_S + nbytes / MIN_READ_BYTES_PER_S
-
     def _queue(self, data: bytes) -> None:
         self._outbox.append(data)
         self._outbox_bytes += len(data)
@@ -158,7 +165,7 @@ class Link:
         data = protocol.encode(msg_type, **fields)
         self._usable()
         self._check_size(data)
-        patience_s = self._patience_s(self._outbox_bytes + len(data))
+        patience_s = send_patience_s(self._outbox_bytes + len(data))
         deadline = time.monotonic() + patience_s
         while not self._fits(len(data)):
             self._room.clear()
@@ -200,7 +207,7 @@ class Link:
         self._room.set()
 
     async def _write_loop(self) -> None:
-        """Write queued frames in order; cut the connection when one is not taken in time (:meth:`_patience_s`).
+        """Write queued frames in order; cut the connection when one is not taken in time (:func:`send_patience_s`).
         On return (closed, cut, or stopped by :meth:`run`) waiting senders and :meth:`close` are released."""
         try:
             while not self._stopping:
@@ -214,9 +221,9 @@ class Link:
                 self._outbox_bytes -= len(data)
                 self._room.set()
                 try:
-                    await asyncio.wait_for(self.ws.send(data), self._patience_s(len(data)))
+                    await asyncio.wait_for(self.ws.send(data), send_patience_s(len(data)))
                 except asyncio.TimeoutError:
-                    self._cut_off(f"a {len(data)}-byte frame was not taken within {self._patience_s(len(data)):.0f} s")
+                    self._cut_off(f"a {len(data)}-byte frame was not taken within {send_patience_s(len(data)):.0f} s")
                     return
                 except ConnectionClosed:
                     return
@@ -287,6 +294,9 @@ class Link:
             self.last_frame_at = time.monotonic()
             if self.meter is not None:
                 self.meter.frame_in(len(frame))
+            if self.admit is not None and not self.admit(self, len(frame)):
+                self.dropped_frames += 1  # over the owner's budget: never decoded
+                return
             msg_type, f = protocol.decode(frame, max_bytes=self.max_bytes)
             context = _reply_context(f)
             re = f.get("re", int, None)

@@ -19,7 +19,7 @@ from meshinfer.peer.node import ClientLimits
 #: differently from the one for 1 row); 1e-5 leaves room for other CPUs.
 REL_TOL = 1e-5
 #: Client limits high enough that a test's many fast conversations from 127.0.0.1 are not throttled.
-UNLIMITED = ClientLimits(conversations=64, steps_per_s=1e6, bytes_per_s=1e12)
+UNLIMITED = ClientLimits(conversations=64, steps_per_s=1e6, bytes_per_s=1e12, frames_per_s=1e9)
 PROMPTS = ["hi", "what is a mesh?", "add two numbers in python", "x", "tell me about layers and caches",
            "why", "count to five", "a much longer prompt that makes this conversation's cache longer than the rest",
            "ok", "name three colours", "sum", "the end of the list of prompts, also quite long"]

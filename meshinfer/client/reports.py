@@ -1,0 +1,114 @@
+"""The client's memory of hops' reports that no probe bore out (:class:`ReportLedger`).
+
+A hop can say that its link to the next hop broke (``peer_unavailable``), or finish a step and
+never forward it; when every hop then answers the client's probe, the client cannot tell whether
+the link broke, the next hop lied, or the reporting hop did. The failover counts such events
+against the hop before the break (the *reporter*) and, from the
+:data:`UNCONFIRMED_REPORTS_BLAMED`-th, replaces it. The count is client-wide, not per
+conversation: a liar that made one false report in each new conversation used to get one honest
+next hop backed off per conversation, for free.
+
+Records are per reporting peer id, forgotten :data:`REPORT_MEMORY_S` after their last report and
+at most :data:`MAX_REPORTERS` at once (the stalest goes first), so the memory is bounded whatever
+identities report. No torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+#: A hop's unconfirmed reports (remembered ones, this one included) from which it is replaced:
+#: the first is a link that broke once (it is reopened); a second is a pattern.
+UNCONFIRMED_REPORTS_BLAMED = 2
+#: Seconds a reporter's record is kept after its last unconfirmed report. An hour: a link between
+#: two honest peers that breaks twice within it costs them a 5 s backoff, while a liar that spaces
+#: its reports over conversations is still counted.
+REPORT_MEMORY_S = 3600.0
+#: Reporters remembered at once (the size of a peer's table); beyond it the record whose last
+#: report is oldest is forgotten, so many identities cannot grow the client's memory.
+MAX_REPORTERS = 256
+#: Peers one record remembers its reporter naming (the newest kept).
+MAX_NAMED = 8
+
+
+@dataclass
+class _Record:
+    """One reporter's unconfirmed reports: how many, when the last came, and whom they named."""
+    count: int = 0
+    last_s: float = 0.0
+    named: dict[str, None] = field(default_factory=dict)  # an ordered set, oldest first
+
+
+class ReportLedger:
+    """Client-wide counts of hops' unconfirmed reports, and whom to replace for each.
+
+    Args:
+        memory_s: seconds a record outlives its last report (:data:`REPORT_MEMORY_S`).
+        max_reporters: most records held (:data:`MAX_REPORTERS`).
+        clock: monotonic seconds (``time.monotonic``; a test may pass its own).
+
+    The policy (:meth:`blame`): a reporter's first unconfirmed report costs nobody a backoff.
+    At its :data:`UNCONFIRMED_REPORTS_BLAMED`-th the reporter is replaced, and the peer it
+    names with it (their link may really be broken, and the client cannot tell which end)
+    only when no other reporter has named that peer: a peer that answers every probe and is
+    named by two or more distinct reporters is what distinct identities (sybils) taking turns
+    look like, so the reporters are the suspects and it stays. Past that count the reporter
+    alone is replaced: it has had its one co-blame.
+    """
+
+    def __init__(self, *, memory_s: float = REPORT_MEMORY_S, max_reporters: int = MAX_REPORTERS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.memory_s, self.max_reporters, self.clock = memory_s, max_reporters, clock
+        self._records: dict[str, _Record] = {}  # reporter peer id -> its record, stalest first
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def count(self, reporter: str) -> int:
+        """Unconfirmed reports of ``reporter`` still remembered (0 when none)."""
+        self._forget_stale()
+        rec = self._records.get(reporter)
+        return rec.count if rec is not None else 0
+
+    def accusers(self, peer_id: str) -> frozenset[str]:
+        """Reporters whose remembered unconfirmed reports named ``peer_id``."""
+        self._forget_stale()
+        return frozenset(r for r, rec in self._records.items() if peer_id in rec.named)
+
+    def add(self, reporter: str, named: str | None) -> int:
+        """Record one unconfirmed report of ``reporter`` naming ``named`` (the hop after it, or
+        None); return the reporter's remembered count, this one included."""
+        self._forget_stale()
+        rec = self._records.pop(reporter, None) or _Record()
+        rec.count, rec.last_s = rec.count + 1, self.clock()
+        if named is not None:
+            rec.named.pop(named, None)
+            rec.named[named] = None
+            while len(rec.named) > MAX_NAMED:
+                del rec.named[next(iter(rec.named))]
+        self._records[reporter] = rec  # last: the dict stays ordered stalest first
+        while len(self._records) > self.max_reporters:
+            del self._records[next(iter(self._records))]
+        return rec.count
+
+    def blame(self, reporter: str, named: str | None) -> frozenset[str]:
+        """Record one unconfirmed report (:meth:`add`) and return the peers to replace for it:
+        none below :data:`UNCONFIRMED_REPORTS_BLAMED`; at it, the reporter and ``named`` when
+        no other reporter named ``named``, else the reporter alone; past it, the reporter alone."""
+        n = self.add(reporter, named)
+        if n < UNCONFIRMED_REPORTS_BLAMED:
+            return frozenset()
+        if n == UNCONFIRMED_REPORTS_BLAMED and named is not None and self.accusers(named) == {reporter}:
+            return frozenset({reporter, named})
+        return frozenset({reporter})
+
+    def _forget_stale(self) -> None:
+        """Drop records whose last report is older than ``memory_s``."""
+        horizon = self.clock() - self.memory_s
+        while self._records:
+            oldest = next(iter(self._records))
+            if self._records[oldest].last_s > horizon:
+                break
+            del self._records[oldest]
