@@ -26,8 +26,11 @@ from meshinfer.core.errors import ContextOverflow, MeshError
 from meshinfer.client.speculative import DEFAULT_DRAFT_TOKENS
 from meshinfer.engine.weights.registry import DEFAULT_MODEL
 
+#: ``--draft-tokens`` default with ``--draft-model`` (meshinfer.client.draft.DEFAULT_MODEL_DRAFT_TOKENS).
+DEFAULT_MODEL_DRAFT_TOKENS = 16
+
 #: ``--draft-dtype`` default (meshinfer.client.draft.DEFAULT_DRAFT_DTYPE; kept here so --help needs no torch).
-DEFAULT_DRAFT_DTYPE = "q8-bf16"
+DEFAULT_DRAFT_DTYPE = "auto"
 
 #: ``--dtype`` help: every precision is one kernel family (docs/performance.md).
 DTYPE_HELP = ("compute precision: f32, bf16, f16 (float weights), q8-bf16 (int8 weights), "
@@ -58,7 +61,7 @@ EXAMPLES = {
              "  meshinfer bench --single --dtypes f32,q8-bf16,q4-g32-bf16 --threads 2\n"
              "  meshinfer bench --suite speculative --rtts 0,100 --max-tokens 64\n"
              "  meshinfer bench --suite speculative --rtts 0,100,370 --max-tokens 48 --repeats 1 "
-             "--draft-model qwen2.5-coder-0.5b-instruct-q4_k_m --draft-dtype q4-g32-bf16\n"
+             "--draft-model qwen2.5-coder-0.5b-instruct-q4_k_m --draft-dtype gguf-a16\n"
              "  meshinfer bench --suite ttft --splits 1,2\n"
              "  meshinfer bench --splits 1,2 --concurrency 1,4,16,32 --max-tokens 32",
 }
@@ -539,7 +542,7 @@ def _draft_model(args):
     if not getattr(args, "json", False):
         print(f"loading draft model {args.draft_model} ({args.draft_dtype}, {args.draft_device})", file=sys.stderr)
     draft = load_draft_model(args.draft_model, device=args.draft_device, dtype=args.draft_dtype,
-                             cache_dir=meshinfer_home() / "converted")
+                             cache_dir=meshinfer_home() / "converted", threads=_int_or_none(args.draft_threads))
     try:
         yield draft
     finally:
@@ -559,7 +562,8 @@ def _spec(args) -> dict:
     from meshinfer.client.speculative import MAX_DRAFT_TOKENS
 
     speculate = _env_flag("MESHINFER_SPECULATE", True) if args.speculate is None else args.speculate
-    k = _env_int("MESHINFER_DRAFT_TOKENS", DEFAULT_DRAFT_TOKENS) if args.draft_tokens is None else args.draft_tokens
+    default = DEFAULT_MODEL_DRAFT_TOKENS if getattr(args, "draft_model", None) else DEFAULT_DRAFT_TOKENS
+    k = _env_int("MESHINFER_DRAFT_TOKENS", default) if args.draft_tokens is None else args.draft_tokens
     if not 1 <= k <= MAX_DRAFT_TOKENS:
         raise ValueError(f"--draft-tokens must be 1-{MAX_DRAFT_TOKENS}, got {k}")
     return {"speculate": speculate, "draft_tokens": k}
@@ -955,6 +959,7 @@ def cmd_bench(args) -> int:
                                                 prompts=bench.load_prompts(args.prompts) if args.prompts else None,
                                                 draft_model=args.draft_model, draft_dtype=args.draft_dtype,
                                                 draft_device=args.draft_device, draft_ahead=_draft_ahead(args),
+                                                draft_threads=_int_or_none(args.draft_threads) or 1,
                                                 modes=[m.strip() for m in args.modes.split(",") if m.strip()],
                                                 **common)
             table = bench.spec_table(rows)
@@ -980,6 +985,11 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+def _int_or_none(value) -> int | None:
+    """A flag's value that may come from the environment as a string: int, or None if unset."""
+    return None if value in (None, "") else int(value)
+
+
 def _add_draft_flags(s: argparse.ArgumentParser) -> None:
     """``--draft-model``, ``--draft-device``, ``--draft-dtype`` (chat, serve, bench)."""
     s.add_argument("--draft-model", default=_env("MESHINFER_DRAFT_MODEL"),
@@ -989,8 +999,12 @@ def _add_draft_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-device", default=_env("MESHINFER_DRAFT_DEVICE", "cpu"),
                    help="device of the draft model: cpu, cuda, cuda:N or mps [$MESHINFER_DRAFT_DEVICE]")
     s.add_argument("--draft-dtype", default=_env("MESHINFER_DRAFT_DTYPE", DEFAULT_DRAFT_DTYPE),
-                   choices=PRECISION_NAMES, help="precision of the draft model (quantized ones: CPU only) "
-                                                 "[$MESHINFER_DRAFT_DTYPE]")
+                   choices=("auto", *PRECISION_NAMES),
+                   help="precision of the draft model (quantized ones: CPU only); auto: gguf-a16 for a GGUF "
+                        "file on a CPU, q8-bf16 for other CPU models, bf16 on a GPU [$MESHINFER_DRAFT_DTYPE]")
+    s.add_argument("--draft-threads", type=int, default=_env("MESHINFER_DRAFT_THREADS"),
+                   help="CPU threads of the draft model (default: torch's, one per core; `bench` uses 1, "
+                        "since its peers share the machine) [$MESHINFER_DRAFT_THREADS]")
     s.add_argument("--draft-ahead", default=_env("MESHINFER_DRAFT_AHEAD", "off"), choices=("auto", "on", "off"),
                    help="draft the next step's tokens while the mesh verifies a step: auto does when the "
                         "route's round trip holds a draft pass; off by default, since it measured no faster "
@@ -1145,7 +1159,8 @@ def _add_chat(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
                    help="verify prompt-lookup drafts in each decode step; the output is unchanged "
                         "(default: on) [$MESHINFER_SPECULATE]")
     s.add_argument("--draft-tokens", type=int, default=None,
-                   help=f"most drafted tokens per decode step, 1-31 (default: {DEFAULT_DRAFT_TOKENS}) "
+                   help=f"most drafted tokens per decode step, 1-31 (default: {DEFAULT_DRAFT_TOKENS}; "
+                        f"{DEFAULT_MODEL_DRAFT_TOKENS} with --draft-model) "
                         f"[$MESHINFER_DRAFT_TOKENS]")
     s.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample on the last hop")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")

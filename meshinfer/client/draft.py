@@ -37,10 +37,13 @@ from meshinfer.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-#: Precision a draft model loads at unless told otherwise: int8 weights (CPU kernels) draft at
-#: about twice the speed of f32 and agree with f32 up to the reference cases' first near-tie
-#: (docs/performance.md).
-DEFAULT_DRAFT_DTYPE = "q8-bf16"
+#: Precision a draft model loads at unless told otherwise: "auto" is :func:`auto_draft_dtype`.
+DEFAULT_DRAFT_DTYPE = "auto"
+#: Most drafts per step when a draft model drafts and ``--draft-tokens`` is not given: at
+#: ``gguf-a16`` the draft agrees with an f32 mesh on nearly every token (acceptance 0.99-1.00 on
+#: the benchmark's prompts, docs/benchmarks.md), so long drafts pay; the policy still chooses
+#: each step's length (``client/decode.py``).
+DEFAULT_MODEL_DRAFT_TOKENS = 16
 #: Acceptance a draft model's policy assumes before any of its drafts is verified: a model of the
 #: same family agrees with the mesh model on most tokens (prompt lookup starts at 0.5).
 DRAFT_MODEL_PRIOR_ACCEPTANCE = 0.8
@@ -154,7 +157,8 @@ class DraftModel:
 
     def time_pass(self, *, passes: int = 3) -> float:
         """Time ``passes`` one-token passes after a short prompt (which also warms the kernels up);
-        set and return :attr:`ms_per_token`, their median. Runs in the calling thread."""
+        set and return :attr:`ms_per_token`, their median. Runs in the calling thread
+        (:func:`load_draft_model` calls it on the drafting thread)."""
         import statistics
 
         cache = new_cache(self.shard)
@@ -333,6 +337,20 @@ class ModelDrafter:
         self._base, self._line = [], []
 
 
+def auto_draft_dtype(path: str | os.PathLike, device: str) -> str:
+    """The precision ``--draft-dtype auto`` picks: on a CPU, ``gguf-a16`` for a GGUF file when
+    the gguf kernels build here (the file's own blocks with near-exact int16 activations: about
+    1.4x the speed of ``gguf`` and 3x f32 on one core, with drafts an f32 mesh accepts almost
+    always; docs/performance.md), else ``q8-bf16``; on a GPU, ``bf16``."""
+    if parse_device(device).type != "cpu":
+        return "bf16"
+    if Path(path).is_file():
+        from meshinfer.engine.kernels import native
+        if native.library() is not None:
+            return "gguf-a16"
+    return "q8-bf16"
+
+
 def load_draft_model(spec: str | os.PathLike, *, device: str = "cpu", dtype: str = DEFAULT_DRAFT_DTYPE,
                      cache_dir: str | os.PathLike | None = None, threads: int | None = None) -> DraftModel:
     """Load a whole draft model and its tokenizer, checking everything that can be checked without
@@ -341,7 +359,8 @@ def load_draft_model(spec: str | os.PathLike, *, device: str = "cpu", dtype: str
     Args:
         spec: a GGUF file, a Hugging Face directory, or a known model name (pulled if missing).
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
-        dtype: a precision name (``f32``, ``bf16``, ``q8-bf16``, ``q4-g32-bf16`` ...).
+        dtype: a precision name (``f32``, ``bf16``, ``q8-bf16``, ``gguf-a16`` ...) or ``auto``
+            (:func:`auto_draft_dtype`).
         cache_dir: where converted quantized tensors are kept between loads (None: not kept).
         threads: torch CPU threads of the draft model's thread (None: torch's default).
 
@@ -359,6 +378,8 @@ def load_draft_model(spec: str | os.PathLike, *, device: str = "cpu", dtype: str
     except ModelNotFound as exc:
         raise ModelNotFound(f"draft model: {exc}") from exc
     dev = parse_device(device)
+    if dtype == "auto":
+        dtype = auto_draft_dtype(path, device)
     try:
         src = open_weights(path)
         tok = Tokenizer.from_gguf(src) if Path(path).is_file() else Tokenizer.from_hf_dir(path)
@@ -369,7 +390,7 @@ def load_draft_model(spec: str | os.PathLike, *, device: str = "cpu", dtype: str
         raise WeightsError(f"draft model {path}: cannot load it: {exc}") from exc
     name = Path(path).name.removesuffix(".gguf")
     model = DraftModel(shard, tok, name=name, executor=DeviceExecutor(dev, threads=threads))
-    ms = model.time_pass()
+    ms = model.executor.submit(model.time_pass).result()  # on the thread (and thread count) that drafts
     log.info("draft model %s loaded at %s on %s in %.1f s; %.1f ms per drafted token", name, dtype, dev,
              time.perf_counter() - t0, ms)
     return model

@@ -70,6 +70,11 @@ def load_shard(weights: WeightsSource | str | os.PathLike, layers: LayerRange | 
     src = weights if hasattr(weights, "iter_shard_tensors") else open_weights(weights)
     layers = layers or LayerRange(0, src.config.num_hidden_layers)
     layers.check_within(src.config.num_hidden_layers)
+    if precision.weights == "gguf":
+        if not hasattr(src, "dequantize"):
+            raise InvalidInput("precision gguf computes from a GGUF file's blocks; this model is not a GGUF file")
+        return Shard.from_tensors(src.config, layers, src.iter_shard_tensors(layers, blocks=True),
+                                  device=device, precision=precision)
     if precision.quantized and cache_dir is not None:
         return _load_via_cache(src, layers, precision, cache_dir)
     return Shard.from_tensors(src.config, layers, src.iter_shard_tensors(layers), device=device,

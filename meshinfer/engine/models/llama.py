@@ -201,6 +201,13 @@ class Shard(nn.Module):
                                    f"the model needs {shapes[name]}")
             owner_name, _, attr = name.rpartition(".")
             owner = shard.get_submodule(owner_name)
+            if hasattr(tensor, "qtype"):  # the file's own blocks (GGUFFile, blocks=True)
+                if hasattr(owner, "set_blocks"):
+                    owner.set_blocks(tensor.to_device(device))
+                    filled.add(name)
+                    continue
+                from meshinfer.engine.kernels.blocks import dequantize
+                tensor = dequantize(tensor)
             if attr == "weight" and hasattr(owner, "set_float_weight"):
                 owner.set_float_weight(tensor.to(device))  # quantized storage
             elif attr in owner._buffers:  # a quantized module's bias stays float32

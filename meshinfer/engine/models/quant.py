@@ -15,6 +15,12 @@ name            weights / matmul kernel                                      hid
                 ``torch._weight_int4pack_mm_for_cpu`` with bfloat16
                 activations; a matrix the int4 kernel cannot take
                 (``out % 16 != 0`` or ``in % G != 0``) uses the q8 kernel    float32
+``gguf``        the GGUF file's own blocks (Q4_K, Q5_0, Q6_K, Q8_0, ...), float32
+                activations; the C kernels of ``engine/kernels``
+                (``models/gguf_linear.py``); the same weights as f32         float32
+``gguf-a16``    the same blocks; decode activations quantized per 32 columns
+                to int16 (integer dot products; ~2e-5 relative error)        float32
+``gguf-a8``     the same, to int8 (llama.cpp's CPU path; ~0.5-1%)            float32
 =============== ============================================================ ==============
 
 Quantized precisions keep the residual stream, norms, RoPE, attention and the KV cache in
@@ -67,7 +73,8 @@ class Precision:
     Attributes:
         name: the identity string (``--dtype`` value and advert ``precision``).
         act_dtype: dtype of hidden states, norms, the KV cache and float weights.
-        weights: ``"float"`` (weights in ``act_dtype``), ``"int8"`` or ``"int4"``.
+        weights: ``"float"`` (weights in ``act_dtype``), ``"int8"``, ``"int4"`` or ``"gguf"``
+            (the file's own blocks).
         group_size: int4 group size in input columns (0 unless ``weights == "int4"``).
     """
 
@@ -82,6 +89,8 @@ class Precision:
 
 
 FLOAT_PRECISIONS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+#: The precisions that compute from the GGUF file's own blocks -> bits of their decode activations.
+GGUF_ACT_BITS = {"gguf": 32, "gguf-a16": 16, "gguf-a8": 8}
 _Q4 = re.compile(r"q4-g(\d+)-bf16")
 
 
@@ -91,7 +100,7 @@ def precision_names() -> list[str]:
 
 
 def parse_precision(name: str) -> Precision:
-    """``"f32" | "bf16" | "f16" | "q8-bf16" | "q4-g{32,64,128}-bf16"`` -> :class:`Precision`.
+    """``"f32" | "bf16" | "f16" | "q8-bf16" | "q4-g{32,64,128}-bf16" | "gguf"`` -> :class:`Precision`.
 
     Raises:
         ValueError: any other name; the message lists the choices.
@@ -100,6 +109,8 @@ def parse_precision(name: str) -> Precision:
         return Precision(name, FLOAT_PRECISIONS[name])
     if name == "q8-bf16":
         return Precision(name, torch.float32, "int8")
+    if name in GGUF_ACT_BITS:
+        return Precision(name, torch.float32, "gguf")
     m = _Q4.fullmatch(name)
     if m and int(m.group(1)) in INT4_GROUP_SIZES:
         return Precision(name, torch.float32, "int4", int(m.group(1)))
@@ -353,6 +364,9 @@ def int4_fits(in_features: int, out_features: int, group_size: int) -> bool:
 def quantized_linear(linear: nn.Linear, precision: Precision) -> nn.Module:
     """An empty quantized module with ``linear``'s shape (weights set later by ``set_float_weight``)."""
     K, N, bias = linear.in_features, linear.out_features, linear.bias is not None
+    if precision.weights == "gguf":
+        from meshinfer.engine.models.gguf_linear import GGUFLinear
+        return GGUFLinear(K, N, bias, act_bits=GGUF_ACT_BITS[precision.name])
     if precision.weights == "int4" and int4_fits(K, N, precision.group_size):
         return Int4Linear(K, N, bias, precision.group_size)
     return Int8Linear(K, N, bias)
@@ -367,6 +381,9 @@ def quantize_modules(root: nn.Module, precision: Precision) -> None:
     for name, module in list(root.named_modules()):
         if isinstance(module, nn.Linear):
             new = quantized_linear(module, precision)
+        elif isinstance(module, nn.Embedding) and precision.weights == "gguf":
+            from meshinfer.engine.models.gguf_linear import GGUFEmbedding
+            new = GGUFEmbedding(module.num_embeddings, module.embedding_dim)
         elif isinstance(module, nn.Embedding):
             new = Int8Embedding(module.num_embeddings, module.embedding_dim, precision.act_dtype)
         else:

@@ -394,13 +394,17 @@ class GGUFFile:
                 out[r:r + DEQUANT_ROWS] = quants.dequantize(chunk, t.qtype)
         return out.reshape(tuple(reversed(t.dims)))  # GGUF lists ne0 (innermost) first
 
-    def iter_shard_tensors(self, layers: LayerRange) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_shard_tensors(self, layers: LayerRange, *, blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(module_name, float32 tensor)`` for the tensors a shard over ``layers`` needs.
 
         Only blocks ``[layers.start, layers.stop)`` are read; the token embedding only when
         ``layers.start == 0``; the final norm and output projection only when ``layers.stop == L``
         (falling back to the tied token embedding when the file has no ``output.weight``).
         Module names follow Hugging Face's (``layers.3.self_attn.q_proj.weight``).
+
+        With ``blocks``, a 2-D tensor stored in a type the gguf kernels take
+        (``kernels.blocks.KERNEL_TYPES``, float32 excepted) comes as ``QuantBlocks``: the file's
+        bytes, rows permuted as the float tensor's would be (the ``gguf`` precision).
         """
         import torch
 
@@ -420,7 +424,8 @@ class GGUFFile:
             head = "output.weight" if "output.weight" in self._tensors else "token_embd.weight"
             wanted.append((head, "lm_head.weight"))
         for gname, module in wanted:
-            arr = self.dequantize(gname)
+            kept = self._blocks(gname) if blocks else None
+            arr = self.dequantize(gname) if kept is None else kept
             if cfg.architecture in ("llama", "mixtral"):
                 if ".attn_q." in gname:
                     arr = _reverse_llama_permute(arr, cfg.num_attention_heads)
@@ -428,9 +433,23 @@ class GGUFFile:
                     arr = _reverse_llama_permute(arr, cfg.num_key_value_heads)
             if module.endswith("shared_expert_gate.weight"):
                 arr = arr.reshape(1, cfg.hidden_size)  # llama.cpp stores this row as (C,)
-            yield module, torch.from_numpy(arr)
+            if kept is None:
+                yield module, torch.from_numpy(arr)
+            else:
+                from meshinfer.engine.kernels.blocks import blocks_from_file
+                yield module, blocks_from_file(arr, self.tensor_type(gname), self._tensor(gname).dims[0])
             if cfg.is_moe and module.endswith(".mlp.gate.weight"):  # the experts follow their router
                 yield from self._iter_experts(gname.rsplit(".", 2)[0], module.rsplit(".", 3)[0])
+
+    def _blocks(self, name: str) -> np.ndarray | None:
+        """Tensor ``name``'s bytes ``(rows, row_bytes)`` uint8 (a view of the mapping) when it is
+        2-D and stored in a type the gguf kernels compute from; else None."""
+        from meshinfer.engine.kernels.blocks import KERNEL_TYPES
+
+        t = self._tensor(name)
+        if len(t.dims) != 2 or t.qtype.name not in KERNEL_TYPES or t.qtype.name == "F32":
+            return None
+        return self._bytes[t.start:t.start + t.n_bytes].reshape(-1, t.row_bytes)
 
     def _iter_experts(self, block: str, layer: str) -> Iterator[tuple[str, torch.Tensor]]:
         """Split block ``blk.N``'s merged ``ffn_*_exps`` tensors ``(E, out, in)`` into per-expert

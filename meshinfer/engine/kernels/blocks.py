@@ -1,0 +1,145 @@
+"""A GGUF tensor kept as the file stores it, and products computed from its blocks.
+
+:class:`QuantBlocks` is what ``GGUFFile.iter_shard_tensors(layers, blocks=True)`` yields for a
+projection stored in a type of :data:`KERNEL_TYPES`; :func:`matmul` and :func:`dequantize`
+compute from it with the C kernels (``native.py``), or, without them, through gguf-py's
+``gguf.quants`` dequantization (same weights, much slower).
+
+Pure computation: nothing here logs (except ``native.library()``'s one warning), prints or awaits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from meshinfer.engine.kernels import native
+
+#: GGML type ids (ggml.h ``enum ggml_type``) the kernels compute from directly; a projection in
+#: another type is dequantized exactly at load and kept as float32 rows (type 0).
+KERNEL_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+#: (weights per block, bytes per block) of each type, from ggml's ggml-common.h (``QK*`` and
+#: ``sizeof(block_*)``).
+BLOCK_SHAPE = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34),
+               12: (256, 144), 14: (256, 210)}
+#: Output rows dequantized at a time by :func:`dequantize_chunks` (bounds the float32 copy of
+#: the 151,936-row output head to about 29 MB).
+DEQUANT_CHUNK_ROWS = 8192
+
+
+@dataclass
+class QuantBlocks:
+    """One 2-D GGUF tensor as stored: ``data`` ``(N, row_bytes)`` uint8, ``N`` rows of ``K``
+    weights in GGML type ``qtype`` (an id of :data:`KERNEL_TYPES`).
+
+    Raises (on construction):
+        ValueError: a type outside :data:`KERNEL_TYPES`, or ``data`` that does not hold whole
+            rows of ``K`` weights.
+    """
+
+    qtype: int
+    data: torch.Tensor
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in BLOCK_SHAPE:
+            raise ValueError(f"GGML type {self.qtype} is not one the gguf kernels compute from")
+        qk, nbytes = BLOCK_SHAPE[self.qtype]
+        if (self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.in_features % qk
+                or self.data.shape[1] != self.in_features // qk * nbytes):
+            raise ValueError(f"{tuple(self.data.shape)} {self.data.dtype} bytes are not rows of "
+                             f"{self.in_features} weights of GGML type {self.qtype}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The weight's logical shape ``(N, K)`` (a torch ``(out, in)`` weight's)."""
+        return (self.data.shape[0], self.in_features)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> "QuantBlocks":
+        """Float32 rows (type 0) holding ``w`` ``(N, K)`` exactly."""
+        w = w.detach().to(torch.float32).contiguous()
+        return cls(0, w.view(torch.uint8).reshape(w.shape[0], -1), w.shape[1])
+
+    def rows(self, index: torch.Tensor) -> "QuantBlocks":
+        """The rows ``index`` ``(R,)`` int64 (for an embedding lookup)."""
+        return QuantBlocks(self.qtype, self.data.index_select(0, index), self.in_features)
+
+    def to_device(self, device: torch.device | str) -> "QuantBlocks":
+        return QuantBlocks(self.qtype, self.data.to(device), self.in_features)
+
+
+def dequantize(w: QuantBlocks, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``w`` as float32 ``(stop - start, K)``, equal bit for bit to
+    ``gguf.quants.dequantize`` (the C kernel follows its operations; tests/test_gguf_kernels.py)."""
+    stop = w.shape[0] if stop is None else stop
+    data = w.data[start:stop].contiguous()
+    n, k = stop - start, w.in_features
+    if w.qtype in (0, 1):  # float rows: exact conversions
+        return data.view(torch.float32 if w.qtype == 0 else torch.float16).reshape(n, k).float()
+    lib = native.library()
+    if lib is None:
+        from gguf import GGMLQuantizationType, quants
+        return torch.from_numpy(quants.dequantize(data.numpy(), GGMLQuantizationType(w.qtype))).reshape(n, k)
+    out = torch.empty(n, k, dtype=torch.float32)
+    if n and lib.mi_dequantize(w.qtype, data.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"the gguf kernels refused type {w.qtype} with {k} columns")
+    return out
+
+
+def matmul(x: torch.Tensor, w: QuantBlocks, *, act_bits: int = 32) -> torch.Tensor:
+    """``x @ W.T`` for ``x`` ``(M, K)`` float32 and ``W`` ``(N, K)`` held as blocks: ``(M, N)``
+    float32, accumulated in float32 (the summation order is the kernel's, so results differ from
+    a float32 matmul of the dequantized weight within float32 rounding). Runs on torch's thread
+    count; the GIL is released while the kernel runs.
+
+    ``act_bits``: 32 multiplies float32 activations (the ``gguf`` precision). 8 (``gguf-a8``)
+    first quantizes each row of ``x`` per 32 columns to int8 (ggml's ``quantize_row_q8_0``:
+    scale ``max|x| / 127``, round to nearest) and takes each block's product as an integer dot
+    product, as llama.cpp's CPU path does: about 0.5-1% relative error per product against
+    float32 activations. 16 (``gguf-a16``) does the same with int16 (scale ``max|x| / 32767``):
+    about 2e-5 (tests/test_gguf_kernels.py). Types or CPUs the integer kernels do not take
+    (``mi_supports_q8``: they need AVX2) use float32 activations.
+
+    Raises:
+        ValueError: ``x`` is not ``(M, K)`` float32.
+    """
+    M, K = x.shape
+    if K != w.in_features or x.dtype != torch.float32:
+        raise ValueError(f"x must be (M, {w.in_features}) float32, got {tuple(x.shape)} {x.dtype}")
+    lib = native.library()
+    if w.qtype == 0:  # float32 rows: torch's GEMV / GEMM
+        return F.linear(x, w.data.view(torch.float32).reshape(w.shape))
+    if lib is None or K % 32:
+        return dequantize_chunks(x, w)
+    x = x.contiguous()
+    y = torch.empty(M, w.shape[0], dtype=torch.float32)
+    kernel = lib.mi_matmul
+    if act_bits in (8, 16) and lib.mi_supports_q8(w.qtype):
+        kernel = lib.mi_matmul_q8 if act_bits == 8 else lib.mi_matmul_q16
+    if M and kernel(w.qtype, w.data.data_ptr(), w.shape[0], K, x.data_ptr(), M, y.data_ptr(),
+                           torch.get_num_threads()):
+        raise ValueError(f"the gguf kernels refused type {w.qtype} with {K} columns")
+    return y
+
+
+def dequantize_chunks(x: torch.Tensor, w: QuantBlocks) -> torch.Tensor:
+    """``x @ W.T`` ``(M, N)`` float32 through one dense float32 matmul per
+    :data:`DEQUANT_CHUNK_ROWS` rows of ``W``, dequantized first: the prefill path, where the
+    product is compute-bound and torch's GEMM is the faster one."""
+    n = w.shape[0]
+    parts = [F.linear(x, dequantize(w, i, min(i + DEQUANT_CHUNK_ROWS, n)))
+             for i in range(0, n, DEQUANT_CHUNK_ROWS)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def blocks_from_file(raw: np.ndarray, type_name: str, in_features: int) -> QuantBlocks | None:
+    """The file's bytes ``raw`` ``(N, row_bytes)`` uint8 as :class:`QuantBlocks` (copied out of
+    the mapping), or None when ``type_name`` is not a type of :data:`KERNEL_TYPES`."""
+    qtype = KERNEL_TYPES.get(type_name)
+    if qtype is None:
+        return None
+    return QuantBlocks(qtype, torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)), in_features)

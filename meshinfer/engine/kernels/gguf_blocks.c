@@ -1,0 +1,790 @@
+/* Products straight from a GGUF file's quantized blocks, with float32 activations.
+ *
+ * meshinfer's "gguf" precision keeps every projection as the file stores it (Q4_K, Q5_0, Q6_K,
+ * Q8_0, Q4_0, Q4_1, or float32 rows) and computes y = x @ W^T from those bytes:
+ * each block is dequantized into a small float32 buffer (in L1) exactly as gguf-py's
+ * gguf.quants does it (same float32 operations in the same order, so the weights equal its
+ * dequantization bit for bit: tests/test_gguf_kernels.py), then multiplied into every input row.
+ *
+ * Block layouts and formulas: ggml's ggml-common.h / ggml-quants.c (dequantize_row_*), as
+ * gguf-py transcribes them (gguf/quants.py).
+ *
+ * Build (meshinfer/engine/kernels/native.py): cc -O3 -march=native -fopenmp -ffp-contract=off
+ * -shared -fPIC. fp-contract=off keeps a*b - c from being fused into one rounding, which would
+ * change the dequantized weight; the dot products use explicit FMA where the CPU has it.
+ * Threads: OpenMP over output rows, num_threads given by the caller (torch's thread count).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MI_AVX2 1
+#endif
+
+/* GGML type ids (ggml.h, enum ggml_type). */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+
+/* Input rows handled per pass over a weight row (a verification step has at most this many). */
+#define MAX_ROWS 16
+/* Output rows a thread takes at a time. */
+#define ROWS_PER_CHUNK 64
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float rd_half(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
+
+/* One block -> its weights, float32. Each returns the number of weights (the block size). */
+static int deq_q8_0(const uint8_t *b, float *y) { /* d f16, qs int8[32]: y = q * d */
+    float d = rd_half(b);
+    const int8_t *q = (const int8_t *)(b + 2);
+    for (int i = 0; i < 32; i++) y[i] = (float)q[i] * d;
+    return 32;
+}
+
+static int deq_q4_0(const uint8_t *b, float *y) { /* d, qs[16]: y = (q - 8) * d */
+    float d = rd_half(b);
+    const uint8_t *q = b + 2;
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)((int)(q[i] & 0xF) - 8);
+        y[i + 16] = d * (float)((int)(q[i] >> 4) - 8);
+    }
+    return 32;
+}
+
+static int deq_q4_1(const uint8_t *b, float *y) { /* d, m, qs[16]: y = d * q + m */
+    float d = rd_half(b), m = rd_half(b + 2);
+    const uint8_t *q = b + 4;
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)(q[i] & 0xF) + m;
+        y[i + 16] = d * (float)(q[i] >> 4) + m;
+    }
+    return 32;
+}
+
+static int deq_q5_0(const uint8_t *b, float *y) { /* d, qh u32, qs[16]: y = d * (q5 - 16) */
+    float d = rd_half(b);
+    uint32_t qh = (uint32_t)b[2] | ((uint32_t)b[3] << 8) | ((uint32_t)b[4] << 16) | ((uint32_t)b[5] << 24);
+    const uint8_t *q = b + 6;
+    for (int i = 0; i < 16; i++) {
+        int lo = (q[i] & 0xF) | (((qh >> i) & 1) << 4);
+        int hi = (q[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+        y[i] = d * (float)(lo - 16);
+        y[i + 16] = d * (float)(hi - 16);
+    }
+    return 32;
+}
+
+static int deq_q4_k(const uint8_t *b, float *y) {
+    /* d, dmin, scales[12] (eight 6-bit scales and mins), qs[128]: group g of 32 weights is
+     * (d * sc[g]) * q - (dmin * m[g]); groups 2j / 2j+1 are the low / high nibbles of qs[32j..] */
+    float d = rd_half(b), dmin = rd_half(b + 2);
+    const uint8_t *s = b + 4, *q = b + 16;
+    for (int j = 0; j < 4; j++) {
+        for (int h = 0; h < 2; h++) {
+            int g = 2 * j + h, sc, mn;
+            if (g < 4) {
+                sc = s[g] & 0x3F;
+                mn = s[g + 4] & 0x3F;
+            } else {
+                sc = (s[g + 4] & 0x0F) | ((s[g - 4] >> 2) & 0x30);
+                mn = (s[g + 4] >> 4) | ((s[g] >> 2) & 0x30);
+            }
+            float dl = d * (float)sc, ml = dmin * (float)mn;
+            float *o = y + 32 * g;
+            const uint8_t *qq = q + 32 * j;
+            if (h == 0)
+                for (int l = 0; l < 32; l++) o[l] = dl * (float)(qq[l] & 0xF) - ml;
+            else
+                for (int l = 0; l < 32; l++) o[l] = dl * (float)(qq[l] >> 4) - ml;
+        }
+    }
+    return 256;
+}
+
+static int deq_q6_k(const uint8_t *b, float *y) {
+    /* ql[128], qh[64], scales int8[16], d: weight i of a 128-half is (d * sc[i / 16]) * (q6 - 32) */
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = rd_half(b + 208);
+    float ds[16];
+    for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *l = ql + 64 * half, *h = qh + 32 * half;
+        float *o = y + 128 * half;
+        const float *dd = ds + 8 * half;
+        for (int i = 0; i < 32; i++) {
+            int q1 = ((l[i] & 0xF) | (((h[i] >> 0) & 3) << 4)) - 32;
+            int q2 = ((l[i + 32] & 0xF) | (((h[i] >> 2) & 3) << 4)) - 32;
+            int q3 = ((l[i] >> 4) | (((h[i] >> 4) & 3) << 4)) - 32;
+            int q4 = ((l[i + 32] >> 4) | (((h[i] >> 6) & 3) << 4)) - 32;
+            o[i] = dd[i / 16] * (float)q1;
+            o[i + 32] = dd[2 + i / 16] * (float)q2;
+            o[i + 64] = dd[4 + i / 16] * (float)q3;
+            o[i + 96] = dd[6 + i / 16] * (float)q4;
+        }
+    }
+    return 256;
+}
+
+static int deq_f16(const uint8_t *b, float *y) {
+    for (int i = 0; i < 32; i++) y[i] = rd_half(b + 2 * i);
+    return 32;
+}
+
+static int deq_f32(const uint8_t *b, float *y) {
+    memcpy(y, b, 32 * sizeof(float));
+    return 32;
+}
+
+typedef int (*deq_fn)(const uint8_t *, float *);
+
+/* Per type: weights per block, bytes per block, dequantizer. F32/F16 use 32-weight "blocks". */
+static int type_info(int type, int *qk, int *bytes, deq_fn *fn) {
+    switch (type) {
+    case T_F32: *qk = 32; *bytes = 128; *fn = deq_f32; return 0;
+    case T_F16: *qk = 32; *bytes = 64; *fn = deq_f16; return 0;
+    case T_Q4_0: *qk = 32; *bytes = 18; *fn = deq_q4_0; return 0;
+    case T_Q4_1: *qk = 32; *bytes = 20; *fn = deq_q4_1; return 0;
+    case T_Q5_0: *qk = 32; *bytes = 22; *fn = deq_q5_0; return 0;
+    case T_Q8_0: *qk = 32; *bytes = 34; *fn = deq_q8_0; return 0;
+    case T_Q4_K: *qk = 256; *bytes = 144; *fn = deq_q4_k; return 0;
+    case T_Q6_K: *qk = 256; *bytes = 210; *fn = deq_q6_k; return 0;
+    default: return -1;
+    }
+}
+
+/* Whether this build knows `type`: 1 or 0. */
+int mi_supports(int type) {
+    int qk, bytes;
+    deq_fn fn;
+    return type_info(type, &qk, &bytes, &fn) == 0;
+}
+
+/* Whether this build uses AVX2+FMA for its dot products: 1 or 0. */
+int mi_simd(void) {
+#ifdef MI_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Dequantize rows [0, n) of a weight of k columns (k a multiple of the block size) into
+ * out (n, k) float32. Returns 0, or -1 for an unknown type or a k that is not a multiple. */
+int mi_dequantize(int type, const uint8_t *w, int64_t n, int64_t k, float *out, int nthreads) {
+    int qk, bytes;
+    deq_fn fn;
+    if (type_info(type, &qk, &bytes, &fn) || k % qk) return -1;
+    int64_t nb = k / qk, row_bytes = nb * bytes;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < nb; b++) fn(w + r * row_bytes + b * bytes, out + r * k + b * qk);
+    return 0;
+}
+
+#ifdef MI_AVX2
+static float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#ifdef MI_AVX2
+/* 32 weights of one chunk, as four vectors of 8 (positions 0-7, 8-15, 16-23, 24-31). */
+typedef struct { __m256 v[4]; } w32;
+
+/* 32 signed bytes -> four float32 vectors of 8. */
+static inline w32 i8_to_f32(__m256i q) {
+    __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    w32 w;
+    w.v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    w.v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    w.v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    w.v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    return w;
+}
+
+/* w = q * s (one scale), as gguf-py multiplies: exact float32 products. */
+static inline w32 scale32(w32 w, __m256 s) {
+    for (int j = 0; j < 4; j++) w.v[j] = _mm256_mul_ps(w.v[j], s);
+    return w;
+}
+
+/* 16 bytes -> 32 bytes: the low nibbles, then the high nibbles (the 32-block order). */
+static inline __m256i nibbles(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+/* 32 bits -> 32 bytes, 0xFF where the bit is set (byte i <- bit i). */
+static inline __m256i bits_to_bytes(uint32_t x) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+}
+
+/* Consume 32 weights against m input rows at column offset xo: four accumulators per row. */
+#define CONSUME(W, XO)                                                                           \
+    do {                                                                                         \
+        const float *xp_ = x + (XO);                                                             \
+        if (m == 1) {                                                                            \
+            for (int j_ = 0; j_ < 4; j_++) a[j_] = _mm256_fmadd_ps((W).v[j_], _mm256_loadu_ps(xp_ + 8 * j_), a[j_]); \
+        } else {                                                                                 \
+            for (int i_ = 0; i_ < m; i_++) { /* one accumulator per row: 2 memory ops per 4 FMAs */ \
+                __m256 t_ = a[4 * i_];                                                           \
+                for (int j_ = 0; j_ < 4; j_++)                                                   \
+                    t_ = _mm256_fmadd_ps((W).v[j_], _mm256_loadu_ps(xp_ + i_ * k + 8 * j_), t_);  \
+                a[4 * i_] = t_;                                                                  \
+            }                                                                                    \
+        }                                                                                        \
+    } while (0)
+
+static void row_simd(int type, const uint8_t *w, int64_t nb, const float *x, int64_t k, int m, __m256 *a) {
+    switch (type) {
+    case T_Q8_0:
+        for (int64_t b = 0; b < nb; b++, w += 34) {
+            w32 v = scale32(i8_to_f32(_mm256_loadu_si256((const __m256i *)(w + 2))), _mm256_set1_ps(rd_half(w)));
+            CONSUME(v, b * 32);
+        }
+        return;
+    case T_Q5_0:
+        for (int64_t b = 0; b < nb; b++, w += 22) {
+            uint32_t qh;
+            memcpy(&qh, w + 2, 4);
+            __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+            __m256i q = _mm256_sub_epi8(_mm256_or_si256(nibbles(w + 6), hb), _mm256_set1_epi8(16));
+            w32 v = scale32(i8_to_f32(q), _mm256_set1_ps(rd_half(w)));
+            CONSUME(v, b * 32);
+        }
+        return;
+    case T_Q4_1:
+        for (int64_t b = 0; b < nb; b++, w += 20) {
+            w32 v = scale32(i8_to_f32(nibbles(w + 4)), _mm256_set1_ps(rd_half(w)));
+            __m256 mn = _mm256_set1_ps(rd_half(w + 2));
+            for (int j = 0; j < 4; j++) v.v[j] = _mm256_add_ps(v.v[j], mn);
+            CONSUME(v, b * 32);
+        }
+        return;
+    case T_Q4_K:
+        for (int64_t b = 0; b < nb; b++, w += 144) {
+            float d = rd_half(w), dmin = rd_half(w + 2);
+            const uint8_t *s = w + 4;
+            for (int j = 0; j < 4; j++) {
+                __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+                __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F));
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0F));
+                for (int h = 0; h < 2; h++) {
+                    int g = 2 * j + h, sc, mn;
+                    if (g < 4) {
+                        sc = s[g] & 0x3F;
+                        mn = s[g + 4] & 0x3F;
+                    } else {
+                        sc = (s[g + 4] & 0x0F) | ((s[g - 4] >> 2) & 0x30);
+                        mn = (s[g + 4] >> 4) | ((s[g] >> 2) & 0x30);
+                    }
+                    w32 v = scale32(i8_to_f32(h ? hi : lo), _mm256_set1_ps(d * (float)sc));
+                    __m256 ml = _mm256_set1_ps(dmin * (float)mn);
+                    for (int t = 0; t < 4; t++) v.v[t] = _mm256_sub_ps(v.v[t], ml);
+                    CONSUME(v, b * 256 + 32 * g);
+                }
+            }
+        }
+        return;
+    case T_Q6_K:
+        for (int64_t b = 0; b < nb; b++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float d = rd_half(w + 208);
+            const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03), c32 = _mm256_set1_epi8(32);
+            for (int half = 0; half < 2; half++) {
+                const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
+                __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+                __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                __m256i hh = _mm256_loadu_si256((const __m256i *)qh);
+                __m256i q[4];
+                q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4));
+                q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4));
+                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4));
+                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4));
+                for (int g = 0; g < 4; g++) {
+                    const int8_t *scg = sc + 8 * half + 2 * g;
+                    __m256 s0 = _mm256_set1_ps(d * (float)scg[0]), s1 = _mm256_set1_ps(d * (float)scg[1]);
+                    w32 v = i8_to_f32(_mm256_sub_epi8(q[g], c32));
+                    v.v[0] = _mm256_mul_ps(v.v[0], s0);
+                    v.v[1] = _mm256_mul_ps(v.v[1], s0);
+                    v.v[2] = _mm256_mul_ps(v.v[2], s1);
+                    v.v[3] = _mm256_mul_ps(v.v[3], s1);
+                    CONSUME(v, b * 256 + 128 * half + 32 * g);
+                }
+            }
+        }
+        return;
+    default: { /* F32, F16, Q4_0: the block dequantizer into a buffer */
+        int qk, bytes;
+        deq_fn fn;
+        type_info(type, &qk, &bytes, &fn);
+        float wbuf[256] __attribute__((aligned(32)));
+        for (int64_t b = 0; b < nb; b++) {
+            fn(w + b * bytes, wbuf);
+            for (int c = 0; c < qk; c += 32) {
+                w32 v;
+                for (int j = 0; j < 4; j++) v.v[j] = _mm256_load_ps(wbuf + c + 8 * j);
+                CONSUME(v, b * qk + c);
+            }
+        }
+    }
+    }
+}
+#endif
+
+/* One weight row against m input rows: acc[i] = sum_k w[k] * x[i][k]. */
+static void row_dots(int type, const uint8_t *wrow, int64_t nb, int qk, int bytes, deq_fn fn,
+                     const float *x, int64_t k, int m, float *acc) {
+#ifdef MI_AVX2
+    (void)qk, (void)bytes, (void)fn;
+    __m256 a[4 * MAX_ROWS];
+    for (int i = 0; i < 4 * m; i++) a[i] = _mm256_setzero_ps();
+    row_simd(type, wrow, nb, x, k, m, a);
+    for (int i = 0; i < m; i++)
+        acc[i] = hsum8(_mm256_add_ps(_mm256_add_ps(a[4 * i], a[4 * i + 1]), _mm256_add_ps(a[4 * i + 2], a[4 * i + 3])));
+#else
+    (void)type;
+    float wbuf[256];
+    float a[MAX_ROWS][8];
+    memset(a, 0, sizeof(a));
+    for (int64_t b = 0; b < nb; b++) {
+        fn(wrow + b * bytes, wbuf);
+        const float *xb = x + b * qk;
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < qk; j++) a[i][j & 7] += wbuf[j] * xb[i * k + j];
+    }
+    for (int i = 0; i < m; i++) {
+        float s = 0;
+        for (int j = 0; j < 8; j++) s += a[i][j];
+        acc[i] = s;
+    }
+#endif
+}
+
+/* ------------------------------------------------------------------ int8 activations
+ * The fast mode ("gguf-a8"): each input row is quantized per 32 columns to int8 as ggml's
+ * quantize_row_q8_0 does (scale dx = max|x| / 127, q = round(x / dx)), with the block's sum
+ * sx = dx * sum(q) kept for the types with a minimum (Q4_1, Q4_K). A block's product is then an
+ * integer dot product (maddubs / madd), scaled once: llama.cpp's CPU path (ggml_vec_dot_*_q8_*). */
+
+typedef struct {
+    int8_t *q;  /* (m, k) */
+    float *d;   /* (m, k / 32) scales */
+    float *s;   /* (m, k / 32) dx * sum(q) */
+} qrows;
+
+static void quantize_rows(const float *x, int64_t m, int64_t k, qrows *out) {
+    int64_t nb = k / 32;
+    for (int64_t i = 0; i < m * nb; i++) {
+        const float *xb = x + i * 32;
+        float amax = 0;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < 32; j++) {
+            int q = (int)roundf(xb[j] * id);
+            out->q[i * 32 + j] = (int8_t)q;
+            sum += q;
+        }
+        out->d[i] = d;
+        out->s[i] = d * (float)sum;
+    }
+}
+
+#ifdef MI_AVX2
+/* Unsigned a (< 128) x signed b. */
+static inline __m256i dot_u8(__m256i a, __m256i b) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+}
+
+/* One weight row against m quantized input rows (the block is decoded once for all rows):
+ * out[i] = the dot product with row i. Row i's result does not depend on m. */
+#define FOR_ROWS(BODY) for (int i = 0; i < m; i++) { const int8_t *xr = xq + i * k; (void)xr; BODY; }
+static inline __attribute__((always_inline)) void row_q8(int type, const uint8_t *w, int64_t nb, int64_t k, int m, const int8_t *xq,
+                   const float *xd, const float *xs, int64_t xb, float *out) {
+    __m256 acc[MAX_ROWS];
+    float minus[MAX_ROWS]; /* the min terms of Q4_1 (+m sum x) and Q4_K (-dmin m sum x) */
+    for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps(), minus[i] = 0;
+    switch (type) {
+    case T_Q8_0:
+        for (int64_t b = 0; b < nb; b++, w += 34) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2)), qa = _mm256_sign_epi8(q, q);
+            float d = rd_half(w);
+            FOR_ROWS(__m256i p = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xr + 32 * b)), q));
+                     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1))),
+                                              _mm256_set1_ps(d * xd[i * xb + b]), acc[i]))
+        }
+        break;
+    case T_Q5_0:
+    case T_Q4_0:
+        for (int64_t b = 0; b < nb; b++, w += (type == T_Q5_0 ? 22 : 18)) {
+            __m256i q;
+            if (type == T_Q5_0) {
+                uint32_t qh;
+                memcpy(&qh, w + 2, 4);
+                __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+                q = _mm256_sub_epi8(_mm256_or_si256(nibbles(w + 6), hb), _mm256_set1_epi8(16));
+            } else {
+                q = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
+            }
+            __m256i qa = _mm256_sign_epi8(q, q);
+            float d = rd_half(w);
+            FOR_ROWS(__m256i p = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xr + 32 * b)), q));
+                     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1))),
+                                              _mm256_set1_ps(d * xd[i * xb + b]), acc[i]))
+        }
+        break;
+    case T_Q4_1:
+        for (int64_t b = 0; b < nb; b++, w += 20) {
+            __m256i q = nibbles(w + 4);
+            float d = rd_half(w), mn = rd_half(w + 2);
+            FOR_ROWS(__m256i dd = dot_u8(q, _mm256_loadu_si256((const __m256i *)(xr + 32 * b)));
+                     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dd), _mm256_set1_ps(d * xd[i * xb + b]), acc[i]);
+                     minus[i] += mn * xs[i * xb + b]) /* w = d q + m */
+        }
+        break;
+    case T_Q4_K:
+        for (int64_t b = 0; b < nb; b++, w += 144) {
+            float d = rd_half(w), dmin = rd_half(w + 2);
+            const uint8_t *s = w + 4;
+            for (int j = 0; j < 4; j++) {
+                __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+                __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F));
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0F));
+                for (int h = 0; h < 2; h++) {
+                    int g = 2 * j + h, sc, mn;
+                    if (g < 4) {
+                        sc = s[g] & 0x3F;
+                        mn = s[g + 4] & 0x3F;
+                    } else {
+                        sc = (s[g + 4] & 0x0F) | ((s[g - 4] >> 2) & 0x30);
+                        mn = (s[g + 4] >> 4) | ((s[g] >> 2) & 0x30);
+                    }
+                    __m256i q = h ? hi : lo;
+                    float dl = d * (float)sc, ml = dmin * (float)mn;
+                    int64_t xi = 8 * b + g;
+                    FOR_ROWS(__m256i dd = dot_u8(q, _mm256_loadu_si256((const __m256i *)(xr + 32 * xi)));
+                             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dd), _mm256_set1_ps(dl * xd[i * xb + xi]), acc[i]);
+                             minus[i] -= ml * xs[i * xb + xi])
+                }
+            }
+        }
+        break;
+    case T_Q6_K:
+        for (int64_t b = 0; b < nb; b++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float d = rd_half(w + 208);
+            const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03), c32 = _mm256_set1_epi8(32);
+            for (int half = 0; half < 2; half++) {
+                const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
+                __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+                __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                __m256i hh = _mm256_loadu_si256((const __m256i *)qh);
+                __m256i q[4];
+                q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4));
+                q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4));
+                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4));
+                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4));
+                for (int g = 0; g < 4; g++) {
+                    int64_t xi = 8 * b + 4 * half + g; /* the 32-block of x */
+                    const int8_t *scg = sc + 8 * half + 2 * g;
+                    __m256i qs = _mm256_sub_epi8(q[g], c32), qa = _mm256_sign_epi8(qs, qs);
+                    /* 16-bit pairs 0-7 are values 0-15 (scale scg[0]), 8-15 values 16-31 (scg[1]) */
+                    __m256i scales = _mm256_setr_epi16(scg[0], scg[0], scg[0], scg[0], scg[0], scg[0], scg[0], scg[0],
+                                                       scg[1], scg[1], scg[1], scg[1], scg[1], scg[1], scg[1], scg[1]);
+                    FOR_ROWS(__m256i p = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xr + 32 * xi)), qs));
+                             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, scales)),
+                                                      _mm256_set1_ps(d * xd[i * xb + xi]), acc[i]))
+                }
+            }
+        }
+        break;
+    }
+    for (int i = 0; i < m; i++) out[i] = hsum8(acc[i]) + minus[i];
+}
+#endif
+
+/* Whether the int8-activation kernel takes `type`: 1 or 0 (it needs AVX2). */
+int mi_supports_q8(int type) {
+#ifdef MI_AVX2
+    return type == T_Q8_0 || type == T_Q5_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q6_K;
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------------ int16 activations
+ * The near-exact mode ("gguf-a16"): each input row is quantized per 32 columns to int16
+ * (scale dx = max|x| / 32767, round to nearest; error at most dx / 2, about 1.5e-5 of the
+ * block's largest value, where bfloat16 keeps 8 bits), and each block's product is an integer
+ * dot product of int16 pairs (madd), scaled once. The weights are the file's, exactly. */
+
+static void quantize_rows16(const float *x, int64_t m, int64_t k, int16_t *q, float *d, float *s) {
+    int64_t nb = k / 32;
+    for (int64_t i = 0; i < m * nb; i++) {
+        const float *xb = x + i * 32;
+        float amax = 0;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        float dd = amax / 32767.0f, id = dd ? 1.0f / dd : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < 32; j++) {
+            int v = (int)roundf(xb[j] * id);
+            v = v > 32767 ? 32767 : (v < -32767 ? -32767 : v);
+            q[i * 32 + j] = (int16_t)v;
+            sum += v;
+        }
+        d[i] = dd;
+        s[i] = dd * (float)sum;
+    }
+}
+
+#ifdef MI_AVX2
+/* 32 int8 weights (|w| <= 128) times 32 int16 activations -> 8 int32 partial sums. */
+static inline __m256i dot16(__m256i q, const int16_t *x) {
+    __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+    __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+
+/* The same with weights 0-15 scaled by s0 and 16-31 by s1 first (Q6_K's 16-weight scales;
+ * |q * s| <= 32 * 128 fits int16, each pair sum fits int32). */
+static inline __m256i dot16_scaled(__m256i q, int s0, int s1, const int16_t *x) {
+    __m256i lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), _mm256_set1_epi16((short)s0));
+    __m256i hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)), _mm256_set1_epi16((short)s1));
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+
+/* One weight row against m int16 input rows (see row_q8). */
+static inline __attribute__((always_inline)) void row_q16(int type, const uint8_t *w, int64_t nb, int64_t k, int m,
+                                                          const int16_t *xq, const float *xd, const float *xs,
+                                                          int64_t xb, float *out) {
+    __m256 acc[MAX_ROWS];
+    float minus[MAX_ROWS];
+    for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps(), minus[i] = 0;
+#define ROWS16(BODY) for (int i = 0; i < m; i++) { const int16_t *xr = xq + i * k; BODY; }
+    switch (type) {
+    case T_Q8_0:
+    case T_Q5_0:
+    case T_Q4_0: {
+        int bytes = type == T_Q8_0 ? 34 : (type == T_Q5_0 ? 22 : 18);
+        for (int64_t b = 0; b < nb; b++, w += bytes) {
+            __m256i q;
+            if (type == T_Q8_0) {
+                q = _mm256_loadu_si256((const __m256i *)(w + 2));
+            } else if (type == T_Q5_0) {
+                uint32_t qh;
+                memcpy(&qh, w + 2, 4);
+                __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+                q = _mm256_sub_epi8(_mm256_or_si256(nibbles(w + 6), hb), _mm256_set1_epi8(16));
+            } else {
+                q = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
+            }
+            float d = rd_half(w);
+            ROWS16(acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(q, xr + 32 * b)), _mm256_set1_ps(d * xd[i * xb + b]), acc[i]))
+        }
+        break;
+    }
+    case T_Q4_1:
+        for (int64_t b = 0; b < nb; b++, w += 20) {
+            __m256i q = nibbles(w + 4);
+            float d = rd_half(w), mn = rd_half(w + 2);
+            ROWS16(acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(q, xr + 32 * b)), _mm256_set1_ps(d * xd[i * xb + b]), acc[i]);
+                   minus[i] += mn * xs[i * xb + b])
+        }
+        break;
+    case T_Q4_K:
+        for (int64_t b = 0; b < nb; b++, w += 144) {
+            float d = rd_half(w), dmin = rd_half(w + 2);
+            const uint8_t *s = w + 4;
+            for (int j = 0; j < 4; j++) {
+                __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+                __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F));
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0F));
+                for (int h = 0; h < 2; h++) {
+                    int g = 2 * j + h, sc, mn;
+                    if (g < 4) {
+                        sc = s[g] & 0x3F;
+                        mn = s[g + 4] & 0x3F;
+                    } else {
+                        sc = (s[g + 4] & 0x0F) | ((s[g - 4] >> 2) & 0x30);
+                        mn = (s[g + 4] >> 4) | ((s[g] >> 2) & 0x30);
+                    }
+                    __m256i q = h ? hi : lo;
+                    float dl = d * (float)sc, ml = dmin * (float)mn;
+                    int64_t xi = 8 * b + g;
+                    ROWS16(acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(q, xr + 32 * xi)), _mm256_set1_ps(dl * xd[i * xb + xi]), acc[i]);
+                           minus[i] -= ml * xs[i * xb + xi])
+                }
+            }
+        }
+        break;
+    case T_Q6_K:
+        for (int64_t b = 0; b < nb; b++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float d = rd_half(w + 208);
+            const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03), c32 = _mm256_set1_epi8(32);
+            for (int half = 0; half < 2; half++) {
+                const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
+                __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+                __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                __m256i hh = _mm256_loadu_si256((const __m256i *)qh);
+                __m256i q[4];
+                q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4));
+                q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4));
+                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4));
+                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4));
+                for (int g = 0; g < 4; g++) {
+                    int64_t xi = 8 * b + 4 * half + g;
+                    const int8_t *scg = sc + 8 * half + 2 * g;
+                    __m256i qs = _mm256_sub_epi8(q[g], c32);
+                    ROWS16(acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_scaled(qs, scg[0], scg[1], xr + 32 * xi)),
+                                                    _mm256_set1_ps(d * xd[i * xb + xi]), acc[i]))
+                }
+            }
+        }
+        break;
+    }
+#undef ROWS16
+    for (int i = 0; i < m; i++) out[i] = hsum8(acc[i]) + minus[i];
+}
+#endif
+
+/* y (m, n) = x (m, k) @ W^T with x quantized per 32 columns to int16 first (the near-exact
+ * mode). Returns as mi_matmul_q8. */
+int mi_matmul_q16(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
+                  float *y, int nthreads) {
+    int qk, bytes;
+    deq_fn fn;
+    if (!mi_supports_q8(type) || type_info(type, &qk, &bytes, &fn) || k % qk) return -1;
+#ifdef MI_AVX2
+    int64_t nb = k / qk, row_bytes = nb * bytes, xb = k / 32;
+    int16_t *q = (int16_t *)malloc((size_t)(m * k) * sizeof(int16_t));
+    float *d = (float *)malloc((size_t)(m * xb) * sizeof(float)), *s = (float *)malloc((size_t)(m * xb) * sizeof(float));
+    if (!q || !d || !s) {
+        free(q), free(d), free(s);
+        return -2;
+    }
+    quantize_rows16(x, m, k, q, d, s);
+    for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
+        int mm = (int)(m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS);
+#pragma omp parallel for num_threads(n >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK)
+        for (int64_t r = 0; r < n; r++) {
+            float out[MAX_ROWS];
+            if (mm == 1)
+                row_q16(type, w + r * row_bytes, nb, k, 1, q + i0 * k, d + i0 * xb, s + i0 * xb, xb, out);
+            else
+                row_q16(type, w + r * row_bytes, nb, k, mm, q + i0 * k, d + i0 * xb, s + i0 * xb, xb, out);
+            for (int i = 0; i < mm; i++) y[(i0 + i) * n + r] = out[i];
+        }
+    }
+    free(q), free(d), free(s);
+    return 0;
+#else
+    (void)w, (void)n, (void)x, (void)m, (void)y, (void)nthreads;
+    return -1;
+#endif
+}
+
+/* y (m, n) = x (m, k) @ W^T with x quantized per 32 columns to int8 first (the fast mode).
+ * Returns 0, -1 for a type mi_supports_q8 refuses or a k that is not a multiple of the block
+ * size, -2 when memory for the quantized rows cannot be had. */
+int mi_matmul_q8(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
+                 float *y, int nthreads) {
+    int qk, bytes;
+    deq_fn fn;
+    if (!mi_supports_q8(type) || type_info(type, &qk, &bytes, &fn) || k % qk) return -1;
+#ifdef MI_AVX2
+    int64_t nb = k / qk, row_bytes = nb * bytes, xb = k / 32;
+    qrows qr;
+    qr.q = (int8_t *)malloc((size_t)(m * k));
+    qr.d = (float *)malloc((size_t)(m * xb) * sizeof(float));
+    qr.s = (float *)malloc((size_t)(m * xb) * sizeof(float));
+    if (!qr.q || !qr.d || !qr.s) {
+        free(qr.q), free(qr.d), free(qr.s);
+        return -2;
+    }
+    quantize_rows(x, m, k, &qr);
+    for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
+        int mm = (int)(m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS);
+#pragma omp parallel for num_threads(n >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK)
+        for (int64_t r = 0; r < n; r++) {
+            float out[MAX_ROWS];
+            if (mm == 1) /* a constant m: the accumulator stays in a register */
+                row_q8(type, w + r * row_bytes, nb, k, 1, qr.q + i0 * k, qr.d + i0 * xb, qr.s + i0 * xb, xb, out);
+            else
+                row_q8(type, w + r * row_bytes, nb, k, mm, qr.q + i0 * k, qr.d + i0 * xb, qr.s + i0 * xb, xb, out);
+            for (int i = 0; i < mm; i++) y[(i0 + i) * n + r] = out[i];
+        }
+    }
+    free(qr.q), free(qr.d), free(qr.s);
+    return 0;
+#else
+    (void)w, (void)n, (void)x, (void)m, (void)y, (void)nthreads, (void)row_bytes;
+    return -1;
+#endif
+}
+
+/* y (m, n) = x (m, k) @ W^T for W (n, k) stored as `type` blocks, rows contiguous.
+ * x and y are contiguous float32. Returns 0, or -1 for an unknown type or a k that is not a
+ * multiple of the block size. */
+int mi_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
+              float *y, int nthreads) {
+    int qk, bytes;
+    deq_fn fn;
+    if (type_info(type, &qk, &bytes, &fn) || k % qk) return -1;
+    int64_t nb = k / qk, row_bytes = nb * bytes;
+    for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
+        int mm = (int)(m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS);
+        const float *xi = x + i0 * k;
+        /* dynamic chunks: a thread the OS deschedules (other processes on the core) holds up
+         * only its current chunk, not a fixed half of the rows */
+#pragma omp parallel for num_threads(n >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK)
+        for (int64_t r = 0; r < n; r++) {
+            float acc[MAX_ROWS];
+            row_dots(type, w + r * row_bytes, nb, qk, bytes, fn, xi, k, mm, acc);
+            for (int i = 0; i < mm; i++) y[(i0 + i) * n + r] = acc[i];
+        }
+    }
+    return 0;
+}

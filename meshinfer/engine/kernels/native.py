@@ -1,0 +1,131 @@
+"""Build and load the C kernels of ``gguf_blocks.c`` (products from a GGUF file's own blocks).
+
+The library is compiled once per source, compiler and CPU with the system C compiler
+(``cc``, or ``$CC``) into ``$MESHINFER_HOME/kernels`` (default ``~/.cache/meshinfer/kernels``)
+and loaded with ``ctypes``; ``deploy/install.sh`` builds it (``python -m
+meshinfer.engine.kernels.native``) so a peer's first start does not wait for the compiler.
+``ctypes`` releases the GIL for the call, so the executor thread computes while the event loop
+runs. When there is no compiler, or the build fails, :func:`library` logs one warning and
+returns None; callers then use the torch path (``gguf.quants`` dequantization).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger("meshinfer.kernels")
+
+SOURCE = Path(__file__).with_name("gguf_blocks.c")
+#: Compiler flags. ``-march=native``: the library is built on the machine that runs it (AVX2
+#: and FMA where the CPU has them; a portable scalar path otherwise). ``-ffp-contract=off``
+#: keeps each dequantized weight the exact float32 result gguf-py computes (see the source).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
+#: Seconds the compiler may take before the build counts as failed.
+BUILD_TIMEOUT_S = 120
+
+
+def _cpu_signature() -> str:
+    """The CPU's model name and feature flags (Linux), so a library built for one CPU is not
+    loaded on another that shares the cache directory."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def library_path(cc: str) -> Path:
+    """Where the library for this source, compiler and CPU lives (built or not)."""
+    home = Path(os.environ.get("MESHINFER_HOME") or Path.home() / ".cache" / "meshinfer")
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), cc.encode(), " ".join(CFLAGS).encode(), _cpu_signature().encode(),
+                 platform.machine().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return home / "kernels" / f"gguf_blocks-{h.hexdigest()[:16]}.so"
+
+
+def build(cc: str, out: Path) -> None:
+    """Compile ``gguf_blocks.c`` to ``out`` (atomically: a temporary file, then a rename).
+
+    Raises:
+        OSError: the directory cannot be written.
+        subprocess.CalledProcessError, subprocess.TimeoutExpired: the compiler failed.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True,
+                       timeout=BUILD_TIMEOUT_S)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.mi_matmul.argtypes = lib.mi_matmul_q8.argtypes = lib.mi_matmul_q16.argtypes = [i32, p, i64, i64, p, i64, p, i32]
+    lib.mi_dequantize.argtypes = [i32, p, i64, i64, p, i32]
+    for f in (lib.mi_matmul, lib.mi_matmul_q8, lib.mi_matmul_q16, lib.mi_dequantize, lib.mi_supports, lib.mi_supports_q8, lib.mi_simd):
+        f.restype = i32
+    lib.mi_supports.argtypes = lib.mi_supports_q8.argtypes = [i32]
+    return lib
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it first if needed; None (after one warning line)
+    when it cannot be built or loaded. ``MESHINFER_NO_NATIVE=1`` forces None (tests of the
+    fallback)."""
+    if os.environ.get("MESHINFER_NO_NATIVE") == "1":
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler (cc); the gguf precision computes through torch, much slower")
+        return None
+    path = library_path(cc)
+    try:
+        if not path.exists():
+            build(cc, path)
+        return _bind(ctypes.CDLL(str(path)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        first = detail.decode(errors="replace").strip().splitlines()[:1]
+        log.warning("could not build the gguf kernels (%s%s); the gguf precision computes through "
+                    "torch, much slower", type(exc).__name__, f": {first[0]}" if first else "")
+        return None
+
+
+def main() -> int:
+    """``python -m meshinfer.engine.kernels.native``: build (if needed) and report. Exit 0 when
+    the library loads, 1 otherwise."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    lib = library()
+    if lib is None:
+        print("gguf kernels: not available (see the warning above)", file=sys.stderr)
+        return 1
+    cc = _compiler()
+    print(f"gguf kernels: {library_path(cc)} ({'AVX2+FMA' if lib.mi_simd() else 'portable C'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Projections and the token embedding of the ``gguf`` precision: the file's own blocks.
+
+A ``GGUFLinear`` holds its weight as the GGUF file stores it (``kernels.blocks.QuantBlocks``:
+Q4_K, Q5_0, Q6_K, Q8_0, Q4_0, Q4_1 or F16 blocks, or float32 rows for every other type,
+dequantized exactly at load) and multiplies float32 activations by it. The weights are exactly
+gguf-py's dequantization, so the model computed is the f32 precision's, up to float32
+summation order. Pure torch plus the C kernels: nothing here logs, prints, awaits or touches files.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshinfer.engine.kernels import blocks as kb
+from meshinfer.engine.models.common import linear
+
+#: Rows (tokens in one pass) from which a projection dequantizes its weight chunk by chunk and
+#: runs torch's float32 GEMM instead of the block kernel: the kernel dequantizes each block once
+#: per 16 rows, while the GEMM is compute-efficient on many. ``tests/benchmarks/gguf_kernels.py``
+#: on the 2-core AVX2 EPYC (docs/performance.md).
+DENSE_MIN_ROWS = 48
+
+
+class GGUFLinear(nn.Module):
+    """``y = x @ W.T + bias`` with ``W`` ``(N, K)`` held as GGUF blocks.
+
+    ``(..., K)`` float -> ``(..., N)`` float32. With ``act_bits`` 16 (``gguf-a16``) or 8
+    (``gguf-a8``) a decode or verification pass quantizes its activations per 32 columns to
+    int16 / int8 first; a prefill pass (:data:`DENSE_MIN_ROWS` rows or more) multiplies float32
+    activations in every mode. Buffers: ``blocks`` ``(N, row_bytes)`` uint8 and
+    ``bias`` ``(N,)`` f32 or None; ``qtype`` (a GGML type id) is a plain attribute.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, *, act_bits: int = 32) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.qtype = in_features, out_features, 0
+        self.act_bits = act_bits  # 32 (gguf), 16 (gguf-a16) or 8 (gguf-a8): kernels.blocks.matmul
+        self.register_buffer("blocks", torch.empty(out_features, in_features * 4, dtype=torch.uint8))
+        self.register_buffer("bias", torch.empty(out_features) if bias else None)
+
+    @property
+    def weight_blocks(self) -> kb.QuantBlocks:
+        return kb.QuantBlocks(self.qtype, self.blocks, self.in_features)
+
+    def set_blocks(self, w: kb.QuantBlocks) -> None:
+        """Keep ``w`` (the file's bytes) as this projection's weight."""
+        self.qtype, self.blocks = w.qtype, w.data.contiguous()
+
+    def set_float_weight(self, w: torch.Tensor) -> None:
+        """Keep ``w`` ``(N, K)`` as float32 rows (a tensor type the kernels do not take)."""
+        self.set_blocks(kb.QuantBlocks.from_float(w))
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight ``(N, K)`` f32 (exactly gguf-py's dequantization)."""
+        return kb.dequantize(self.weight_blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float()  # (M, K)
+        w = self.weight_blocks
+        if self.qtype == 0:
+            y = linear(x2, self.blocks.view(torch.float32).reshape(self.out_features, self.in_features))
+        elif x2.shape[0] >= DENSE_MIN_ROWS:
+            y = kb.dequantize_chunks(x2, w)  # (M, N)
+        else:
+            y = kb.matmul(x2, w, act_bits=self.act_bits)  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embedding kept as GGUF blocks: ids ``(B, T)`` int64 -> ``(B, T, C)`` float32, each
+    looked-up row dequantized exactly. Buffer: ``blocks`` ``(V, row_bytes)`` uint8."""
+
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.dim, self.qtype = dim, 0
+        self.register_buffer("blocks", torch.empty(num_embeddings, dim * 4, dtype=torch.uint8))
+
+    def set_blocks(self, w: kb.QuantBlocks) -> None:
+        self.qtype, self.blocks = w.qtype, w.data.contiguous()
+
+    def set_float_weight(self, w: torch.Tensor) -> None:
+        self.set_blocks(kb.QuantBlocks.from_float(w))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = kb.QuantBlocks(self.qtype, self.blocks, self.dim).rows(ids.reshape(-1))
+        return kb.dequantize(rows).reshape(*ids.shape, self.dim)
