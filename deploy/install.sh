@@ -22,4 +22,7 @@ INDEX=()
 python -c "import torch" 2>/dev/null || python -m pip install -q ${INDEX[@]+"${INDEX[@]}"} "${MESHINFER_TORCH:-torch==2.13.0}"
 python -m pip install -q -e ".[test]"
 meshinfer --help >/dev/null
+# The gguf precisions' C kernels, built now for this CPU so the first peer or draft model need not
+# wait for the compiler; without a C compiler this prints one line and the torch path is used.
+python -m meshinfer.engine.kernels.native || echo "note: no gguf kernels; the gguf precisions will be slow" >&2
 echo "meshinfer installed in $VENV" >&2

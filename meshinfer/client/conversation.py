@@ -233,8 +233,11 @@ class Conversation(HopSteps, Failover, DecodeSteps):
         t0 = time.perf_counter()
         eos = set(eos_ids)  # speculation verifies greedy choices: sampled generation decodes plainly
         spec = self._start_speculation() if self.speculate and self.sampling is None else None
-        # the drafter reads the prompt while the mesh does, and while plain steps run if it is slower
-        self._warm = asyncio.ensure_future(self.drafter.prefill(prompt_ids)) if spec else None
+        # the drafter reads the prompt while the mesh does, and while plain steps run if it is
+        # slower; not when the policy, from earlier conversations on this route, would not draft
+        # (on loopback the draft model's prefill only takes CPU from the hops)
+        warm = spec is not None and self.policy.choose(self.draft_tokens) > 0
+        self._warm = asyncio.ensure_future(self.drafter.prefill(prompt_ids)) if warm else None
         try:
             ids, _ = await self._audited_step(prompt_ids[keep:], result, prefill=True)
             result.ttft_ms = (time.perf_counter() - t0) * 1e3

@@ -100,11 +100,13 @@ def add_model_metadata(wr, cfg: ModelConfig) -> None:
 
 
 def write_gguf(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor], *,
-               merged: tuple[str, str] = ("h", "e")) -> Path:
+               merged: tuple[str, str] = ("h", "e"), quantize=None) -> Path:
     """Write ``weights`` as an F32 GGUF with tokenizer metadata, the way llama.cpp would.
 
     ``merged``: the one BPE merge, whose token takes id 256 (another one gives a vocabulary of the
-    same size that maps id 256 to another piece)."""
+    same size that maps id 256 to another piece). ``quantize``: None, or a function of the HF
+    tensor name giving a ``gguf.GGMLQuantizationType`` (or None) to store that 2-D tensor in,
+    quantized by ``gguf.quants.quantize``."""
     import gguf
 
     wr = gguf.GGUFWriter(str(path), cfg.architecture)
@@ -117,7 +119,11 @@ def write_gguf(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor], *
             arr = _permute(arr, cfg.num_attention_heads)
         elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = _permute(arr, cfg.num_key_value_heads)
-        wr.add_tensor(gguf_name(name), arr)
+        qtype = quantize(name) if quantize is not None and arr.ndim == 2 else None
+        if qtype is None:
+            wr.add_tensor(gguf_name(name), arr)
+        else:
+            wr.add_tensor(gguf_name(name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()

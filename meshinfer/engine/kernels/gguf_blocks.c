@@ -255,12 +255,11 @@ static inline __m256i bits_to_bytes(uint32_t x) {
         if (m == 1) {                                                                            \
             for (int j_ = 0; j_ < 4; j_++) a[j_] = _mm256_fmadd_ps((W).v[j_], _mm256_loadu_ps(xp_ + 8 * j_), a[j_]); \
         } else {                                                                                 \
-            for (int i_ = 0; i_ < m; i_++) { /* one accumulator per row: 2 memory ops per 4 FMAs */ \
-                __m256 t_ = a[4 * i_];                                                           \
+            /* four accumulators per row, as for one row, so that a row's sum does not depend \
+             * on the rows beside it */                                                          \
+            for (int i_ = 0; i_ < m; i_++)                                                       \
                 for (int j_ = 0; j_ < 4; j_++)                                                   \
-                    t_ = _mm256_fmadd_ps((W).v[j_], _mm256_loadu_ps(xp_ + i_ * k + 8 * j_), t_);  \
-                a[4 * i_] = t_;                                                                  \
-            }                                                                                    \
+                    a[4 * i_ + j_] = _mm256_fmadd_ps((W).v[j_], _mm256_loadu_ps(xp_ + i_ * k + 8 * j_), a[4 * i_ + j_]); \
         }                                                                                        \
     } while (0)
 

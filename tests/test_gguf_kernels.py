@@ -1,0 +1,200 @@
+"""The gguf precisions' C kernels (``meshinfer/engine/kernels``): the weights they compute with
+equal gguf-py's dequantization bit for bit, their products stay within each activation mode's
+tolerance on odd shapes, a row's result does not depend on the rows beside it, the torch
+fallback works without a compiler, and tiny quantized models load and decode at every mode."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as G, quants
+
+from meshinfer.engine.generate import greedy_generate, load_shard
+from meshinfer.engine.kernels import blocks as kb, native
+from meshinfer.engine.models.gguf_linear import DENSE_MIN_ROWS, GGUFLinear
+
+#: The types the kernels compute from (F32 rows go through torch).
+TYPES = ["F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
+#: Byte offsets of each block's float16 fields (ggml-common.h): set to finite values so that
+#: random blocks decode to finite weights.
+HALF_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+#: Largest |kernel - float64 reference| / max |reference| per activation mode: float32
+#: activations differ only by float32 summation order; int16 activations round each to
+#: max|x| / 65534 of its 32-block (measured 2-5e-5 on the default model's tensors); int8 ones to
+#: max|x| / 254 (measured 0.2-1%, llama.cpp's error).
+TOLERANCE = {32: 1e-5, 16: 2e-4, 8: 3e-2}
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """``n`` rows of ``k`` weights of random blocks ``(n, row_bytes)`` uint8, float16 fields finite."""
+    rng = np.random.default_rng(seed)
+    if type_name == "F16":
+        vals = rng.standard_normal((n, k)).astype(np.float16)
+        vals[0, :4] = [6e-8, -6e-8, 1e-5, 0]  # subnormals and zero: the C half_to_float's edge cases
+        return vals.view(np.uint8)
+    qk, nbytes = kb.BLOCK_SHAPE[kb.KERNEL_TYPES[type_name]]
+    raw = rng.integers(0, 256, size=(n, k // qk, nbytes), dtype=np.uint8)
+    for off in HALF_OFFSETS[type_name]:
+        scale = rng.uniform(-0.02, 0.02, size=(n, k // qk)).astype(np.float16)
+        raw[..., off:off + 2] = scale.view(np.uint8).reshape(n, k // qk, 2)
+    return raw.reshape(n, -1)
+
+
+def blocks_of(type_name: str, n: int, k: int, seed: int = 0) -> kb.QuantBlocks:
+    return kb.QuantBlocks(kb.KERNEL_TYPES[type_name], torch.from_numpy(random_blocks(type_name, n, k, seed)), k)
+
+
+def width(type_name: str) -> int:
+    """896 (the default model's width, 28 blocks of 32) for 32-weight blocks; 512 for 256-weight ones."""
+    return 512 if type_name in ("Q4_K", "Q6_K") else 896
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = native.library()
+    assert lib is not None, "the gguf kernels did not build (is there a C compiler?)"
+    return lib
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_kernel_weights_equal_gguf_dequantization_bit_for_bit(lib, type_name):
+    n, k = 37, width(type_name)
+    raw = random_blocks(type_name, n, k, seed=1)
+    want = quants.dequantize(raw, G[type_name]).reshape(n, k)
+    got = np.empty((n, k), np.float32)
+    assert lib.mi_dequantize(kb.KERNEL_TYPES[type_name], raw.ctypes.data, n, k, got.ctypes.data, 2) == 0
+    assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+    assert torch.equal(kb.dequantize(blocks_of(type_name, n, k, seed=1)), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("act_bits", [32, 16, 8])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_products_are_within_the_activation_modes_tolerance(lib, type_name, act_bits):
+    n, k = 37, width(type_name)  # 37 rows: not a multiple of the SIMD width or of a thread's chunk
+    w = blocks_of(type_name, n, k, seed=2)
+    ref_w = kb.dequantize(w).double()
+    for m in (1, 3, 17):  # 17: more rows than one pass of the kernel takes (16)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        got, want = kb.matmul(x, w, act_bits=act_bits), x.double() @ ref_w.T  # (m, n)
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        assert err <= TOLERANCE[act_bits], f"{type_name} a{act_bits} m={m}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("act_bits", [32, 16, 8])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(lib, act_bits):
+    """A verification step of k + 1 positions must compute each position as a one-position decode
+    step would, or speculative and plain decoding could choose different tokens."""
+    for type_name in ("Q5_0", "Q4_K", "Q6_K"):
+        w = blocks_of(type_name, 64, width(type_name), seed=3)
+        x = torch.randn(9, w.in_features, generator=torch.Generator().manual_seed(4))
+        together = kb.matmul(x, w, act_bits=act_bits)  # (9, 64)
+        for i in (0, 4, 8):
+            assert torch.equal(kb.matmul(x[i:i + 1], w, act_bits=act_bits)[0], together[i])
+
+
+def test_a_linear_uses_the_dense_path_from_prefill_sizes_with_the_same_result(lib):
+    lin = GGUFLinear(896, 40, bias=True)
+    lin.set_blocks(blocks_of("Q5_0", 40, 896, seed=5))
+    lin.bias = torch.randn(40)
+    x = torch.randn(1, DENSE_MIN_ROWS + 3, 896)
+    want = x @ lin.dequantized().T + lin.bias  # (1, T, 40)
+    assert torch.allclose(lin(x), want, rtol=1e-5, atol=1e-5)  # dense path
+    assert torch.allclose(lin(x[:, :5]), want[:, :5], rtol=1e-5, atol=1e-5)  # block kernel
+
+
+def test_float_rows_keep_any_weight_exactly():
+    lin = GGUFLinear(30, 7, bias=False)  # 30 columns: no whole 32-block
+    w = torch.randn(7, 30)
+    lin.set_float_weight(w)
+    assert torch.equal(lin.dequantized(), w)
+    x = torch.randn(2, 30)
+    assert torch.allclose(lin(x), x @ w.T, rtol=1e-6, atol=1e-6)
+
+
+def test_without_a_compiler_one_warning_and_the_torch_path(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("MESHINFER_HOME", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="meshinfer.kernels"):
+            assert native.library() is None
+        assert [r.getMessage() for r in caplog.records] == [
+            "no C compiler (cc); the gguf precision computes through torch, much slower"]
+        w = blocks_of("Q4_K", 9, 512, seed=6)
+        x = torch.randn(2, 512)
+        assert torch.allclose(kb.matmul(x, w, act_bits=16), x @ kb.dequantize(w).T, rtol=1e-5, atol=1e-5)
+    finally:
+        native.library.cache_clear()
+
+
+def test_a_compiler_that_fails_gives_one_warning_not_a_crash(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "false")  # exists, exits 1
+    monkeypatch.setenv("MESHINFER_HOME", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="meshinfer.kernels"):
+            assert native.library() is None
+        assert len(caplog.records) == 1 and "could not build the gguf kernels" in caplog.records[0].getMessage()
+        assert not list((tmp_path / "kernels").glob("*.so")), "a failed build must leave no library behind"
+    finally:
+        native.library.cache_clear()
+
+
+def test_blocks_of_the_wrong_size_are_refused():
+    with pytest.raises(ValueError, match="are not rows of 896 weights"):
+        kb.QuantBlocks(kb.KERNEL_TYPES["Q8_0"], torch.zeros(4, 33, dtype=torch.uint8), 896)
+    with pytest.raises(ValueError, match="GGML type 99"):
+        kb.QuantBlocks(99, torch.zeros(4, 34, dtype=torch.uint8), 32)
+
+
+# ------------------------------------------------------------------ tiny quantized models
+def _quantized_tiny(tmp_path, arch: str):
+    """A tiny model whose projections are Q8_0, Q5_0, Q4_0 and Q4_1 (the types gguf-py can write),
+    written the way llama.cpp would (for llama: Q/K rows permuted)."""
+    from helpers.tiny import random_weights, tiny_config, write_gguf
+
+    cfg = tiny_config(arch)
+    kinds = {"q_proj": G.Q8_0, "k_proj": G.Q5_0, "v_proj": G.Q4_0, "o_proj": G.Q4_1, "gate_proj": G.Q5_0,
+             "up_proj": G.Q8_0, "down_proj": G.Q4_1, "embed_tokens": G.Q8_0, "lm_head": G.Q8_0}
+
+    def quantize(name: str):
+        return next((q for part, q in kinds.items() if f"{part}.weight" in name), None)
+    return write_gguf(tmp_path / f"tiny-{arch}-q.gguf", cfg, random_weights(cfg, seed=7), quantize=quantize)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_quantized_tiny_model_at_gguf_computes_the_f32_model(tmp_path, lib, arch):
+    """gguf keeps the file's blocks; f32 dequantizes them at load: the same weights, so the same
+    logits up to float32 summation order and the same greedy tokens. The llama case checks that
+    the blocks' rows are un-permuted like the float rows."""
+    path = _quantized_tiny(tmp_path, arch)
+    f32, exact = load_shard(path, dtype="f32"), load_shard(path, dtype="gguf")
+    assert isinstance(exact.layers["0"].self_attn.q_proj, GGUFLinear)
+    assert exact.layers["0"].self_attn.q_proj.qtype == kb.KERNEL_TYPES["Q8_0"]
+    ids = torch.tensor([[5, 70, 200, 31, 9, 101, 44]])
+    assert torch.allclose(exact(ids, 0, logits="all"), f32(ids, 0, logits="all"), rtol=1e-4, atol=1e-4)
+    prompt = ids[0].tolist()
+    want = greedy_generate(f32, prompt, max_tokens=12).token_ids
+    assert greedy_generate(exact, prompt, max_tokens=12).token_ids == want
+
+
+@pytest.mark.parametrize("precision,tol", [("gguf-a16", 1e-2), ("gguf-a8", 0.5)])
+def test_integer_activation_modes_stay_close_to_f32(tmp_path, lib, precision, tol):
+    path = _quantized_tiny(tmp_path, "qwen2")
+    f32, fast = load_shard(path, dtype="f32"), load_shard(path, dtype=precision)
+    ids = torch.tensor([[5, 70, 200, 31]])
+    err = (fast(ids, 0, logits="all") - f32(ids, 0, logits="all")).abs().max().item()
+    assert err <= tol, f"{precision}: logits {err:.3g} from f32"
+
+
+def test_the_gguf_precision_refuses_a_model_that_is_not_a_gguf_file(tmp_path):
+    from helpers.tiny import random_weights, tiny_config, write_hf_dir
+    from meshinfer.core.errors import InvalidInput
+
+    cfg = tiny_config("qwen2")
+    d = write_hf_dir(tmp_path / "hf", cfg, random_weights(cfg))
+    with pytest.raises(InvalidInput, match="precision gguf computes from a GGUF file's blocks"):
+        load_shard(d, dtype="gguf")
