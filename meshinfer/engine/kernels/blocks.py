@@ -10,6 +10,7 @@ Pure computation: nothing here logs (except ``native.library()``'s one warning),
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,9 +138,17 @@ def dequantize_chunks(x: torch.Tensor, w: QuantBlocks) -> torch.Tensor:
 
 
 def blocks_from_file(raw: np.ndarray, type_name: str, in_features: int) -> QuantBlocks | None:
-    """The file's bytes ``raw`` ``(N, row_bytes)`` uint8 as :class:`QuantBlocks` (copied out of
-    the mapping), or None when ``type_name`` is not a type of :data:`KERNEL_TYPES`."""
+    """The file's bytes ``raw`` ``(N, row_bytes)`` uint8 as :class:`QuantBlocks`, or None when
+    ``type_name`` is not a type of :data:`KERNEL_TYPES`.
+
+    A contiguous read-only ``raw`` (a view of the file's memory map) is used in place, not
+    copied: the shard's weights are then the mapped file's pages, shared with the page cache, as
+    llama.cpp's mmap loading does (docs/performance.md, load memory). Nothing writes to blocks."""
     qtype = KERNEL_TYPES.get(type_name)
     if qtype is None:
         return None
+    if raw.flags.c_contiguous and not raw.flags.writeable:
+        with warnings.catch_warnings():  # torch warns that the array is not writable: it is never written
+            warnings.simplefilter("ignore", UserWarning)
+            return QuantBlocks(qtype, torch.from_numpy(raw), in_features)
     return QuantBlocks(qtype, torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)), in_features)
