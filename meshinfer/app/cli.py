@@ -990,6 +990,17 @@ def _int_or_none(value) -> int | None:
     return None if value in (None, "") else int(value)
 
 
+def _threads(text: str) -> int:
+    """``--draft-threads``: a whole number of CPU threads, at least 1 (argparse type)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of threads") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def _add_draft_flags(s: argparse.ArgumentParser) -> None:
     """``--draft-model``, ``--draft-device``, ``--draft-dtype`` (chat, serve, bench)."""
     s.add_argument("--draft-model", default=_env("MESHINFER_DRAFT_MODEL"),
@@ -1002,7 +1013,7 @@ def _add_draft_flags(s: argparse.ArgumentParser) -> None:
                    choices=("auto", *PRECISION_NAMES),
                    help="precision of the draft model (quantized ones: CPU only); auto: gguf-a16 for a GGUF "
                         "file on a CPU, q8-bf16 for other CPU models, bf16 on a GPU [$MESHINFER_DRAFT_DTYPE]")
-    s.add_argument("--draft-threads", type=int, default=_env("MESHINFER_DRAFT_THREADS"),
+    s.add_argument("--draft-threads", type=_threads, default=_env("MESHINFER_DRAFT_THREADS"),
                    help="CPU threads of the draft model (default: torch's, one per core; `bench` uses 1, "
                         "since its peers share the machine) [$MESHINFER_DRAFT_THREADS]")
     s.add_argument("--draft-ahead", default=_env("MESHINFER_DRAFT_AHEAD", "off"), choices=("auto", "on", "off"),
