@@ -386,8 +386,10 @@ async def test_auto_drafts_ahead_only_when_the_round_trip_holds_a_draft_pass(tin
 @pytest.mark.realmodel
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct-q4_k_m", "smollm2-135m-instruct-q4_1"])
 async def test_draft_model_output_equals_plain_on_the_real_models_over_2_peers(name):
-    """Each model drafts for itself at q8-bf16 (no smaller same-vocabulary sibling is here),
-    for an f32 mesh of 2 peers: a general chat and an arithmetic one."""
+    """Each model drafts for itself at its default precision, ``auto`` = gguf-a16 here (no smaller
+    same-vocabulary sibling is here), for an f32 mesh of 2 peers: a general chat and an
+    arithmetic one. gguf-a16 computes the f32 model up to int16 rounding of activations, so
+    nearly every draft is accepted."""
     from helpers.realmodels import model_path
     from helpers.meshkit import file_hash
     from meshinfer.app.bench import GENERAL_PROMPTS
@@ -398,7 +400,9 @@ async def test_draft_model_output_equals_plain_on_the_real_models_over_2_peers(n
     tok = Tokenizer.from_gguf(path)
     n_layers = full_tensors(name)[0].num_hidden_layers
     shards = [shard_of(name, 0, n_layers // 2), shard_of(name, n_layers // 2, n_layers)]
-    draft = load_draft_model(path, dtype="q8-bf16")
+    draft = load_draft_model(path)
+    from meshinfer.engine.models.gguf_linear import GGUFLinear
+    assert isinstance(draft.shard.layers["0"].mlp.up_proj, GGUFLinear)  # auto chose the gguf kernels
     try:
         async with mesh(shards, weights_hash=file_hash(path), bundle=tok.to_bundle()) as peers:
             async with MeshClient(list(peers[0].addrs), draft_model=draft) as client:
@@ -409,7 +413,7 @@ async def test_draft_model_output_equals_plain_on_the_real_models_over_2_peers(n
                     drafted = await _generate(client, route, ids, max_tokens=32)
                     assert drafted.token_ids == plain.token_ids, (messages, tok.decode(plain.token_ids))
                     assert drafted.speculative["drafter"] == f"model:{name}"
-                    assert drafted.speculative["acceptance"] > 0.5, drafted.speculative
+                    assert drafted.speculative["acceptance"] > 0.9, drafted.speculative
                     assert drafted.speculative["steps"] < 20
     finally:
         draft.close()
