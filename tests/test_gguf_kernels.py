@@ -198,3 +198,30 @@ def test_the_gguf_precision_refuses_a_model_that_is_not_a_gguf_file(tmp_path):
     d = write_hf_dir(tmp_path / "hf", cfg, random_weights(cfg))
     with pytest.raises(InvalidInput, match="precision gguf computes from a GGUF file's blocks"):
         load_shard(d, dtype="gguf")
+
+
+def test_the_portable_c_path_computes_the_same(tmp_path):
+    """Built without ``-march`` (x86-64's baseline: no AVX2; or any other CPU), the library takes
+    its portable path: the same weights bit for bit, float32 products within tolerance, and the
+    integer-activation kernels refuse (the caller then multiplies float32 activations)."""
+    import ctypes
+    import shutil
+
+    out = tmp_path / "portable.so"
+    native.build(shutil.which("cc"), out, flags=[f for f in native.CFLAGS if not f.startswith("-march")])
+    plib = native.bind(ctypes.CDLL(str(out)))
+    assert plib.mi_simd() == 0
+    for type_name in TYPES:
+        n, k = 37, width(type_name)
+        raw = random_blocks(type_name, n, k, seed=8)
+        want = quants.dequantize(raw, G[type_name]).reshape(n, k).astype(np.float32)
+        got = np.empty((n, k), np.float32)
+        assert plib.mi_dequantize(kb.KERNEL_TYPES[type_name], raw.ctypes.data, n, k, got.ctypes.data, 1) == 0
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), type_name
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
+        y = torch.empty(3, n)
+        assert plib.mi_matmul(kb.KERNEL_TYPES[type_name], raw.ctypes.data, n, k, x.data_ptr(), 3, y.data_ptr(), 1) == 0
+        ref = x.double() @ torch.from_numpy(want).double().T
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= TOLERANCE[32], type_name
+        assert plib.mi_matmul_q8(kb.KERNEL_TYPES[type_name], raw.ctypes.data, n, k, x.data_ptr(), 3,
+                                 y.data_ptr(), 1) == -1

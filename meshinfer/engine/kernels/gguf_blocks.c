@@ -346,8 +346,8 @@ static void row_simd(int type, const uint8_t *w, int64_t nb, const float *x, int
         }
         return;
     default: { /* F32, F16, Q4_0: the block dequantizer into a buffer */
-        int qk, bytes;
-        deq_fn fn;
+        int qk = 32, bytes = 128;
+        deq_fn fn = deq_f32;
         type_info(type, &qk, &bytes, &fn);
         float wbuf[256] __attribute__((aligned(32)));
         for (int64_t b = 0; b < nb; b++) {
@@ -398,6 +398,7 @@ static void row_dots(int type, const uint8_t *wrow, int64_t nb, int qk, int byte
  * sx = dx * sum(q) kept for the types with a minimum (Q4_1, Q4_K). A block's product is then an
  * integer dot product (maddubs / madd), scaled once: llama.cpp's CPU path (ggml_vec_dot_*_q8_*). */
 
+#ifdef MI_AVX2
 typedef struct {
     int8_t *q;  /* (m, k) */
     float *d;   /* (m, k / 32) scales */
@@ -421,6 +422,8 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, qrows *out) {
         out->s[i] = d * (float)sum;
     }
 }
+
+#endif
 
 #ifdef MI_AVX2
 /* Unsigned a (< 128) x signed b. */
@@ -554,6 +557,7 @@ int mi_supports_q8(int type) {
  * block's largest value, where bfloat16 keeps 8 bits), and each block's product is an integer
  * dot product of int16 pairs (madd), scaled once. The weights are the file's, exactly. */
 
+#ifdef MI_AVX2
 static void quantize_rows16(const float *x, int64_t m, int64_t k, int16_t *q, float *d, float *s) {
     int64_t nb = k / 32;
     for (int64_t i = 0; i < m * nb; i++) {
@@ -572,6 +576,8 @@ static void quantize_rows16(const float *x, int64_t m, int64_t k, int16_t *q, fl
         s[i] = dd * (float)sum;
     }
 }
+
+#endif
 
 #ifdef MI_AVX2
 /* 32 int8 weights (|w| <= 128) times 32 int16 activations -> 8 int32 partial sums. */
@@ -759,7 +765,7 @@ int mi_matmul_q8(int type, const uint8_t *w, int64_t n, int64_t k, const float *
     free(qr.q), free(qr.d), free(qr.s);
     return 0;
 #else
-    (void)w, (void)n, (void)x, (void)m, (void)y, (void)nthreads, (void)row_bytes;
+    (void)w, (void)n, (void)x, (void)m, (void)y, (void)nthreads;
     return -1;
 #endif
 }

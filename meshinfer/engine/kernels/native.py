@@ -61,8 +61,9 @@ def library_path(cc: str) -> Path:
     return home / "kernels" / f"gguf_blocks-{h.hexdigest()[:16]}.so"
 
 
-def build(cc: str, out: Path) -> None:
-    """Compile ``gguf_blocks.c`` to ``out`` (atomically: a temporary file, then a rename).
+def build(cc: str, out: Path, flags: list[str] | None = None) -> None:
+    """Compile ``gguf_blocks.c`` to ``out`` (atomically: a temporary file, then a rename) with
+    ``flags`` (default :data:`CFLAGS`; tests build the portable path without ``-march``).
 
     Raises:
         OSError: the directory cannot be written.
@@ -72,7 +73,8 @@ def build(cc: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True,
+        subprocess.run([cc, *(CFLAGS if flags is None else flags), str(SOURCE), "-o", tmp], check=True,
+                       capture_output=True,
                        timeout=BUILD_TIMEOUT_S)
         os.replace(tmp, out)
     finally:
@@ -80,7 +82,8 @@ def build(cc: str, out: Path) -> None:
             os.unlink(tmp)
 
 
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the library's functions' argument and result types (ctypes); returns ``lib``."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.mi_matmul.argtypes = lib.mi_matmul_q8.argtypes = lib.mi_matmul_q16.argtypes = [i32, p, i64, i64, p, i64, p, i32]
     lib.mi_dequantize.argtypes = [i32, p, i64, i64, p, i32]
@@ -105,7 +108,7 @@ def library() -> ctypes.CDLL | None:
     try:
         if not path.exists():
             build(cc, path)
-        return _bind(ctypes.CDLL(str(path)))
+        return bind(ctypes.CDLL(str(path)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         first = detail.decode(errors="replace").strip().splitlines()[:1]
