@@ -33,11 +33,11 @@ def meshinfer(*args: str, home, timeout: float = 600) -> subprocess.CompletedPro
 @pytest.mark.slow
 def test_generate_at_a_quantized_precision(tiny_gguf, tmp_path):
     out = meshinfer("generate", "--model", str(tiny_gguf), "-p", "hello", "--max-tokens", "6", "--json",
-                    "--dtype", "q4-g32-bf16", home=tmp_path)
+                    "--dtype", "q8-bf16", home=tmp_path)
     assert out.returncode == 0, out.stderr
     tok = Tokenizer.from_gguf(tiny_gguf)
     ids = tok.encode_chat([{"role": "user", "content": "hello"}])
-    want = greedy_generate(load_shard(tiny_gguf, dtype="q4-g32-bf16"), ids, max_tokens=6, eos_ids=tok.eos_ids)
+    want = greedy_generate(load_shard(tiny_gguf, dtype="q8-bf16"), ids, max_tokens=6, eos_ids=tok.eos_ids)
     assert json.loads(out.stdout)["token_ids"] == want.token_ids
     assert len(list((tmp_path / "converted").rglob("*.safetensors"))) == 6  # embed, 4 layers, head
 
@@ -106,17 +106,17 @@ def test_bench_single_reports_every_engine(tiny_gguf, tmp_path):
 @pytest.mark.slow
 def test_bench_single_fidelity_is_computed_against_f32(tiny_gguf, tmp_path):
     report = tmp_path / "single.json"
-    out = meshinfer("bench", "--single", "--model", str(tiny_gguf), "--dtypes", "f32,q4-g32-bf16", "--threads", "1",
+    out = meshinfer("bench", "--single", "--model", str(tiny_gguf), "--dtypes", "f32,q8-bf16", "--threads", "1",
                     "--max-tokens", "5", "--llama-python", str(tmp_path / "no-python"), "--no-transformers",
                     "--no-join", "--out", str(report), home=tmp_path)
     assert out.returncode == 0, out.stderr
-    f32, q4, _ = json.loads(report.read_text())
+    f32, q8, _ = json.loads(report.read_text())
     refs = f32["fidelity_tokens"]
     assert len(refs) == len(GENERAL_PROMPTS) >= 8 and all(len(r) == 5 for r in refs)
     assert f32["fidelity_greedy"] == 1.0
     assert f32["fidelity_top1"] == sum(map(top1_agreement, refs, f32["fidelity_argmax"])) / len(refs)
-    assert q4["fidelity_greedy"] == sum(map(prefix_agreement, refs, q4["fidelity_tokens"])) / len(refs)
-    assert q4["fidelity_top1"] == sum(map(top1_agreement, refs, q4["fidelity_argmax"])) / len(refs)
-    assert 0 <= q4["fidelity_greedy"] <= 1 and 0 <= q4["fidelity_top1"] <= 1
+    assert q8["fidelity_greedy"] == sum(map(prefix_agreement, refs, q8["fidelity_tokens"])) / len(refs)
+    assert q8["fidelity_top1"] == sum(map(top1_agreement, refs, q8["fidelity_argmax"])) / len(refs)
+    assert 0 <= q8["fidelity_greedy"] <= 1 and 0 <= q8["fidelity_top1"] <= 1
     assert f"| meshinfer | f32 | {f32['decode_tok_s']:.1f} | 1.00 | {f32['fidelity_top1']:.2f} |" in out.stdout
     assert "ran only as the fidelity reference" not in out.stdout

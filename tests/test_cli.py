@@ -584,3 +584,18 @@ def test_the_chat_prompt_is_shown_only_to_a_terminal(monkeypatch, capsys, tty):
     monkeypatch.setattr(sys, "stdin", Stdin("hi\n"))
     _show_prompt()
     assert capsys.readouterr() == ("> " if tty else "", "")
+
+
+@pytest.mark.parametrize("command", ["generate", "join", "bench"])
+def test_a_removed_precision_is_refused_with_the_choices(command, capsys):
+    """q4-gG-bf16 was removed on 2026-12-02 (gguf-a16 beat it on speed and fidelity): --dtype
+    q4-g32-bf16 is an argparse error that lists what remains."""
+    from meshinfer.app.cli import build_parser
+    from meshinfer.core.config import PRECISION_NAMES
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([command, "--model", "m", "--dtype", "q4-g32-bf16"])
+    assert exit_.value.code == 2
+    choices = ", ".join(f"'{n}'" for n in PRECISION_NAMES)
+    assert f"argument --dtype: invalid choice: 'q4-g32-bf16' (choose from {choices})" in capsys.readouterr().err
+    assert "gguf-a16" in PRECISION_NAMES and not any(n.startswith("q4-") for n in PRECISION_NAMES)

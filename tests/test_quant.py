@@ -1,4 +1,4 @@
-"""Quantized precisions: the int8/int4 projection modules, shards at those precisions, the
+"""Quantized precisions: the int8 projection modules, shards at those precisions, the
 converted-tensor cache, and that a route never mixes kernel families."""
 
 from __future__ import annotations
@@ -12,13 +12,11 @@ from helpers.meshkit import generate_through, mesh, start_peer, wait_for_tables
 from meshinfer.core.config import PRECISION_NAMES, LayerRange
 from meshinfer.core.errors import InvalidInput, NoRoute
 from meshinfer.engine.generate import greedy_generate, load_shard, parse_precision
-from meshinfer.engine.models.quant import (DENSE_MIN_ROWS, Int4Linear, Int8Embedding, Int8Linear,
-    dequantize_int4, int4_layout_known, quantize_int4, quantize_int8, quantized_linear,
-    unpack_int4)
+from meshinfer.engine.models.quant import DENSE_MIN_ROWS, Int8Embedding, Int8Linear, quantize_int8
 from meshinfer.client.mesh import MeshClient
 from meshinfer.engine.weights import converted
 
-QUANTIZED = ["q8-bf16", "q4-g32-bf16"]
+QUANTIZED = ["q8-bf16"]
 #: Documented tolerance of a quantized module against ``bf16(x) @ dequantized(W).T`` in float32:
 #: the kernels round their output to bfloat16 (8 significant bits, relative error 2**-9) and
 #: may sum in another order; 1% of the largest output covers both with room to spare.
@@ -47,56 +45,24 @@ def test_int8_linear_matches_dequantize_then_matmul(bias):
     assert ((m.dequantized() - w).abs() <= m.scales.float()[:, None] * 0.5 + 1e-6).all()
 
 
-@pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_linear_matches_dequantize_then_matmul(group):
-    g = torch.Generator().manual_seed(group)
-    w, x = torch.randn(64, 256, generator=g), torch.randn(3, 2, 256, generator=g)
-    m = Int4Linear(256, 64, False, group)
-    m.set_float_weight(w)
-    q, sz = quantize_int4(w, group)
-    dq = dequantize_int4(q, sz.to(torch.bfloat16), group)  # what the kernel should multiply by
-    assert (m.dequantized() - dq).abs().max() <= 1e-2 * dq.abs().max()
-    y, ref = m(x), reference_matmul(m, x)
-    assert y.shape == (3, 2, 64)
-    assert (y - ref).abs().max() <= MODULE_TOLERANCE * ref.abs().max()
-    step, zero = (sz[..., i].T.repeat_interleave(group, dim=1) for i in (0, 1))  # (N, K) per weight
-    assert ((dequantize_int4(q, sz, group) - w).abs() <= step * 0.5 + zero.abs() * 2 ** -8 + 1e-6).all()
-
-
-@pytest.mark.parametrize("n, k", [(64, 32), (128, 896), (896, 256), (320, 64)])
-def test_unpack_int4_reads_the_kernel_layout(n, k):
-    """torch keeps its packed int4 layout private and it differs between CPUs (it reads as
-    written on the Intel hosts this was measured on, not on an AMD EPYC): where
-    ``int4_layout_known()`` says yes, ``unpack_int4`` reads every shape exactly, and where it says
-    no, it indeed does not, and int4 projections keep to the kernel (no dense prefill path)."""
-    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(n + k))
-    unpacked = unpack_int4(torch._convert_weight_to_int4pack_for_cpu(q, 1), n, k).to(torch.int32)
-    assert torch.equal(unpacked, q) == int4_layout_known()
-
-
-@pytest.mark.parametrize("make", [lambda: Int8Linear(256, 128, True), lambda: Int4Linear(256, 128, False, 32),
-                                  lambda: Int4Linear(256, 48, False, 64)],  # 48 rows: not a 64-row block
-                         ids=["int8", "int4", "int4-odd-rows"])
-def test_many_rows_take_the_dense_path_and_agree_with_the_kernel(make, monkeypatch):
+def test_many_rows_take_the_dense_path_and_agree_with_the_kernel(monkeypatch):
     """From DENSE_MIN_ROWS rows on, the weight is dequantized to bf16 for one dense matmul
     (prefill); below, the kernel runs. Both agree within the module tolerance."""
     g = torch.Generator().manual_seed(7)
-    m = make()
+    m = Int8Linear(256, 128, True)
     m.set_float_weight(torch.randn(m.out_features, m.in_features, generator=g))
     if m.bias is not None:
         m.bias = torch.randn(m.out_features, generator=g)
     x = torch.randn(1, DENSE_MIN_ROWS, m.in_features, generator=g)  # (B, T, K)
     dense = m(x)
     kernels = []
-    for name in ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu"):
-        real = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda *a, real=real, name=name: kernels.append(name) or real(*a))
+    real = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: kernels.append(a[0].shape[0]) or real(*a))
     small = torch.cat([m(x[:, :DENSE_MIN_ROWS // 2]), m(x[:, DENSE_MIN_ROWS // 2:])], dim=1)  # below: kernels
-    assert len(kernels) == 2
+    assert kernels == [DENSE_MIN_ROWS // 2] * 2
     kernels.clear()
     again = m(x)
-    kernel_only = isinstance(m, Int4Linear) and (m.out_features % 64 or not int4_layout_known())
-    assert kernels == (["_weight_int4pack_mm_for_cpu"] if kernel_only else [])
+    assert kernels == []
     assert torch.equal(again, dense)
     ref = reference_matmul(m, x)
     for y in (dense, small):
@@ -126,13 +92,11 @@ def test_the_dense_path_runs_in_f32_where_the_cpu_has_no_bf16_matmul(native, mon
     assert (y - f32_path).abs().max() <= 2 ** -7 * f32_path.abs().max()
 
 
-@pytest.mark.parametrize("make", [lambda: Int8Linear(128, 320, False), lambda: Int4Linear(128, 320, False, 32)],
-                         ids=["int8", "int4"])
-def test_the_dense_path_dequantizes_a_large_weight_in_row_chunks(make, monkeypatch):
+def test_the_dense_path_dequantizes_a_large_weight_in_row_chunks(monkeypatch):
     """The output head (151,936 rows) must not be dequantized at once (272 MB in bf16)."""
     from meshinfer.engine.models import quant
 
-    m = make()
+    m = Int8Linear(128, 320, False)
     m.set_float_weight(torch.randn(320, 128, generator=torch.Generator().manual_seed(3)))
     x = torch.randn(DENSE_MIN_ROWS, 128, generator=torch.Generator().manual_seed(4))
     whole = m(x)
@@ -141,16 +105,8 @@ def test_the_dense_path_dequantizes_a_large_weight_in_row_chunks(make, monkeypat
     real = m.dense_weight
     monkeypatch.setattr(m, "dense_weight", lambda a, b: spans.append((a, b)) or real(a, b))
     chunked = m(x)
-    dense = not isinstance(m, Int4Linear) or int4_layout_known()  # else the kernel runs (CPU-specific layout)
-    assert spans == ([(0, 128), (128, 256), (256, 320)] if dense else [])
+    assert spans == [(0, 128), (128, 256), (256, 320)]
     assert (chunked - whole).abs().max() <= 1e-2 * whole.abs().max()
-
-
-def test_int4_falls_back_to_int8_where_the_kernel_cannot_pack():
-    p = parse_precision("q4-g64-bf16")
-    assert isinstance(quantized_linear(torch.nn.Linear(128, 64), p), Int4Linear)
-    assert isinstance(quantized_linear(torch.nn.Linear(128, 261), p), Int8Linear)  # 261 rows: not 16k
-    assert isinstance(quantized_linear(torch.nn.Linear(96, 64), p), Int8Linear)  # 96 columns: not 64k
 
 
 def test_int8_embedding_rows():
@@ -166,7 +122,8 @@ def test_unknown_precision_lists_every_choice():
     with pytest.raises(InvalidInput) as err:
         parse_precision("q3")
     assert str(err.value) == f"precision 'q3' is not one of {', '.join(PRECISION_NAMES)}"
-    assert parse_precision("q4-g128-bf16").group_size == 128
+    with pytest.raises(InvalidInput, match="precision 'q4-g32-bf16' is not one of"):
+        parse_precision("q4-g32-bf16")  # removed on 2026-12-02 (gguf-a16 beat it on speed and fidelity)
 
 
 def test_quantized_precision_is_cpu_only(tiny):
@@ -178,7 +135,7 @@ def test_quantized_precision_is_cpu_only(tiny):
 def test_quantized_shards_chain_like_the_whole_model(tiny, precision):
     path, _, tok, _ = tiny
     whole = load_shard(path, dtype=precision)
-    assert whole.dtype == torch.float32 and isinstance(whole.layers["0"].mlp.up_proj, (Int8Linear, Int4Linear))
+    assert whole.dtype == torch.float32 and isinstance(whole.layers["0"].mlp.up_proj, Int8Linear)
     a, b = load_shard(path, LayerRange(0, 2), dtype=precision), load_shard(path, LayerRange(2, 4), dtype=precision)
     ids = torch.tensor([tok.encode_chat(MESSAGES)])  # (1, T)
     assert torch.equal(b(a(ids, 0), 0, logits="all"), whole(ids, 0, logits="all"))  # (1, T, V)
@@ -186,12 +143,12 @@ def test_quantized_shards_chain_like_the_whole_model(tiny, precision):
 
 def test_conversion_cache_round_trips_and_rebuilds_a_corrupt_file(tiny, tmp_path, caplog):
     path, digest, _, _ = tiny
-    first = load_shard(path, dtype="q4-g32-bf16", cache_dir=tmp_path)
-    files = sorted(p.name for p in (tmp_path / digest / "q4-g32-bf16").iterdir())
+    first = load_shard(path, dtype="q8-bf16", cache_dir=tmp_path)
+    files = sorted(p.name for p in (tmp_path / digest / "q8-bf16").iterdir())
     assert files == ["embed.safetensors", "head.safetensors"] + [f"layer-{i}.safetensors" for i in range(4)]
-    layer1 = converted.unit_path(tmp_path, digest, "q4-g32-bf16", "layer-1")
+    layer1 = converted.unit_path(tmp_path, digest, "q8-bf16", "layer-1")
     written = layer1.stat().st_mtime_ns
-    again = load_shard(path, dtype="q4-g32-bf16", cache_dir=tmp_path)
+    again = load_shard(path, dtype="q8-bf16", cache_dir=tmp_path)
     assert layer1.stat().st_mtime_ns == written  # read, not rewritten
     state = first.state_dict()
     assert all(torch.equal(v, state[k]) for k, v in again.state_dict().items()) and again.state_dict().keys() == state.keys()
@@ -204,10 +161,10 @@ def test_conversion_cache_round_trips_and_rebuilds_a_corrupt_file(tiny, tmp_path
     data[-3] ^= 0xFF  # one byte of the last tensor's payload
     layer1.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="meshinfer.engine.weights.converted"):
-        rebuilt = load_shard(path, dtype="q4-g32-bf16", cache_dir=tmp_path)
+        rebuilt = load_shard(path, dtype="q8-bf16", cache_dir=tmp_path)
     assert f"converted cache {layer1} is corrupt (digest mismatch); rebuilding" in caplog.text
     assert all(torch.equal(v, state[k]) for k, v in rebuilt.state_dict().items())
-    assert converted.read_unit(layer1, converted.unit_meta(digest, "q4-g32-bf16")) is not None  # rewritten
+    assert converted.read_unit(layer1, converted.unit_meta(digest, "q8-bf16")) is not None  # rewritten
 
 
 def test_conversion_cache_is_keyed_by_layer_units(tiny, tmp_path):
@@ -225,14 +182,14 @@ async def test_a_route_never_mixes_kernel_families(tiny):
     bundle = tok.to_bundle()
     first = await start_peer(load_shard(path, LayerRange(0, 2), dtype="q8-bf16"), weights_hash=digest,
                              precision="q8-bf16", bundle=bundle)
-    other = await start_peer(load_shard(path, LayerRange(2, 4), dtype="q4-g32-bf16"), weights_hash=digest,
-                             precision="q4-g32-bf16", bootstrap=first.addrs)
+    other = await start_peer(load_shard(path, LayerRange(2, 4), dtype="gguf-a16"), weights_hash=digest,
+                             precision="gguf-a16", bootstrap=first.addrs)
     try:
         await wait_for_tables([first, other])
         async with MeshClient(list(first.addrs)) as client:
             with pytest.raises(NoRoute) as err:
                 await client.plan()
-        assert "q8-bf16" in str(err.value) and "q4-g32-bf16" in str(err.value)
+        assert "q8-bf16" in str(err.value) and "gguf-a16" in str(err.value)
         same = await start_peer(load_shard(path, LayerRange(2, 4), dtype="q8-bf16"), weights_hash=digest,
                                 precision="q8-bf16", bootstrap=first.addrs)
         try:
@@ -250,15 +207,15 @@ async def test_a_route_never_mixes_kernel_families(tiny):
 
 async def test_quantized_mesh_equals_single_process(tiny):
     path, digest, tok, _ = tiny
-    shards = [load_shard(path, r, dtype="q4-g32-bf16") for r in (LayerRange(0, 2), LayerRange(2, 4))]
-    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle(), precision="q4-g32-bf16") as peers:
+    shards = [load_shard(path, r, dtype="q8-bf16") for r in (LayerRange(0, 2), LayerRange(2, 4))]
+    async with mesh(shards, weights_hash=digest, bundle=tok.to_bundle(), precision="q8-bf16") as peers:
         route, ids, out = await generate_through(peers, tok, MESSAGES)
-    assert all(h.peer.precision == "q4-g32-bf16" for h in route.hops)
-    assert out.token_ids == greedy_generate(load_shard(path, dtype="q4-g32-bf16"), ids, max_tokens=8).token_ids
+    assert all(h.peer.precision == "q8-bf16" for h in route.hops)
+    assert out.token_ids == greedy_generate(load_shard(path, dtype="q8-bf16"), ids, max_tokens=8).token_ids
 
 
-@pytest.mark.parametrize("make", [lambda: Int8Linear(64, 160, False), lambda: Int4Linear(64, 160, False, 32),
-                                  lambda: Int8Embedding(160, 64, torch.float32)], ids=["int8", "int4", "embedding"])
+@pytest.mark.parametrize("make", [lambda: Int8Linear(64, 160, False), lambda: Int8Embedding(160, 64, torch.float32)],
+                         ids=["int8", "embedding"])
 def test_quantizing_in_row_chunks_equals_quantizing_at_once(make, monkeypatch):
     from meshinfer.engine.models import quant
 
@@ -300,6 +257,6 @@ def test_spot_check_tolerance_covers_one_shot_vs_token_by_token(tiny, precision,
     steps = torch.cat([a(ids[:, t:t + 1], t, cache) for t in range(ids.shape[1])], dim=1)  # (1, T, C)
     err = ((steps - one_shot).norm() / one_shot.norm()).item()
     # the dense path rounds the dequantized weights to bf16: measured 6e-3 to 9e-3 here (random
-    # weights), 2.4e-3 (q8) and 4.5e-3 (q4) on a 12-layer hop of the default model
+    # weights), 2.4e-3 (q8) on a 12-layer hop of the default model
     margin = 5 if long else 10
     assert err < TOLERANCE[precision] / margin, f"{precision}: one-shot vs token-by-token relative L2 {err:.2e}"

@@ -54,7 +54,7 @@ def test_q8_teacher_forced_logits_within_tolerance_of_reference(q8, case):
             f"position {j}: q8 chose {choice}, the reference {c['greedy_ids'][j]}")
 
 
-@pytest.mark.parametrize("precision", ["q8-bf16", "q4-g32-bf16"])
+@pytest.mark.parametrize("precision", ["q8-bf16", "gguf-a16"])
 def test_quantized_split_equals_whole_model_at_that_precision(q8, precision):
     L = full_tensors(DEFAULT)[0].num_hidden_layers
     whole = q8 if precision == "q8-bf16" else shard_of(DEFAULT, 0, L, precision)

@@ -543,3 +543,17 @@ def test_a_precision_other_than_f32_chains_only_on_one_device_type():
     groups = {g.identity: g.route is not None for g in complete_routes_summary(mixed + f32)}
     assert groups == {"weights " + HASH_A[:12] + " f32": True, "weights " + HASH_A[:12] + " bf16 on cpu": False,
                       "weights " + HASH_A[:12] + " bf16 on cuda": False}
+
+
+def test_an_old_peers_removed_precision_is_only_a_precision_nobody_else_shares():
+    """q4-gG-bf16 was removed on 2026-12-02, but a peer that predates that still advertises it:
+    the advert validates (precision is any string on the wire) and such peers never chain with
+    peers at another precision; the route takes the current peers, and the error names it."""
+    old = PeerAdvert.from_wire(peer("old", 12, 23, precision="q4-g32-bf16").to_wire())
+    assert old.precision == "q4-g32-bf16"
+    with pytest.raises(NoRoute) as err:
+        plan_route([peer("a", 0, 11, precision="q8-bf16"), old], client_rtts_ms={})
+    assert "weights 1d9614638d18 q4-g32-bf16" in str(err.value) and "weights 1d9614638d18 q8-bf16" in str(err.value)
+    route = plan_route([peer("a", 0, 11, precision="q8-bf16"), old, peer("b", 12, 23, precision="q8-bf16")],
+                       client_rtts_ms={})
+    assert chain(route) == [("a", "0-11"), ("b", "12-23")] and route.compat_key[1] == "q8-bf16"

@@ -34,7 +34,8 @@ DEFAULT_DRAFT_DTYPE = "auto"
 
 #: ``--dtype`` help: every precision is one kernel family (docs/performance.md).
 DTYPE_HELP = ("compute precision: f32, bf16, f16 (float weights), q8-bf16 (int8 weights), "
-              "q4-gG-bf16 (int4 weights in groups of G); peers only route with their own precision")
+              "gguf, gguf-a16, gguf-a8 (a GGUF file's own blocks; float32, int16, int8 activations); "
+              "peers only route with their own precision")
 
 DEFAULT_PEERS = "ws://127.0.0.1:7700"
 EXAMPLES = {
@@ -58,7 +59,7 @@ EXAMPLES = {
     "netsim": "examples:\n  meshinfer netsim --target 127.0.0.1:7701 --listen 127.0.0.1:7801 --rtt-ms 100\n"
               "  # then start the first peer with --peers ws://127.0.0.1:7801 (or a client with --peers)",
     "bench": "examples:\n  meshinfer bench\n  meshinfer bench --splits 1,2 --max-tokens 64 --out docs/bench.json\n"
-             "  meshinfer bench --single --dtypes f32,q8-bf16,q4-g32-bf16 --threads 2\n"
+             "  meshinfer bench --single --dtypes f32,q8-bf16,gguf,gguf-a16,gguf-a8 --threads 2\n"
              "  meshinfer bench --suite speculative --rtts 0,100 --max-tokens 64\n"
              "  meshinfer bench --suite speculative --rtts 0,100,370 --max-tokens 48 --repeats 1 "
              "--draft-model qwen2.5-coder-0.5b-instruct-q4_k_m --draft-dtype gguf-a16\n"
@@ -1248,7 +1249,7 @@ def _add_bench(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
     s.add_argument("--out", help="also write the results as JSON here")
     s.add_argument("--single", action="store_true",
                    help="instead: one machine, whole model, each --dtypes precision vs llama.cpp and transformers")
-    s.add_argument("--dtypes", default="f32,bf16,q8-bf16,q4-g32-bf16", help="with --single: precisions to measure")
+    s.add_argument("--dtypes", default="f32,q8-bf16,gguf,gguf-a16,gguf-a8", help="with --single: precisions to measure")
     s.add_argument("--threads", type=int, default=2, help="with --single: CPU threads for every engine")
     s.add_argument("--llama-python", default=None,
                    help="with --single: python with llama_cpp [$MESHINFER_LLAMA_PYTHON, else .venv-llama/bin/python from deploy/install-llama-cpp.sh]")

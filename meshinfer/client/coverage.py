@@ -17,10 +17,8 @@ from meshinfer.core.config import LayerRange, ModelConfig
 from meshinfer.wire.protocol import READY, PeerAdvert
 
 #: Bytes per weight by precision: f32 4, bf16/f16 2, int8 1 plus a bf16 scale per output row
-#: (about 1), int4 0.5 plus a bf16 scale and zero per group of G (0.5 + 4/G). See
-#: ``meshinfer.engine.models.quant``.
-BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "q8-bf16": 1.0,
-                    "q4-g32-bf16": 0.625, "q4-g64-bf16": 0.5625, "q4-g128-bf16": 0.53125}
+#: (about 1). See ``meshinfer.engine.models.quant``.
+BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "q8-bf16": 1.0}
 #: Share of the free memory a peer's weights may take when ``join`` sizes its range by memory;
 #: the KV budget (half of what is free, by default) comes on top, so the rest is headroom.
 WEIGHTS_MEMORY_SHARE = 0.4

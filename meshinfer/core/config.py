@@ -25,7 +25,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "m
 MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "mixtral")
 #: Compute precisions (``--dtype`` values and advertised identities); each is one kernel family,
 #: defined in ``meshinfer.engine.models.quant``. Kept here, free of torch, for the CLI's choices.
-PRECISION_NAMES = ("f32", "bf16", "f16", "q8-bf16", "q4-g32-bf16", "q4-g64-bf16", "q4-g128-bf16", "gguf", "gguf-a16", "gguf-a8")
+PRECISION_NAMES = ("f32", "bf16", "f16", "q8-bf16", "gguf", "gguf-a16", "gguf-a8")
 
 
 @dataclass(frozen=True)

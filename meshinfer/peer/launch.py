@@ -32,7 +32,7 @@ async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "c
         layers: the half-open layer range, or None for every layer.
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
         dtype: a precision name (``meshinfer.core.config.PRECISION_NAMES``: ``f32``, ``bf16``, ``f16``,
-            ``q8-bf16``, ``q4-gG-bf16``); also the advertised precision. Quantized precisions
+            ``q8-bf16``, ``gguf``, ``gguf-a16``, ``gguf-a8``); also the advertised precision. Quantized precisions
             cache their converted tensors under ``<home>/converted``.
         settings: network and budget settings.
         key_path: Ed25519 key file (created on first start); None: an ephemeral key.

@@ -57,7 +57,7 @@ MAX_VERIFY_TOKENS = 32
 STEP_WANTS = ("none", "token", "tokens")
 #: Precisions that choose the same tokens on every backend (tested: tests/test_gpu.py checks CUDA
 #: f32 against CPU f32). Any other precision is repeatable only on one kind of backend: bf16,
-#: int8 and int4 kernels round and accumulate differently on CPU, CUDA and Metal (the blog this
+#: int8 and GGUF block kernels round and accumulate differently on CPU, CUDA and Metal (the blog this
 #: project follows saw Q4_K_M choose other tokens on CUDA than on Metal), so it chains only with
 #: peers of the same device type.
 PORTABLE_PRECISIONS = frozenset({"f32"})

@@ -1,9 +1,8 @@
-"""Prefill-size quantized matmuls: the int8/int4 kernels against the dense bf16 path.
+"""Prefill-size quantized matmuls: the int8 kernel against the dense bf16 path.
 
-For the default model's largest projection shapes it times ``Int8Linear`` and ``Int4Linear``
-(group 32) on ``M`` rows both ways: through the kernel (``torch._weight_int8pack_mm``,
-``torch._weight_int4pack_mm_for_cpu``) and through the dense path the modules take from
-``meshinfer.engine.models.quant.DENSE_MIN_ROWS`` rows on (weight dequantized to bf16, one bf16
+For the default model's largest projection shapes it times ``Int8Linear`` on ``M`` rows both
+ways: through the kernel (``torch._weight_int8pack_mm``) and through the dense path the module
+takes from ``meshinfer.engine.models.quant.DENSE_MIN_ROWS`` rows on (weight dequantized to bf16, one bf16
 matmul, or one f32 matmul of the same values on a CPU without bf16 hardware:
 ``quant.native_bf16_matmul``). Best of ``--runs`` calls each; prints a markdown table.
 
@@ -40,17 +39,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{args.threads} threads, best of {args.runs}; DENSE_MIN_ROWS = {quant.DENSE_MIN_ROWS}\n")
-    print("| shape | rows | int8 kernel ms | int8 dense ms | int4 kernel ms | int4 dense ms |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| shape | rows | int8 kernel ms | int8 dense ms |")
+    print("|---|---:|---:|---:|")
     with torch.inference_mode():
         for name, (N, K) in SHAPES.items():
             w = torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.02
-            m8, m4 = quant.Int8Linear(K, N, False), quant.Int4Linear(K, N, False, 32)
+            m8 = quant.Int8Linear(K, N, False)
             m8.set_float_weight(w)
-            m4.set_float_weight(w)
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, K)
-                t = [timed(m, x, dense, args.runs) for m in (m8, m4) for dense in (False, True)]
+                t = [timed(m8, x, dense, args.runs) for dense in (False, True)]
                 print(f"| {name} | {rows} | " + " | ".join(f"{v:.1f}" for v in t) + " |")
 
 

@@ -2,8 +2,8 @@
 
 For each projection shape of Qwen2.5-0.5B (q/o 896x896, k/v 128x896, gate/up 4864x896,
 down 896x4864, output head 151936x896) it times ``x (1, K) @ W.T`` with every candidate kernel:
-f32 and bf16 ``torch.matmul``, int8 ``torch._weight_int8pack_mm`` with f32 and bf16 activations,
-int4 ``torch._weight_int4pack_mm_for_cpu`` (groups 32/64/128) with f32 and bf16 activations.
+f32 and bf16 ``torch.matmul``, int8 ``torch._weight_int8pack_mm`` with f32 and bf16 activations
+(the int4 kernel was dropped with the q4-gG-bf16 precisions on 2026-12-02).
 Each figure is the best of ``--runs`` calls (the minimum is the least disturbed by other
 processes on a shared machine). Then it measures read bandwidth (``torch.sum`` over 1 GiB,
 best of 8) and prints the f32 decode bound: weight bytes read per token / bandwidth.
@@ -42,12 +42,6 @@ def kernels(N: int, K: int) -> dict:
     out = {"f32": lambda: x @ w.T, "bf16": (lambda wb: lambda: xb @ wb.T)(w.bfloat16()),
            "int8 a32": lambda: torch._weight_int8pack_mm(x, w8, scale),
            "int8 abf16": (lambda sb: lambda: torch._weight_int8pack_mm(xb, w8, sb))(scale.bfloat16())}
-    packed = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (N, K), dtype=torch.int32), 1)
-    for g in (32, 64, 128):
-        sz = torch.randn(K // g, N, 2)
-        out[f"int4 g{g} a32"] = (lambda sz, g: lambda: torch._weight_int4pack_mm_for_cpu(x, packed, g, sz))(sz, g)
-        out[f"int4 g{g} abf16"] = (lambda sz, g: lambda: torch._weight_int4pack_mm_for_cpu(xb, packed, g, sz))(
-            sz.bfloat16(), g)
     return out
 
 

@@ -162,7 +162,7 @@ class Shard(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """Dtype of hidden states and the KV cache (the norms' dtype; quantized projections
-        keep their own int8/int4 storage, see ``models/quant.py``)."""
+        keep their own int8 or GGUF block storage, see ``models/quant.py``)."""
         return next(iter(self.layers.values())).input_layernorm.weight.dtype
 
     @property

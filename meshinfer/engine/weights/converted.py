@@ -11,8 +11,8 @@ digest of every tensor's name, dtype, shape and raw bytes in name order. A file 
 parse, names another format/precision/hash, or fails the digest is *corrupt*: the whole shard is
 then rebuilt from the source weights and every unit rewritten. Writes go to a temporary file in
 the same folder and are renamed into place (``os.replace``), so a crash never leaves a partial
-file under the final name. The packed int4 layout is the CPU kernel's, so files are only valid
-for the torch build that wrote them; ``FORMAT`` carries the torch version for that reason.
+file under the final name. ``FORMAT`` carries the torch version, so a torch upgrade rebuilds the
+files rather than trusting a layout an older build wrote.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def read_unit(path: Path, meta: dict[str, str]) -> dict[str, torch.Tensor] | Non
     try:
         with safe_open(str(path), framework="pt") as f:
             found = f.metadata() or {}
-            # clone: safetensors hands out views at any byte offset, and the int8/int4 CPU
+            # clone: safetensors hands out views at any byte offset, and the int8 CPU
             # kernels use aligned vector loads (an unaligned view crashed with SIGSEGV); torch's
             # allocator aligns to 64 bytes
             tensors = {k: f.get_tensor(k).clone() for k in f.keys()}

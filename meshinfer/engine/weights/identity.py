@@ -48,7 +48,7 @@ CACHE_FILE = "hashcache.json"
 CACHE_VERSION = 1
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_PRECISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")  # "f32", "q4-g32-bf16"
+_PRECISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")  # "f32", "q8-bf16", "gguf-a16"
 
 #: In-process cache: (resolved path, size bytes, mtime_ns) -> sha256 hex.
 _memo: dict[tuple[str, int, int], str] = {}
