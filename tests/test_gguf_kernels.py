@@ -225,3 +225,36 @@ def test_the_portable_c_path_computes_the_same(tmp_path):
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= TOLERANCE[32], type_name
         assert plib.mi_matmul_q8(kb.KERNEL_TYPES[type_name], raw.ctypes.data, n, k, x.data_ptr(), 3,
                                  y.data_ptr(), 1) == -1
+
+
+def test_integer_activation_precisions_are_refused_without_their_kernels(tmp_path, monkeypatch):
+    """Without the integer kernels gguf-a16 / gguf-a8 would multiply float32 activations and
+    choose other tokens than their other peers: refused with the precision that does run; gguf
+    itself falls back to the torch path with the same tokens."""
+    from meshinfer.core.errors import InvalidInput
+
+    path = _quantized_tiny(tmp_path, "qwen2")
+    want = load_shard(path, dtype="gguf")(torch.tensor([[5, 70, 200]]), 0)
+    monkeypatch.setenv("MESHINFER_NO_NATIVE", "1")
+    native.library.cache_clear()
+    try:
+        for precision in ("gguf-a16", "gguf-a8"):
+            with pytest.raises(InvalidInput, match=f"precision {precision} needs the gguf kernels' integer "
+                                                   "dot products, and no C compiler built them; use --dtype gguf"):
+                load_shard(path, dtype=precision)
+        got = load_shard(path, dtype="gguf")(torch.tensor([[5, 70, 200]]), 0)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        native.library.cache_clear()
+
+
+def test_join_sizes_a_gguf_peer_by_memory():
+    """``join`` without ``--layers`` sizes its range from free memory with bytes per weight by
+    precision: the gguf precisions count at most Q8_0's 34 bytes per 32 weights."""
+    from meshinfer.client.coverage import layers_that_fit
+    from helpers.tiny import tiny_config
+
+    cfg = tiny_config("qwen2", layers=4)
+    for precision in ("gguf", "gguf-a16", "gguf-a8"):
+        assert layers_that_fit(cfg, precision, 10 ** 9) >= 4
+    assert layers_that_fit(cfg, "gguf-a16", 1) == 1

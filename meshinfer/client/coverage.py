@@ -18,7 +18,10 @@ from meshinfer.wire.protocol import READY, PeerAdvert
 
 #: Bytes per weight by precision: f32 4, bf16/f16 2, int8 1 plus a bf16 scale per output row
 #: (about 1). See ``meshinfer.engine.models.quant``.
-BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "q8-bf16": 1.0}
+BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "q8-bf16": 1.0,
+                    # the file's own blocks: at most Q8_0's 34 bytes per 32 weights for the
+                    # quantized types these precisions keep (Q4_K_M files average about 0.8)
+                    "gguf": 1.07, "gguf-a16": 1.07, "gguf-a8": 1.07}
 #: Share of the free memory a peer's weights may take when ``join`` sizes its range by memory;
 #: the KV budget (half of what is free, by default) comes on top, so the rest is headroom.
 WEIGHTS_MEMORY_SHARE = 0.4

@@ -73,12 +73,32 @@ def load_shard(weights: WeightsSource | str | os.PathLike, layers: LayerRange | 
     if precision.weights == "gguf":
         if not hasattr(src, "dequantize"):
             raise InvalidInput("precision gguf computes from a GGUF file's blocks; this model is not a GGUF file")
+        _check_gguf_kernels(precision.name)
         return Shard.from_tensors(src.config, layers, src.iter_shard_tensors(layers, blocks=True),
                                   device=device, precision=precision)
     if precision.quantized and cache_dir is not None:
         return _load_via_cache(src, layers, precision, cache_dir)
     return Shard.from_tensors(src.config, layers, src.iter_shard_tensors(layers), device=device,
                               precision=precision)
+
+
+def _check_gguf_kernels(name: str) -> None:
+    """Refuse ``gguf-a16`` / ``gguf-a8`` where the integer-activation kernels are missing (no C
+    compiler, or a CPU without AVX2): the fallback would multiply float32 activations and choose
+    other tokens than the precision's other peers, which a route must not mix.
+
+    Raises:
+        InvalidInput: naming the precision that does run here.
+    """
+    from meshinfer.engine.kernels import native
+
+    if name == "gguf":
+        return
+    lib = native.library()
+    if lib is None or not lib.mi_supports_q8(8):
+        why = "no C compiler built them" if lib is None else "this CPU has no AVX2"
+        raise InvalidInput(f"precision {name} needs the gguf kernels' integer dot products, and {why}; "
+                           f"use --dtype gguf (the same weights, float32 activations)")
 
 
 def _load_via_cache(src: WeightsSource, layers: LayerRange, precision: Precision,
