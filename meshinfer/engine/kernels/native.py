@@ -74,6 +74,8 @@ def build(cc: str, out: Path) -> None:
     try:
         subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True,
                        timeout=BUILD_TIMEOUT_S)
+        with open(tmp, "rb") as f:  # on disk before the rename: a crash never leaves a short library at `out`
+            os.fsync(f.fileno())
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -105,8 +107,12 @@ def library() -> ctypes.CDLL | None:
     try:
         if not path.exists():
             build(cc, path)
-        return _bind(ctypes.CDLL(str(path)))
-    except (OSError, subprocess.SubprocessError) as exc:
+        try:
+            return _bind(ctypes.CDLL(str(path)))
+        except (OSError, AttributeError):  # a library left broken at that path (an older crash): build it again, once
+            build(cc, path)
+            return _bind(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         first = detail.decode(errors="replace").strip().splitlines()[:1]
         log.warning("could not build the gguf kernels (%s%s); the gguf precision computes through "
