@@ -38,7 +38,9 @@ class QuantBlocks:
 
     Raises (on construction):
         ValueError: a type outside :data:`KERNEL_TYPES`, or ``data`` that does not hold whole
-            rows of ``K`` weights.
+            rows of ``K`` weights in one contiguous buffer (the kernels read ``N * row_bytes``
+            bytes from its first: a strided or expanded view would make them read other or
+            unowned memory).
     """
 
     qtype: int
@@ -50,7 +52,7 @@ class QuantBlocks:
             raise ValueError(f"GGML type {self.qtype} is not one the gguf kernels compute from")
         qk, nbytes = BLOCK_SHAPE[self.qtype]
         if (self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.in_features % qk
-                or self.data.shape[1] != self.in_features // qk * nbytes):
+                or self.data.shape[1] != self.in_features // qk * nbytes or not self.data.is_contiguous()):
             raise ValueError(f"{tuple(self.data.shape)} {self.data.dtype} bytes are not rows of "
                              f"{self.in_features} weights of GGML type {self.qtype}")
         self.data = self.data.contiguous()  # the kernels read rows at fixed strides (no copy if it is)
@@ -77,9 +79,8 @@ class QuantBlocks:
 def dequantize(w: QuantBlocks, start: int = 0, stop: int | None = None) -> torch.Tensor:
     """Rows ``[start, stop)`` of ``w`` as float32 ``(stop - start, K)``, equal bit for bit to
     ``gguf.quants.dequantize`` (the C kernel follows its operations; tests/test_gguf_kernels.py)."""
-    stop = w.shape[0] if stop is None else stop
     data = w.data[start:stop].contiguous()
-    n, k = stop - start, w.in_features
+    n, k = data.shape[0], w.in_features  # rows there are: a stop past N reads nothing beyond
     if w.qtype in (0, 1):  # float rows: exact conversions
         return data.view(torch.float32 if w.qtype == 0 else torch.float16).reshape(n, k).float()
     lib = native.library()
@@ -120,7 +121,7 @@ def matmul(x: torch.Tensor, w: QuantBlocks, *, act_bits: int = 32) -> torch.Tens
     x = x.contiguous()
     y = torch.empty(M, w.shape[0], dtype=torch.float32)
     kernel = lib.mi_matmul
-    if act_bits in (8, 16) and lib.mi_supports_q8(w.qtype):
+    if integer_activations(w, act_bits):
         kernel = lib.mi_matmul_q8 if act_bits == 8 else lib.mi_matmul_q16
     if M and kernel(w.qtype, w.data.data_ptr(), w.shape[0], K, x.data_ptr(), M, y.data_ptr(),
                            torch.get_num_threads()):
@@ -128,10 +129,41 @@ def matmul(x: torch.Tensor, w: QuantBlocks, *, act_bits: int = 32) -> torch.Tens
     return y
 
 
-def dequantize_chunks(x: torch.Tensor, w: QuantBlocks) -> torch.Tensor:
+def integer_activations(w: QuantBlocks, act_bits: int) -> bool:
+    """Whether :func:`matmul` with ``act_bits`` quantizes the activations for ``w``: 8 or 16
+    bits, the kernels loaded, ``K`` a multiple of 32 and a type ``mi_supports_q8`` takes."""
+    if act_bits not in (8, 16) or w.qtype == 0 or w.in_features % 32:
+        return False
+    lib = native.library()
+    return lib is not None and bool(lib.mi_supports_q8(w.qtype))
+
+
+def quantize_activations(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` ``(M, K)`` float32 (``K`` a multiple of 32) rounded as the integer kernels round
+    it, returned as float32 ``q * dx``: per 32 columns ``dx = max|x| / L`` (``L`` 127 for 8
+    bits, 32767 for 16), ``q = round(x / dx)`` halves away from zero, clamped to ``[-L, L]``
+    (``quantize_rows`` / ``quantize_rows16`` in gguf_blocks.c). A float32 product of the
+    result equals the kernel's integer product up to float32 rounding, so a row gets the same
+    result whether it runs through the kernel or, packed with other rows, through the dense
+    path (a pass's path depends on its total row count, which other conversations set)."""
+    lim = 127.0 if bits == 8 else 32767.0
+    xb = x.reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / lim  # (M, K / 32, 1)
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    f = xb * inv
+    t = torch.trunc(f)
+    q = (t + torch.sign(f) * ((f - t).abs() >= 0.5)).clamp(-lim, lim)  # roundf: f - t is exact
+    return (q.nan_to_num(0.0) * d).reshape(x.shape)
+
+
+def dequantize_chunks(x: torch.Tensor, w: QuantBlocks, act_bits: int = 32) -> torch.Tensor:
     """``x @ W.T`` ``(M, N)`` float32 through one dense float32 matmul per
     :data:`DEQUANT_CHUNK_ROWS` rows of ``W``, dequantized first: the prefill path, where the
-    product is compute-bound and torch's GEMM is the faster one."""
+    product is compute-bound and torch's GEMM is the faster one. With ``act_bits`` 8 or 16,
+    where :func:`matmul` would quantize the activations, ``x`` is first rounded the same way
+    (:func:`quantize_activations`)."""
+    if integer_activations(w, act_bits):
+        x = quantize_activations(x, act_bits)
     n = w.shape[0]
     parts = [F.linear(x, dequantize(w, i, min(i + DEQUANT_CHUNK_ROWS, n)))
              for i in range(0, n, DEQUANT_CHUNK_ROWS)]

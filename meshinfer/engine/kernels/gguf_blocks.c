@@ -405,6 +405,18 @@ typedef struct {
     float *s;   /* (m, k / 32) dx * sum(q) */
 } qrows;
 
+/* f rounded to the nearest integer (halves away from zero, as roundf) within [-lim, lim].
+ * The float is clamped before the conversion, which C leaves undefined for NaN and for values
+ * outside int: x * id is +-inf or NaN (0 * inf) when a block's largest |x| is so small that its
+ * scale is subnormal and 1 / scale overflows (hidden states with subnormal values pass the
+ * hop's checks). NaN gives 0 here; the caller marks a block holding a NaN input with a NaN
+ * scale, so NaN in gives NaN out, as with float32 activations (the step is then refused). */
+static inline int quant_clamp(float f, int lim) {
+    if (f >= (float)lim) return lim;
+    if (f <= -(float)lim) return -lim;
+    return f == f ? (int)roundf(f) : 0;
+}
+
 static void quantize_rows(const float *x, int64_t m, int64_t k, qrows *out) {
     int64_t nb = k / 32;
     for (int64_t i = 0; i < m * nb; i++) {
@@ -412,14 +424,15 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, qrows *out) {
         float amax = 0;
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
         float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
-        int sum = 0;
+        int sum = 0, nan = 0;
         for (int j = 0; j < 32; j++) {
-            int q = (int)roundf(xb[j] * id);
+            int q = quant_clamp(xb[j] * id, 127);
+            nan |= xb[j] != xb[j];
             out->q[i * 32 + j] = (int8_t)q;
             sum += q;
         }
-        out->d[i] = d;
-        out->s[i] = d * (float)sum;
+        out->d[i] = nan ? NAN : d;
+        out->s[i] = nan ? NAN : d * (float)sum;
     }
 }
 
@@ -565,15 +578,15 @@ static void quantize_rows16(const float *x, int64_t m, int64_t k, int16_t *q, fl
         float amax = 0;
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
         float dd = amax / 32767.0f, id = dd ? 1.0f / dd : 0.0f;
-        int sum = 0;
+        int sum = 0, nan = 0;
         for (int j = 0; j < 32; j++) {
-            int v = (int)roundf(xb[j] * id);
-            v = v > 32767 ? 32767 : (v < -32767 ? -32767 : v);
+            int v = quant_clamp(xb[j] * id, 32767);
+            nan |= xb[j] != xb[j];
             q[i * 32 + j] = (int16_t)v;
             sum += v;
         }
-        d[i] = dd;
-        s[i] = dd * (float)sum;
+        d[i] = nan ? NAN : dd;
+        s[i] = nan ? NAN : dd * (float)sum;
     }
 }
 

@@ -76,6 +76,8 @@ def build(cc: str, out: Path, flags: list[str] | None = None) -> None:
         subprocess.run([cc, *(CFLAGS if flags is None else flags), str(SOURCE), "-o", tmp], check=True,
                        capture_output=True,
                        timeout=BUILD_TIMEOUT_S)
+        with open(tmp, "rb") as f:  # on disk before the rename: a crash never leaves a short library at `out`
+            os.fsync(f.fileno())
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -108,8 +110,12 @@ def library() -> ctypes.CDLL | None:
     try:
         if not path.exists():
             build(cc, path)
-        return bind(ctypes.CDLL(str(path)))
-    except (OSError, subprocess.SubprocessError) as exc:
+        try:
+            return bind(ctypes.CDLL(str(path)))
+        except (OSError, AttributeError):  # a library left broken at that path (an older crash): build it again, once
+            build(cc, path)
+            return bind(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         first = detail.decode(errors="replace").strip().splitlines()[:1]
         log.warning("could not build the gguf kernels (%s%s); the gguf precision computes through "

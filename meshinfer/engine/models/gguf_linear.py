@@ -27,8 +27,10 @@ class GGUFLinear(nn.Module):
 
     ``(..., K)`` float -> ``(..., N)`` float32. With ``act_bits`` 16 (``gguf-a16``) or 8
     (``gguf-a8``) a decode or verification pass quantizes its activations per 32 columns to
-    int16 / int8 first; a prefill pass (:data:`DENSE_MIN_ROWS` rows or more) multiplies float32
-    activations in every mode. Buffers: ``blocks`` ``(N, row_bytes)`` uint8 and
+    int16 / int8 first; a pass of :data:`DENSE_MIN_ROWS` rows or more (a prefill, or many
+    conversations' steps packed into one batched pass) rounds its activations the same way and
+    multiplies them in float32 (``kb.dequantize_chunks``), so a row's result does not depend on
+    how many rows other conversations put in its pass (up to float32 rounding). Buffers: ``blocks`` ``(N, row_bytes)`` uint8 and
     ``bias`` ``(N,)`` f32 or None; ``qtype`` (a GGML type id) is a plain attribute.
     """
 
@@ -62,7 +64,7 @@ class GGUFLinear(nn.Module):
         if self.qtype == 0:
             y = linear(x2, self.blocks.view(torch.float32).reshape(self.out_features, self.in_features))
         elif x2.shape[0] >= DENSE_MIN_ROWS:
-            y = kb.dequantize_chunks(x2, w)  # (M, N)
+            y = kb.dequantize_chunks(x2, w, act_bits=self.act_bits)  # (M, N)
         else:
             y = kb.matmul(x2, w, act_bits=self.act_bits)  # (M, N)
         if self.bias is not None:
