@@ -94,6 +94,17 @@ static int deq_q5_0(const uint8_t *b, float *y) { /* d, qh u32, qs[16]: y = d * 
     return 32;
 }
 
+/* Q4_K's 6-bit scale and min of 32-weight group g (0-7) from its 12 scale bytes s. */
+static inline void q4k_scale_min(const uint8_t *s, int g, int *sc, int *mn) {
+    if (g < 4) {
+        *sc = s[g] & 0x3F;
+        *mn = s[g + 4] & 0x3F;
+    } else {
+        *sc = (s[g + 4] & 0x0F) | ((s[g - 4] >> 2) & 0x30);
+        *mn = (s[g + 4] >> 4) | ((s[g] >> 2) & 0x30);
+    }
+}
+
 static int deq_q4_k(const uint8_t *b, float *y) {
     /* d, dmin, scales[12] (eight 6-bit scales and mins), qs[128]: group g of 32 weights is
      * (d * sc[g]) * q - (dmin * m[g]); groups 2j / 2j+1 are the low / high nibbles of qs[32j..] */
@@ -102,13 +113,7 @@ static int deq_q4_k(const uint8_t *b, float *y) {
     for (int j = 0; j < 4; j++) {
         for (int h = 0; h < 2; h++) {
             int g = 2 * j + h, sc, mn;
-            if (g < 4) {
-                sc = s[g] & 0x3F;
-                mn = s[g + 4] & 0x3F;
-            } else {
-                sc = (s[g + 4] & 0x0F) | ((s[g - 4] >> 2) & 0x30);
-                mn = (s[g + 4] >> 4) | ((s[g] >> 2) & 0x30);
-            }
+            q4k_scale_min(s, g, &sc, &mn);
             float dl = d * (float)sc, ml = dmin * (float)mn;
             float *o = y + 32 * g;
             const uint8_t *qq = q + 32 * j;
@@ -248,6 +253,31 @@ static inline __m256i bits_to_bytes(uint32_t x) {
     return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
 }
 
+/* Q6_K block w, half 0 or 1 (weights 128 * half ...): its 6-bit values 0-63 as four vectors of
+ * 32 bytes, q[g] holding weights 128 * half + 32 * g ... + 31 (ggml's dequantize_row_q6_K). */
+static inline void q6k_half(const uint8_t *w, int half, __m256i q[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03);
+    const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
+    __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+    __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    __m256i hh = _mm256_loadu_si256((const __m256i *)qh);
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4));
+}
+
+/* Q5_0 block w's 32 values, q5 - 16, as signed bytes. */
+static inline __m256i q5_0_bytes(const uint8_t *w) {
+    uint32_t qh;
+    memcpy(&qh, w + 2, 4);
+    __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles(w + 6), hb), _mm256_set1_epi8(16));
+}
+
 /* Consume 32 weights against m input rows at column offset xo: four accumulators per row. */
 #define CONSUME(W, XO)                                                                           \
     do {                                                                                         \
@@ -273,11 +303,7 @@ static void row_simd(int type, const uint8_t *w, int64_t nb, const float *x, int
         return;
     case T_Q5_0:
         for (int64_t b = 0; b < nb; b++, w += 22) {
-            uint32_t qh;
-            memcpy(&qh, w + 2, 4);
-            __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
-            __m256i q = _mm256_sub_epi8(_mm256_or_si256(nibbles(w + 6), hb), _mm256_set1_epi8(16));
-            w32 v = scale32(i8_to_f32(q), _mm256_set1_ps(rd_half(w)));
+            w32 v = scale32(i8_to_f32(q5_0_bytes(w)), _mm256_set1_ps(rd_half(w)));
             CONSUME(v, b * 32);
         }
         return;
@@ -299,13 +325,7 @@ static void row_simd(int type, const uint8_t *w, int64_t nb, const float *x, int
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0F));
                 for (int h = 0; h < 2; h++) {
                     int g = 2 * j + h, sc, mn;
-                    if (g < 4) {
-                        sc = s[g] & 0x3F;
-                        mn = s[g + 4] & 0x3F;
-                    } else {
-                        sc = (s[g + 4] & 0x0F) | ((s[g - 4] >> 2) & 0x30);
-                        mn = (s[g + 4] >> 4) | ((s[g] >> 2) & 0x30);
-                    }
+                    q4k_scale_min(s, g, &sc, &mn);
                     w32 v = scale32(i8_to_f32(h ? hi : lo), _mm256_set1_ps(d * (float)sc));
                     __m256 ml = _mm256_set1_ps(dmin * (float)mn);
                     for (int t = 0; t < 4; t++) v.v[t] = _mm256_sub_ps(v.v[t], ml);
@@ -318,20 +338,10 @@ static void row_simd(int type, const uint8_t *w, int64_t nb, const float *x, int
         for (int64_t b = 0; b < nb; b++, w += 210) {
             const int8_t *sc = (const int8_t *)(w + 192);
             float d = rd_half(w + 208);
-            const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03), c32 = _mm256_set1_epi8(32);
+            const __m256i c32 = _mm256_set1_epi8(32);
             for (int half = 0; half < 2; half++) {
-                const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
-                __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-                __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-                __m256i hh = _mm256_loadu_si256((const __m256i *)qh);
                 __m256i q[4];
-                q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4));
-                q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4));
-                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4));
-                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4));
+                q6k_half(w, half, q);
                 for (int g = 0; g < 4; g++) {
                     const int8_t *scg = sc + 8 * half + 2 * g;
                     __m256 s0 = _mm256_set1_ps(d * (float)scg[0]), s1 = _mm256_set1_ps(d * (float)scg[1]);
@@ -467,10 +477,7 @@ static inline __attribute__((always_inline)) void row_q8(int type, const uint8_t
         for (int64_t b = 0; b < nb; b++, w += (type == T_Q5_0 ? 22 : 18)) {
             __m256i q;
             if (type == T_Q5_0) {
-                uint32_t qh;
-                memcpy(&qh, w + 2, 4);
-                __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
-                q = _mm256_sub_epi8(_mm256_or_si256(nibbles(w + 6), hb), _mm256_set1_epi8(16));
+                q = q5_0_bytes(w);
             } else {
                 q = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
             }
@@ -500,13 +507,7 @@ static inline __attribute__((always_inline)) void row_q8(int type, const uint8_t
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0F));
                 for (int h = 0; h < 2; h++) {
                     int g = 2 * j + h, sc, mn;
-                    if (g < 4) {
-                        sc = s[g] & 0x3F;
-                        mn = s[g + 4] & 0x3F;
-                    } else {
-                        sc = (s[g + 4] & 0x0F) | ((s[g - 4] >> 2) & 0x30);
-                        mn = (s[g + 4] >> 4) | ((s[g] >> 2) & 0x30);
-                    }
+                    q4k_scale_min(s, g, &sc, &mn);
                     __m256i q = h ? hi : lo;
                     float dl = d * (float)sc, ml = dmin * (float)mn;
                     int64_t xi = 8 * b + g;
@@ -521,20 +522,10 @@ static inline __attribute__((always_inline)) void row_q8(int type, const uint8_t
         for (int64_t b = 0; b < nb; b++, w += 210) {
             const int8_t *sc = (const int8_t *)(w + 192);
             float d = rd_half(w + 208);
-            const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03), c32 = _mm256_set1_epi8(32);
+            const __m256i c32 = _mm256_set1_epi8(32);
             for (int half = 0; half < 2; half++) {
-                const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
-                __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-                __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-                __m256i hh = _mm256_loadu_si256((const __m256i *)qh);
                 __m256i q[4];
-                q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4));
-                q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4));
-                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4));
-                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4));
+                q6k_half(w, half, q);
                 for (int g = 0; g < 4; g++) {
                     int64_t xi = 8 * b + 4 * half + g; /* the 32-block of x */
                     const int8_t *scg = sc + 8 * half + 2 * g;
@@ -628,10 +619,7 @@ static inline __attribute__((always_inline)) void row_q16(int type, const uint8_
             if (type == T_Q8_0) {
                 q = _mm256_loadu_si256((const __m256i *)(w + 2));
             } else if (type == T_Q5_0) {
-                uint32_t qh;
-                memcpy(&qh, w + 2, 4);
-                __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
-                q = _mm256_sub_epi8(_mm256_or_si256(nibbles(w + 6), hb), _mm256_set1_epi8(16));
+                q = q5_0_bytes(w);
             } else {
                 q = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
             }
@@ -658,13 +646,7 @@ static inline __attribute__((always_inline)) void row_q16(int type, const uint8_
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0F));
                 for (int h = 0; h < 2; h++) {
                     int g = 2 * j + h, sc, mn;
-                    if (g < 4) {
-                        sc = s[g] & 0x3F;
-                        mn = s[g + 4] & 0x3F;
-                    } else {
-                        sc = (s[g + 4] & 0x0F) | ((s[g - 4] >> 2) & 0x30);
-                        mn = (s[g + 4] >> 4) | ((s[g] >> 2) & 0x30);
-                    }
+                    q4k_scale_min(s, g, &sc, &mn);
                     __m256i q = h ? hi : lo;
                     float dl = d * (float)sc, ml = dmin * (float)mn;
                     int64_t xi = 8 * b + g;
@@ -678,20 +660,10 @@ static inline __attribute__((always_inline)) void row_q16(int type, const uint8_
         for (int64_t b = 0; b < nb; b++, w += 210) {
             const int8_t *sc = (const int8_t *)(w + 192);
             float d = rd_half(w + 208);
-            const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03), c32 = _mm256_set1_epi8(32);
+            const __m256i c32 = _mm256_set1_epi8(32);
             for (int half = 0; half < 2; half++) {
-                const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
-                __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-                __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-                __m256i hh = _mm256_loadu_si256((const __m256i *)qh);
                 __m256i q[4];
-                q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4));
-                q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4));
-                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4));
-                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4));
+                q6k_half(w, half, q);
                 for (int g = 0; g < 4; g++) {
                     int64_t xi = 8 * b + 4 * half + g;
                     const int8_t *scg = sc + 8 * half + 2 * g;
