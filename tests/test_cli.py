@@ -599,3 +599,18 @@ def test_a_removed_precision_is_refused_with_the_choices(command, capsys):
     choices = ", ".join(f"'{n}'" for n in PRECISION_NAMES)
     assert f"argument --dtype: invalid choice: 'q4-g32-bf16' (choose from {choices})" in capsys.readouterr().err
     assert "gguf-a16" in PRECISION_NAMES and not any(n.startswith("q4-") for n in PRECISION_NAMES)
+
+
+@pytest.mark.parametrize("value,message", [("0", "must be 1-256, got 0"), ("-1", "must be 1-256, got -1"),
+                                           ("100000", "must be 1-256, got 100000"),
+                                           ("abc", "'abc' is not a whole number of threads")])
+@pytest.mark.parametrize("command", ["chat", "serve", "bench"])
+def test_draft_threads_out_of_range_are_refused_by_the_parser(command, value, message, capsys):
+    """--draft-threads 0 was taken as the default, -1 ended in a traceback from torch's thread
+    pool and 100000 in a segmentation fault (a new user's check): now one argparse error."""
+    from meshinfer.app.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([command, "--draft-threads", value])
+    assert exit_.value.code == 2
+    assert f"argument --draft-threads: {message}" in capsys.readouterr().err

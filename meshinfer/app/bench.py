@@ -442,7 +442,7 @@ async def _spec_measure(base_port: int, proxy_ports: list[int], rtts_ms: list[fl
 
 def run_spec_bench(*, model: str, rtts_ms: list[float], max_tokens: int, repeats: int, dtype: str, base_port: int,
                    draft_tokens: int, peers: int = 2, prompts: list | None = None, draft_model: str | None = None,
-                   draft_dtype: str = "q8-bf16", draft_device: str = "cpu", draft_threads: int | None = 1,
+                   draft_dtype: str = "auto", draft_device: str = "cpu", draft_threads: int | None = 1,
                    modes: Sequence[str] = DEFAULT_SPEC_MODES, draft_ahead: bool | str = False,
                    progress=None) -> tuple[str, list[dict]]:
     """Plain, prompt-lookup and draft-model decoding through netsim proxies (module docstring).
@@ -490,7 +490,7 @@ def run_spec_bench(*, model: str, rtts_ms: list[float], max_tokens: int, repeats
     finally:
         if draft is not None:
             draft.close()
-    drafting = (f"draft model {draft.name} at {draft_dtype} on {draft_device} ({draft_threads or 'default'} "
+    drafting = (f"draft model {draft.name} at {draft.precision} on {draft_device} ({draft_threads or 'default'} "
                 f"thread(s)), draft ahead {draft_ahead}"
                 if draft else "no draft model")
     header = (f"speculative decoding: model {path.name}, {dtype}, {peers} peers on loopback, a netsim proxy in "

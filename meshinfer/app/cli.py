@@ -542,8 +542,12 @@ def _draft_model(args):
 
     if not getattr(args, "json", False):
         print(f"loading draft model {args.draft_model} ({args.draft_dtype}, {args.draft_device})", file=sys.stderr)
+    threads = _int_or_none(args.draft_threads)
     draft = load_draft_model(args.draft_model, device=args.draft_device, dtype=args.draft_dtype,
-                             cache_dir=meshinfer_home() / "converted", threads=_int_or_none(args.draft_threads))
+                             cache_dir=meshinfer_home() / "converted", threads=threads)
+    if not getattr(args, "json", False):
+        print(f"draft model {draft.name}: {draft.precision} on {args.draft_device}, "
+              f"{threads or 'default'} thread(s), {draft.ms_per_token:.0f} ms per drafted token", file=sys.stderr)
     try:
         yield draft
     finally:
@@ -991,14 +995,18 @@ def _int_or_none(value) -> int | None:
     return None if value in (None, "") else int(value)
 
 
+#: Most ``--draft-threads``: torch's thread pool crashed (SIGSEGV) when asked for 100,000.
+MAX_DRAFT_THREADS = 256
+
+
 def _threads(text: str) -> int:
     """``--draft-threads``: a whole number of CPU threads, at least 1 (argparse type)."""
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of threads") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    if not 1 <= n <= MAX_DRAFT_THREADS:
+        raise argparse.ArgumentTypeError(f"must be 1-{MAX_DRAFT_THREADS}, got {n}")
     return n
 
 

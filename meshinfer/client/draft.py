@@ -131,6 +131,7 @@ class DraftModel:
         self.shard, self.tokenizer, self.name, self.executor = shard, tokenizer, name, executor
         self.live: set[ModelDrafter] = set()
         self.ms_per_token = 0.0
+        self.precision = ""  # its precision name, set by load_draft_model
         self._checked: set[str] = set()  # fingerprints of mesh tokenizers found compatible
 
     def check_vocabulary(self, target: Tokenizer) -> None:
@@ -392,6 +393,7 @@ def load_draft_model(spec: str | os.PathLike, *, device: str = "cpu", dtype: str
         raise WeightsError(f"draft model {path}: cannot load it: {exc}") from exc
     name = Path(path).name.removesuffix(".gguf")
     model = DraftModel(shard, tok, name=name, executor=DeviceExecutor(dev, threads=threads))
+    model.precision = dtype
     ms = model.executor.submit(model.time_pass).result()  # on the thread (and thread count) that drafts
     log.info("draft model %s loaded at %s on %s in %.1f s; %.1f ms per drafted token", name, dtype, dev,
              time.perf_counter() - t0, ms)

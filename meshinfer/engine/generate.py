@@ -72,7 +72,8 @@ def load_shard(weights: WeightsSource | str | os.PathLike, layers: LayerRange | 
     layers.check_within(src.config.num_hidden_layers)
     if precision.weights == "gguf":
         if not hasattr(src, "dequantize"):
-            raise InvalidInput("precision gguf computes from a GGUF file's blocks; this model is not a GGUF file")
+            raise InvalidInput(f"precision {precision.name} computes from a GGUF file's blocks; this model is "
+                               f"not a GGUF file")
         _check_gguf_kernels(precision.name)
         return Shard.from_tensors(src.config, layers, src.iter_shard_tensors(layers, blocks=True),
                                   device=device, precision=precision)
