@@ -614,3 +614,20 @@ def test_draft_threads_out_of_range_are_refused_by_the_parser(command, value, me
         build_parser().parse_args([command, "--draft-threads", value])
     assert exit_.value.code == 2
     assert f"argument --draft-threads: {message}" in capsys.readouterr().err
+
+
+def test_the_stats_line_says_why_a_draft_model_drafted_nothing():
+    """A new user saw `drafts 0/0` from a loaded draft model and took it as broken: the line now
+    says the policy found no gain; with drafts it gives the count as before."""
+    from types import SimpleNamespace
+
+    from meshinfer.app.cli import _stats_line
+
+    def result(proposed: int, accepted: int, drafter: str):
+        return SimpleNamespace(token_ids=[1, 2, 3], decode_tokens_per_s=5.0, ttft_ms=100.0, finish_reason="stop",
+                               speculative={"proposed": proposed, "accepted": accepted, "drafter": drafter})
+    idle = _stats_line(result(0, 0, "model:qwen"))
+    assert "drafts 0/0 accepted (qwen): drafting measured no gain on this route" in idle
+    busy = _stats_line(result(32, 31, "model:qwen"))
+    assert "drafts 31/32 accepted (qwen)," in busy and "no gain" not in busy
+    assert "drafts" not in _stats_line(result(0, 0, "prompt-lookup"))

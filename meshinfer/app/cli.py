@@ -733,6 +733,8 @@ def _stats_line(r) -> str:
     drafts = ""
     if spec.get("proposed") or model:
         drafts = f", drafts {spec['accepted']}/{spec['proposed']} accepted" + (f" ({model})" if model else "")
+    if model and not spec.get("proposed"):  # say why, or it looks broken (a new user's check)
+        drafts += ": drafting measured no gain on this route (the draft policy, docs/architecture.md)"
     return (f"[{n} token{'s' if n != 1 else ''}, TTFT {r.ttft_ms:.0f} ms{speed}{drafts}{failover}{liars}, "
             f"finish: {r.finish_reason}]")
 
