@@ -413,11 +413,9 @@ async def test_a_peer_off_the_route_cannot_fail_over_a_conversation_by_naming_it
             await p.close()
 
 
-async def test_a_hop_that_keeps_reporting_its_next_hop_gone_is_replaced_with_it(tiny):
-    """A first hop that answers decode steps with ``peer_unavailable`` naming its next hop, while
-    every hop answers the client's probes, cost 3 failovers a step, every step, and was chosen
-    again. Its second report that no probe bears out replaces it and the hop it names (which of
-    the two broke their link cannot be told); the reply is still exact."""
+async def _liar_spare_and_two_next(tiny) -> tuple:
+    """(liar, spare, all four peers): two peers of layers 0-1 (the first will lie, the second is
+    its spare) and two honest ones of layers 2-3, all of the tiny model."""
     path, digest, tok, _, _ = tiny
     bundle = tok.to_bundle()
     liar = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=bundle)
@@ -425,6 +423,16 @@ async def test_a_hop_that_keeps_reporting_its_next_hop_gone_is_replaced_with_it(
                              bootstrap=liar.addrs)
     peers = [liar, spare] + [await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bundle=bundle,
                                               bootstrap=liar.addrs) for _ in range(2)]
+    return liar, spare, peers
+
+
+async def test_a_hop_that_keeps_reporting_its_next_hop_gone_is_replaced_with_it(tiny):
+    """A first hop that answers decode steps with ``peer_unavailable`` naming its next hop, while
+    every hop answers the client's probes, cost 3 failovers a step, every step, and was chosen
+    again. Its second report that no probe bears out replaces it and the hop it names (which of
+    the two broke their link cannot be told); the reply is still exact."""
+    path, _, tok, _, _ = tiny
+    liar, spare, peers = await _liar_spare_and_two_next(tiny)
     ids = tok.encode_chat([{"role": "user", "content": "hello"}])
     honest_run, reports = liar.steps.run, []
     try:
@@ -465,13 +473,8 @@ async def test_a_hop_that_reports_its_next_hop_gone_once_per_conversation_is_bla
     conversation a failover (and one honest next hop with a second report). Counted by the client,
     its report in the second conversation replaces it, and its third, after its backoff ran out,
     replaces it alone: the honest hop named that time stays."""
-    path, digest, tok, _, _ = tiny
-    bundle = tok.to_bundle()
-    liar = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=bundle)
-    spare = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=bundle,
-                             bootstrap=liar.addrs)
-    peers = [liar, spare] + [await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bundle=bundle,
-                                              bootstrap=liar.addrs) for _ in range(2)]
+    path, _, tok, _, _ = tiny
+    liar, spare, peers = await _liar_spare_and_two_next(tiny)
     ids = tok.encode_chat([{"role": "user", "content": "hello"}])
     expected = greedy_generate(load_shard(path), ids, max_tokens=6).token_ids
     honest_run, named = liar.steps.run, {}  # conversation id -> the next hop its one report named

@@ -542,7 +542,7 @@ def _draft_model(args):
 
     if not getattr(args, "json", False):
         print(f"loading draft model {args.draft_model} ({args.draft_dtype}, {args.draft_device})", file=sys.stderr)
-    threads = _int_or_none(args.draft_threads)
+    threads = args.draft_threads  # an int (argparse applies _threads to $MESHINFER_DRAFT_THREADS too) or None
     draft = load_draft_model(args.draft_model, device=args.draft_device, dtype=args.draft_dtype,
                              cache_dir=meshinfer_home() / "converted", threads=threads)
     if not getattr(args, "json", False):
@@ -966,7 +966,7 @@ def cmd_bench(args) -> int:
                                                 prompts=bench.load_prompts(args.prompts) if args.prompts else None,
                                                 draft_model=args.draft_model, draft_dtype=args.draft_dtype,
                                                 draft_device=args.draft_device, draft_ahead=_draft_ahead(args),
-                                                draft_threads=_int_or_none(args.draft_threads) or 1,
+                                                draft_threads=args.draft_threads or 1,
                                                 modes=[m.strip() for m in args.modes.split(",") if m.strip()],
                                                 **common)
             table = bench.spec_table(rows)
@@ -990,11 +990,6 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
             text += " (default: %(default)s)"
         return text
-
-
-def _int_or_none(value) -> int | None:
-    """A flag's value that may come from the environment as a string: int, or None if unset."""
-    return None if value in (None, "") else int(value)
 
 
 #: Most ``--draft-threads``: torch's thread pool crashed (SIGSEGV) when asked for 100,000.

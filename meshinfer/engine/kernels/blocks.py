@@ -55,7 +55,6 @@ class QuantBlocks:
                 or self.data.shape[1] != self.in_features // qk * nbytes or not self.data.is_contiguous()):
             raise ValueError(f"{tuple(self.data.shape)} {self.data.dtype} bytes are not rows of "
                              f"{self.in_features} weights of GGML type {self.qtype}")
-        self.data = self.data.contiguous()  # the kernels read rows at fixed strides (no copy if it is)
 
     @property
     def shape(self) -> tuple[int, int]:
