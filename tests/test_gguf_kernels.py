@@ -114,6 +114,48 @@ def test_float_rows_keep_any_weight_exactly():
     assert torch.allclose(lin(x), x @ w.T, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_f32_kernel_equals_torch_for_every_row_count_it_takes(lib, threads):
+    """``matmul_f32`` (the f32 precision's decode and verification products): 1 to
+    ``F32_KERNEL_MAX_ROWS`` rows, row counts that are not multiples of the 8- and 4-row groups,
+    within float32 summation order of ``F.linear``; a row's result is the same bits alone or
+    batched with others; outside its range it declines (None) and the caller uses torch."""
+    g = torch.Generator().manual_seed(threads)
+    w = torch.randn(389, 904, generator=g)  # 389 rows: 8- and 4-row groups plus a tail
+    x = torch.randn(kb.F32_KERNEL_MAX_ROWS, 904, generator=g)
+    torch.set_num_threads(threads)
+    try:
+        alone = kb.matmul_f32(x[5:6], w)
+        for m in range(1, kb.F32_KERNEL_MAX_ROWS + 1):
+            got, want = kb.matmul_f32(x[:m], w), torch.nn.functional.linear(x[:m], w)
+            assert got.shape == (m, 389)
+            assert ((got - want).abs().max() / want.abs().max()).item() <= TOLERANCE[32], m
+            if m > 5:
+                assert torch.equal(got[5], alone[0]), m
+    finally:
+        torch.set_num_threads(2)
+    assert kb.matmul_f32(torch.randn(kb.F32_KERNEL_MAX_ROWS + 1, 904), w) is None
+    assert kb.matmul_f32(torch.randn(2, 900), torch.randn(10, 900)) is None  # K not a multiple of 8
+    assert kb.matmul_f32(x[:2].double(), w.double()) is None
+    assert kb.matmul_f32(x[:2], w.t()) is None  # a strided weight
+
+
+def test_the_f32_precision_uses_the_kernel_for_decode_steps_only(lib, monkeypatch):
+    """``common.linear`` sends a few float32 rows through the kernel and a prefill chunk to torch."""
+    from meshinfer.engine.models import common
+
+    used = []
+    real = kb.matmul_f32
+    monkeypatch.setattr(common, "matmul_f32", lambda x, w: used.append(x.shape[0]) or real(x, w))
+    w, b = torch.randn(64, 96), torch.randn(64)
+    for rows in (1, 9, 64):
+        x = torch.randn(1, rows, 96)
+        got = common.linear(x, w, b)
+        assert torch.allclose(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert used == [1, 9, 64]  # asked each time; it declines 64 rows
+    assert kb.matmul_f32(torch.randn(64, 96), w) is None
+
+
 def test_without_a_compiler_one_warning_and_the_torch_path(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("MESHINFER_HOME", str(tmp_path))
@@ -225,6 +267,8 @@ def test_the_portable_c_path_computes_the_same(tmp_path):
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= TOLERANCE[32], type_name
         assert plib.mi_matmul_q8(kb.KERNEL_TYPES[type_name], raw.ctypes.data, n, k, x.data_ptr(), 3,
                                  y.data_ptr(), 1) == -1
+    w, x, y = torch.randn(37, 64), torch.randn(3, 64), torch.empty(3, 37)
+    assert plib.mi_matmul_f32(w.data_ptr(), 37, 64, x.data_ptr(), 3, y.data_ptr(), 1) == -1  # torch then
 
 
 def test_integer_activation_precisions_are_refused_without_their_kernels(tmp_path, monkeypatch):

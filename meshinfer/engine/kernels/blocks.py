@@ -113,8 +113,10 @@ def matmul(x: torch.Tensor, w: QuantBlocks, *, act_bits: int = 32) -> torch.Tens
     if K != w.in_features or x.dtype != torch.float32:
         raise ValueError(f"x must be (M, {w.in_features}) float32, got {tuple(x.shape)} {x.dtype}")
     lib = native.library()
-    if w.qtype == 0:  # float32 rows: torch's GEMV / GEMM
-        return F.linear(x, w.data.view(torch.float32).reshape(w.shape))
+    if w.qtype == 0:  # float32 rows
+        wf = w.data.view(torch.float32).reshape(w.shape)
+        y = matmul_f32(x, wf)
+        return F.linear(x, wf) if y is None else y
     if lib is None or K % 32:
         return dequantize_chunks(x, w)
     x = x.contiguous()
@@ -125,6 +127,40 @@ def matmul(x: torch.Tensor, w: QuantBlocks, *, act_bits: int = 32) -> torch.Tens
     if M and kernel(w.qtype, w.data.data_ptr(), w.shape[0], K, x.data_ptr(), M, y.data_ptr(),
                            torch.get_num_threads()):
         raise ValueError(f"the gguf kernels refused type {w.qtype} with {K} columns")
+    return y
+
+
+#: Most rows :func:`matmul_f32` takes: decode batches and verification steps (up to 1 + 16
+#: drafts). From about 32 rows torch's GEMM is as fast (``tests/benchmarks/small_m_gemm.py``).
+F32_KERNEL_MAX_ROWS = 24
+
+
+def matmul_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """``x @ w.T`` ``(M, N)`` float32 for ``x`` ``(M, K)`` and ``w`` ``(N, K)``, both float32 on
+    the CPU, through the register-blocked C kernel (``mi_matmul_f32``), or None where it does
+    not apply: no kernels (or no AVX2/FMA), ``M`` outside 1..:data:`F32_KERNEL_MAX_ROWS`, ``K``
+    not a multiple of 8, another dtype or device. The caller then uses torch.
+
+    Why: on this project's 2-core AVX2 EPYC (MKL 2024), torch's one-row GEMV runs on one thread
+    and its few-row GEMM at about 15% of the FMA peak; the kernel splits output rows over torch's
+    thread count and keeps a 4 x 3 tile of accumulators in registers, 1.3-6x faster for 1-17
+    rows (docs/performance.md, ``tests/benchmarks/small_m_gemm.py``). Each output element is the
+    same sequence of 8-wide FMAs whatever the other rows are, so a row's result does not depend
+    on what it is batched with; it differs from torch's by summation order only (within 1e-5
+    relative). The GIL is released while it runs.
+    """
+    M = x.shape[0] if x.dim() == 2 else 0
+    if (not 1 <= M <= F32_KERNEL_MAX_ROWS or x.dtype != torch.float32 or w.dtype != torch.float32
+            or x.device.type != "cpu" or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] != x.shape[1]
+            or x.shape[1] % 8 or not w.is_contiguous()):
+        return None
+    lib = native.library()
+    if lib is None:
+        return None
+    x = x.contiguous()
+    y = torch.empty(M, w.shape[0], dtype=torch.float32)
+    if lib.mi_matmul_f32(w.data_ptr(), w.shape[0], x.shape[1], x.data_ptr(), M, y.data_ptr(), torch.get_num_threads()):
+        return None  # built without AVX2/FMA
     return y
 
 

@@ -778,3 +778,72 @@ int mi_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, 
     }
     return 0;
 }
+
+#ifdef MI_AVX2
+/* One tile of a float32 product: NR weight rows (stride k) by MR input rows (stride k), k a
+ * multiple of 8: out[a * MR + b] = w[a] . x[b]. NR * MR accumulators stay in registers (4 x 3
+ * = 12 of the 16 ymm), so each step of 8 columns loads NR + MR vectors for NR * MR FMAs: the
+ * register blocking of Goto & van de Geijn 2008 ("Anatomy of high-performance matrix
+ * multiplication"), here on the dot-product form a few-row product needs. */
+static inline __attribute__((always_inline)) void tile_f32(const float *w, const float *x, int64_t k,
+                                                           int NR, int MR, float *out) {
+    __m256 acc[8][3];
+    for (int a = 0; a < NR; a++)
+        for (int b = 0; b < MR; b++) acc[a][b] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < k; c += 8) {
+        __m256 xv[3];
+        for (int b = 0; b < MR; b++) xv[b] = _mm256_loadu_ps(x + b * k + c);
+        for (int a = 0; a < NR; a++) {
+            __m256 wv = _mm256_loadu_ps(w + a * k + c);
+            for (int b = 0; b < MR; b++) acc[a][b] = _mm256_fmadd_ps(wv, xv[b], acc[a][b]);
+        }
+    }
+    for (int a = 0; a < NR; a++)
+        for (int b = 0; b < MR; b++) out[a * MR + b] = hsum8(acc[a][b]);
+}
+
+/* Rows [r, r + NR) of W against all m rows of x, into y (m, n). */
+static inline __attribute__((always_inline)) void rows_f32(const float *w, int64_t n, int64_t k, const float *x,
+                                                           int64_t m, float *y, int64_t r, int NR) {
+    float out[24];
+    int64_t i = 0;
+    for (; i + 3 <= m; i += 3) {
+        tile_f32(w + r * k, x + i * k, k, NR, 3, out);
+        for (int a = 0; a < NR; a++)
+            for (int b = 0; b < 3; b++) y[(i + b) * n + r + a] = out[a * 3 + b];
+    }
+    if (m - i == 2) {
+        tile_f32(w + r * k, x + i * k, k, NR, 2, out);
+        for (int a = 0; a < NR; a++)
+            for (int b = 0; b < 2; b++) y[(i + b) * n + r + a] = out[a * 2 + b];
+    } else if (m - i == 1) {
+        tile_f32(w + r * k, x + i * k, k, NR, 1, out);
+        for (int a = 0; a < NR; a++) y[i * n + r + a] = out[a];
+    }
+}
+#endif
+
+/* y (m, n) = x (m, k) @ W^T for float32 W (n, k), x (m, k), y (m, n), all contiguous: the f32
+ * precision's decode and verification products (a few rows). Output rows are split over the
+ * threads, so a one-row product (memory-bound) reads the weight with every core. Returns 0, or
+ * -1 without AVX2/FMA or for a k that is not a multiple of 8 (the caller then uses torch). */
+int mi_matmul_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int nthreads) {
+#ifdef MI_AVX2
+    if (k % 8 || k <= 0) return -1;
+    if (m == 1) { /* memory-bound: 8 rows in flight keep more loads outstanding */
+        int64_t groups = n / 8;
+#pragma omp parallel for num_threads(n >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK / 8)
+        for (int64_t g = 0; g < groups; g++) rows_f32(w, n, k, x, 1, y, 8 * g, 8);
+        for (int64_t r = 8 * groups; r < n; r++) rows_f32(w, n, k, x, 1, y, r, 1);
+        return 0;
+    }
+    int64_t groups = n / 4;
+#pragma omp parallel for num_threads(n >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK / 4)
+    for (int64_t g = 0; g < groups; g++) rows_f32(w, n, k, x, m, y, 4 * g, 4);
+    for (int64_t r = 4 * groups; r < n; r++) rows_f32(w, n, k, x, m, y, r, 1);
+    return 0;
+#else
+    (void)w, (void)n, (void)k, (void)x, (void)m, (void)y, (void)nthreads;
+    return -1;
+#endif
+}

@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from meshinfer.core.config import ModelConfig
+from meshinfer.engine.kernels.blocks import matmul_f32
 
 #: Query rows per attention call during prefill: bounds score memory to H * 256 * S floats
 #: instead of H * T * S (a 3,000-token prompt on Qwen2.5-0.5B: 43 MB instead of 504 MB).
@@ -32,17 +33,27 @@ TRANSPOSED_MIN_WEIGHT = 1 << 21
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + b`` for ``x`` ``(..., K)``, ``w`` ``(N, K)``, ``b`` ``(N,)`` or None: ``(..., N)``.
 
-    A float32 product of 2 to :data:`TRANSPOSED_MAX_ROWS` rows by a weight of at least
-    :data:`TRANSPOSED_MIN_WEIGHT` elements on the CPU runs as ``(w @ x.T).T``. torch's
-    ``F.linear`` form (``x @ w.T``) takes a slow small-M GEMM path there: with MKL 2024 on this
-    project's 2-core AMD EPYC, 2 threads (``python tests/benchmarks/small_m_gemm.py --threads 2``,
+    A float32 product on the CPU of at most ``blocks.F32_KERNEL_MAX_ROWS`` rows (decode and
+    verification steps) runs through the C kernel :func:`meshinfer.engine.kernels.blocks.matmul_f32`
+    where it is built: torch's one-row GEMV uses one thread and its few-row GEMM is slow on
+    this project's AMD EPYC (MKL 2024); the kernel is 1.3-6x faster there.
+
+    Without the kernel, a float32 product of 2 to :data:`TRANSPOSED_MAX_ROWS` rows by a weight
+    of at least :data:`TRANSPOSED_MIN_WEIGHT` elements on the CPU runs as ``(w @ x.T).T``.
+    torch's ``F.linear`` form (``x @ w.T``) takes a slow small-M GEMM path there: with MKL 2024
+    on the 2-core EPYC, 2 threads (``python tests/benchmarks/small_m_gemm.py --threads 2``,
     docs/performance.md), a 4864 x 896 weight took 5.2 / 7.2 ms for 2 / 9 rows against 1.9 /
-    2.6 ms transposed (2.4 ms for 1 row), and the 151,936 x 896 output head 168 / 253 ms against
-    58 / 80 ms (64 ms for 1 row). So a verification step of a few positions cost about twice a
-    one-token step. The results differ from ``F.linear``'s by summation order only (within 1e-5
-    relative). One row stays ``F.linear`` (MKL's GEMV), and so does every other device and dtype.
+    2.6 ms transposed, and the 151,936 x 896 output head 168 / 253 ms against 58 / 80 ms.
+
+    Either way the results differ from ``F.linear``'s by summation order only (within 1e-5
+    relative). Every other device and dtype uses ``F.linear``.
     """
     rows = x.numel() // max(x.shape[-1], 1)
+    if x.device.type == "cpu" and w.dtype == torch.float32 and x.dtype == torch.float32:
+        y = matmul_f32(x.reshape(rows, x.shape[-1]), w)
+        if y is not None:
+            y = y if b is None else y + b
+            return y.reshape(*x.shape[:-1], w.shape[0])
     if (x.device.type != "cpu" or w.dtype != torch.float32 or not 2 <= rows <= TRANSPOSED_MAX_ROWS
             or w.numel() < TRANSPOSED_MIN_WEIGHT):
         return F.linear(x, w, b)
