@@ -1501,6 +1501,58 @@ async def test_a_flood_over_a_hosts_budget_is_dropped_before_it_is_decoded(tiny,
         await assert_healthy(tiny, peers)
 
 
+@pytest.mark.parametrize("kind", ["bytes", "identities"])
+async def test_peer_links_have_byte_budgets_and_one_host_shares_them(tiny, monkeypatch, kind):
+    """A connection that says it is a peer spends its own byte budget (``PEER_LINK_BYTES_PER_S``)
+    before its frames are decoded, and all peer links from one host share
+    ``PEER_LINKS_PER_HOST_BUDGET`` links' worth: keys are free, so six identities on one address
+    get two links' frames, not six. Frames past the budgets are dropped unread, the sender is
+    told why, and the peer serves again once the budgets refill."""
+    decoded = []
+    real_decode = protocol.decode
+
+    def counting_decode(frame, **kw):
+        if b"FLOODMARK" in bytes(frame):
+            decoded.append(len(frame))
+        return real_decode(frame, **kw)
+
+    monkeypatch.setattr(protocol, "decode", counting_decode)
+    if kind == "bytes":  # one link, 100 KB frames past 1 MiB/s (bursts of 2 MiB)
+        monkeypatch.setattr(peer_module, "PEER_LINK_BYTES_PER_S", float(1 << 20))
+        keys, frames, pad = [ROGUE_KEY], 100, "FLOODMARK" + "x" * 100_000
+        allowed = lambda dt: (2 + dt) * (1 << 20) / 100_000 + 1  # noqa: E731 - frames within the budget
+    else:  # six identities, each within its own 100-frame burst, past the host's 200
+        monkeypatch.setattr(peer_module, "PEER_LINK_FRAMES_PER_S", 50.0)
+        monkeypatch.setattr(peer_module, "PEER_LINKS_PER_HOST_BUDGET", 2)
+        keys = [Ed25519PrivateKey.from_private_bytes(bytes([i + 1] * 32)) for i in range(6)]
+        frames, pad = 90, "FLOODMARK"
+        allowed = lambda dt: 200 + 100 * dt  # noqa: E731
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        raws = [await Raw.connect(peer, role="peer", advert=rogue_advert(tiny[1], key=k), key=k) for k in keys]
+        try:
+            t0 = time.monotonic()
+            for _ in range(frames):
+                for raw in raws:
+                    await raw.send("ping", pad=pad)
+            links = [lk for lk in peer._all_links if lk.role == "peer" and lk.remote_id in {peer_id_of(k) for k in keys}]
+            async with asyncio.timeout(30):
+                while len(decoded) + sum(lk.dropped_frames for lk in links) < frames * len(keys):
+                    await asyncio.sleep(0.01)
+            assert 0 < len(decoded) <= allowed(time.monotonic() - t0)
+            assert sum(lk.dropped_frames for lk in links) > 0
+            async with asyncio.timeout(5):
+                while (notice := await raws[-1].recv()).get("code") != "rate_limited":
+                    pass
+            assert ("bytes/s" if kind == "bytes" else "frames/s") in notice["message"]
+            await asyncio.sleep(4.5)  # the budgets refill
+            assert (await raws[0].request("ping"))["t"] == "pong"
+        finally:
+            for raw in raws:
+                await raw.close()
+        await assert_healthy(tiny, peers)
+
+
 async def test_a_flood_on_a_peer_link_is_dropped_before_it_is_decoded(tiny, monkeypatch):
     """A connection that says it is a peer (keys are free) has no host budget, since a previous
     hop relays every client's steps; its own frame budget (``PEER_LINK_FRAMES_PER_S``) is still

@@ -62,8 +62,16 @@ MAX_QUEUED_BYTES = 256 << 20
 #: bursts of 2 s), counted before a frame is decoded; further ones are dropped unread
 #: (:class:`FrameBudgets`). An honest hop sends one frame per conversation per pass (a decode pass
 #: of 64 conversations every 16 ms is 4,000 a second) plus gossip, probes and their replies, and
-#: a previous hop relays every client's steps, so peer links get no per-host budget.
+#: a previous hop relays every client's steps, so peer links are not charged to a client host's budget.
 PEER_LINK_FRAMES_PER_S = 8192.0
+#: Bytes one peer link may send per second, sustained (bursts of 2 s), counted before decoding
+#: like its frames. An honest previous hop relays hidden states of every client: for a model of
+#: width 8,192 (32 KiB a token in float32), 256 MiB/s is 8,000 prefilled tokens a second.
+PEER_LINK_BYTES_PER_S = float(256 << 20)
+#: All peer links from one host together get this many links' frame and byte budgets: keys are
+#: free, so a stranger with many peer identities on one address does not multiply its budget,
+#: while a few honest peers sharing a machine (or a NAT) each keep a whole link's worth.
+PEER_LINKS_PER_HOST_BUDGET = 4
 #: Seconds between two ``rate_limited`` notices telling a connection that its frames are dropped unread.
 DROP_NOTICE_EVERY_S = 1.0
 #: Most conversations one client connection may hold open at once.
@@ -169,6 +177,7 @@ class FrameBudgets:
     def __init__(self, client_limits, metrics) -> None:
         self.client_limits, self.metrics = client_limits, metrics
         self.hosts: dict[str, tuple[Bucket, Bucket, Bucket]] = {}  # host -> (steps, bytes, frames)
+        self.peer_hosts: dict[str, tuple[Bucket, Bucket]] = {}  # host -> (frames, bytes) of its peer links together
 
     def _host(self, host: str) -> tuple[Bucket, Bucket, Bucket]:
         cl = self.client_limits()
@@ -184,12 +193,9 @@ class FrameBudgets:
         the frame was not read) tells the connection why; a connection that does not read them is
         cut off by its outbox limit."""
         if link.role == "peer":
-            frames = link.info.get("frame_budget")
-            if frames is None:
-                frames = link.info["frame_budget"] = Bucket(PEER_LINK_FRAMES_PER_S, 2 * PEER_LINK_FRAMES_PER_S)
-            if frames.take(1):
+            why = self._admit_peer(link, nbytes)
+            if why is None:
                 return True
-            why = f"peer link {(link.remote_id or '?')[:12]} sends more than {PEER_LINK_FRAMES_PER_S:g} frames/s"
         else:
             host, cl = client_host(link), self.client_limits()
             _, volume, frames = self._host(host)
@@ -205,6 +211,29 @@ class FrameBudgets:
             link.info["drop_notice_at"] = now
             link.post("error", code="rate_limited", message=f"{why}; frames over it are dropped unread")
         return False
+
+    def _admit_peer(self, link: Link, nbytes: int) -> str | None:
+        """Spend a peer link's frame and byte budgets (:data:`PEER_LINK_FRAMES_PER_S`,
+        :data:`PEER_LINK_BYTES_PER_S`) and its host's share of all peer links
+        (:data:`PEER_LINKS_PER_HOST_BUDGET` times those); None when the frame fits, else why not."""
+        own = link.info.get("peer_budget")
+        if own is None:
+            own = link.info["peer_budget"] = (Bucket(PEER_LINK_FRAMES_PER_S, 2 * PEER_LINK_FRAMES_PER_S),
+                                              Bucket(PEER_LINK_BYTES_PER_S, 2 * PEER_LINK_BYTES_PER_S))
+        host = client_host(link)
+        shared = self.peer_hosts.get(host)
+        if shared is None:
+            n = PEER_LINKS_PER_HOST_BUDGET
+            shared = self.peer_hosts[host] = (Bucket(n * PEER_LINK_FRAMES_PER_S, 2 * n * PEER_LINK_FRAMES_PER_S),
+                                              Bucket(n * PEER_LINK_BYTES_PER_S, 2 * n * PEER_LINK_BYTES_PER_S))
+        name = f"peer link {(link.remote_id or '?')[:12]} sends"
+        for (frames, volume), who, scale in ((own, name, 1),
+                                             (shared, f"the peer links of {host} send", PEER_LINKS_PER_HOST_BUDGET)):
+            if not frames.take(1):
+                return f"{who} more than {scale * PEER_LINK_FRAMES_PER_S:g} frames/s"
+            if not volume.take(nbytes):
+                return f"{who} more than {scale * PEER_LINK_BYTES_PER_S:.0f} bytes/s"
+        return None
 
     def charge(self, link: Link, msg_type: str) -> None:
         """Count a decoded client request against its host: its bytes when it came over a peer link
@@ -224,6 +253,7 @@ class FrameBudgets:
     def forget_idle(self) -> None:
         """Drop the buckets of hosts that have sent nothing for long enough to refill them all."""
         self.hosts = {h: b for h, b in self.hosts.items() if not all(bucket.full() for bucket in b)}
+        self.peer_hosts = {h: b for h, b in self.peer_hosts.items() if not all(bucket.full() for bucket in b)}
 
 
 def client_host(link: Link) -> str:
