@@ -75,7 +75,10 @@ class DecodeSteps:
         t0, before = time.perf_counter(), (len(self.failovers), len(self.detections))
         drafts = (await self.drafter.propose(history, k))[:k] if k > 0 else []
         self.policy.record_draft_cost(len(drafts), self.drafter.last_cost_ms)
-        if self._ahead_pays():  # draft the next step's tokens while the mesh answers this one
+        # draft the next step's tokens while the mesh answers this one, only while drafting is in
+        # use: during plain steps the work would be wasted, and on a machine shared with hops it
+        # would slow the very steps the policy compares drafting against
+        if drafts and self._ahead_pays():
             self.drafter.draft_ahead(history + drafts, self.draft_tokens + 1)
         if not drafts:
             spec.plain_steps += 1
