@@ -156,6 +156,28 @@ def test_the_f32_precision_uses_the_kernel_for_decode_steps_only(lib, monkeypatc
     assert kb.matmul_f32(torch.randn(64, 96), w) is None
 
 
+@pytest.mark.parametrize("bits", [8, 16])
+def test_activation_rounding_in_c_equals_the_torch_rounding(lib, bits, monkeypatch):
+    """``quantize_activations`` (the dense path's rounding) runs in C (``mi_round_activations``)
+    when the kernels are loaded; it gives the values the torch fallback gives, on ordinary rows
+    and on blocks of zeros, subnormals, infinities and NaN."""
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(37, 4864, generator=g) * torch.logspace(-3, 3, 4864)
+    x[0, :32] = 0.0
+    x[1, :32] = 1e-40  # subnormal: 1 / scale overflows
+    x[2, 5], x[3, 40], x[4, 70] = float("inf"), float("-inf"), float("nan")
+    x[5, 96:128] = torch.tensor([3.5, -2.5] * 16)  # halves: away from zero
+    got = kb.quantize_activations(x, bits)
+    monkeypatch.setattr(native, "library", lambda: None)
+    want = kb.quantize_activations(x, bits)
+    assert torch.equal(got.isnan(), want.isnan())
+    # equal values (the torch path keeps the sign of a negative that rounds to zero, -0.0: the
+    # same value, and the integer kernels have no signed zero)
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+    assert got[4, 64:96].isnan().all() and not got[4, 96:].isnan().any()  # the NaN's block only
+    assert lib.mi_round_activations(x.data_ptr(), 37, 4864, 4, got.data_ptr(), 1) == -1  # no 4-bit mode
+
+
 def test_without_a_compiler_one_warning_and_the_torch_path(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("MESHINFER_HOME", str(tmp_path))

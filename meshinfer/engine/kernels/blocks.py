@@ -177,10 +177,19 @@ def quantize_activations(x: torch.Tensor, bits: int) -> torch.Tensor:
     """``x`` ``(M, K)`` float32 (``K`` a multiple of 32) rounded as the integer kernels round
     it, returned as float32 ``q * dx``: per 32 columns ``dx = max|x| / L`` (``L`` 127 for 8
     bits, 32767 for 16), ``q = round(x / dx)`` halves away from zero, clamped to ``[-L, L]``
-    (``quantize_rows`` / ``quantize_rows16`` in gguf_blocks.c). A float32 product of the
+    (``quantize_rows`` / ``quantize_rows16`` in gguf_blocks.c; computed there by
+    ``mi_round_activations`` when the kernels are loaded, else with torch operations that give the
+    same bits, tests/test_gguf_kernels.py). A float32 product of the
     result equals the kernel's integer product up to float32 rounding, so a row gets the same
     result whether it runs through the kernel or, packed with other rows, through the dense
     path (a pass's path depends on its total row count, which other conversations set)."""
+    lib = native.library()
+    if lib is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        if not lib.mi_round_activations(x.data_ptr(), x.shape[0], x.shape[1], bits, out.data_ptr(),
+                                        torch.get_num_threads()):
+            return out
     lim = 127.0 if bits == 8 else 32767.0
     xb = x.reshape(x.shape[0], -1, 32)
     d = xb.abs().amax(-1, keepdim=True) / lim  # (M, K / 32, 1)

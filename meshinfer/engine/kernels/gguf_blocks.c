@@ -847,3 +847,52 @@ int mi_matmul_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t 
     return -1;
 #endif
 }
+
+/* out (m, k) = x rounded as the integer kernels round their activations (quantize_rows /
+ * quantize_rows16): per 32 columns d = max|x| / L (L = 127 for bits 8, 32767 for 16),
+ * q = quant_clamp(x / d), out = q * d; a block holding a NaN gives NaN throughout. The dense
+ * (prefill) path multiplies this in float32, so a row gets the kernels' rounding whichever path
+ * its pass takes. Returns 0, or -1 for bits other than 8 and 16, a k that is not a multiple
+ * of 32, or a build without AVX2 (whose kernels do not round activations). */
+int mi_round_activations(const float *x, int64_t m, int64_t k, int bits, float *out, int nthreads) {
+#ifdef MI_AVX2
+    if ((bits != 8 && bits != 16) || k % 32) return -1;
+    int lim = bits == 8 ? 127 : 32767;
+    int64_t blocks = m * (k / 32);
+#pragma omp parallel for num_threads(blocks >= 4096 ? nthreads : 1) schedule(static)
+    for (int64_t i = 0; i < blocks; i++) {
+        const float *xb = x + i * 32;
+        /* 8 lanes at a time, the same operations as the scalar quantize_rows: max|x| ignoring
+         * NaN (fmaxf; _mm256_max_ps returns its second operand when one is NaN), f = x * id,
+         * quant_clamp's clamp, round half away from zero, NaN -> 0 */
+        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+        for (int j = 0; j < 32; j += 8) {
+            __m256 v = _mm256_loadu_ps(xb + j);
+            vmax = _mm256_max_ps(_mm256_and_ps(v, absmask), vmax);
+            vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float lanes[8], amax = 0;
+        _mm256_storeu_ps(lanes, vmax);
+        for (int j = 0; j < 8; j++) amax = fmaxf(amax, lanes[j]);
+        float d = amax / (float)lim, id = d ? 1.0f / d : 0.0f;
+        if (_mm256_movemask_ps(vnan)) d = NAN;
+        const __m256 vid = _mm256_set1_ps(id), vd = _mm256_set1_ps(d), hi = _mm256_set1_ps((float)lim),
+                     lo = _mm256_set1_ps(-(float)lim), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+        for (int j = 0; j < 32; j += 8) {
+            __m256 f = _mm256_mul_ps(_mm256_loadu_ps(xb + j), vid);
+            __m256 bad = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+            __m256 c = _mm256_min_ps(_mm256_max_ps(f, lo), hi);
+            __m256 t = _mm256_round_ps(c, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __m256 up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(c, t), absmask), half, _CMP_GE_OQ);
+            __m256 step = _mm256_and_ps(up, _mm256_or_ps(one, _mm256_andnot_ps(absmask, c)));  /* +-1 or +0 */
+            __m256 q = _mm256_andnot_ps(bad, _mm256_add_ps(t, step));  /* -0 + +0 = +0, as (int) gives */
+            _mm256_storeu_ps(out + i * 32 + j, _mm256_mul_ps(q, vd));
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)m, (void)k, (void)bits, (void)out, (void)nthreads;
+    return -1;
+#endif
+}
