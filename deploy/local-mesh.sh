@@ -2,10 +2,11 @@
 # Start a local mesh of N peers on loopback that split a model's layers evenly, ask it one
 # question with `meshinfer chat`, and stop the peers again.
 #
-#   bash deploy/local-mesh.sh [--setup] [--peers N] [--model NAME|PATH] [--base-port P]
+#   bash deploy/local-mesh.sh [--setup] [--peers N] [--model NAME|PATH] [--dtype D] [--base-port P]
 #                             [--metrics-port P] [--keep] [-p PROMPT] [-- extra chat flags]
 #
 # --setup         install meshinfer first with deploy/install.sh, as deploy/Dockerfile does
+# --dtype         the peers' precision (meshinfer join --dtype; default f32 or $MESHINFER_DTYPE)
 # --metrics-port  serve peer i's Prometheus metrics on port P+i
 # --keep          leave the peers running (their logs are in $LOG_DIR) and print how to chat
 #
@@ -28,11 +29,12 @@ while [ $# -gt 0 ]; do
     --keep) KEEP=1 ;;
     --peers) N=$2; shift ;;
     --model) MODEL=$2; shift ;;
+    --dtype) export MESHINFER_DTYPE=$2; shift ;;
     --base-port) BASE_PORT=$2; shift ;;
     --metrics-port) METRICS_PORT=$2; shift ;;
     -p|--prompt) PROMPT=$2; shift ;;
     --) shift; CHAT_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift

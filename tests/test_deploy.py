@@ -162,6 +162,15 @@ def test_local_mesh_script_runs_the_dockerfile_commands():
     assert "MESHINFER_VENV" in (DEPLOY / "install.sh").read_text()  # the image installs into its own venv
 
 
+def test_local_mesh_script_passes_its_dtype_to_every_join(monkeypatch):
+    """``--dtype D`` sets ``MESHINFER_DTYPE``, which ``meshinfer join``'s ``--dtype`` defaults to."""
+    script = (DEPLOY / "local-mesh.sh").read_text()
+    assert re.search(r"^\s*--dtype\) export MESHINFER_DTYPE=\$2; shift ;;$", script, re.M)
+    assert "--dtype D" in script.split("set -euo")[0]  # in the usage that --help prints
+    monkeypatch.setenv("MESHINFER_DTYPE", "gguf-a16")
+    assert parse_cli(["join", "--model", "m.gguf", "--layers", "0-11"], "local-mesh join").dtype == "gguf-a16"
+
+
 # --------------------------------------------------------------------------- systemd unit
 def test_systemd_unit_execstart_parses_and_restarts_on_failure():
     unit = configparser.ConfigParser(strict=False, interpolation=None)
