@@ -1501,13 +1501,9 @@ async def test_a_flood_over_a_hosts_budget_is_dropped_before_it_is_decoded(tiny,
         await assert_healthy(tiny, peers)
 
 
-@pytest.mark.parametrize("kind", ["bytes", "identities"])
-async def test_peer_links_have_byte_budgets_and_one_host_shares_them(tiny, monkeypatch, kind):
-    """A connection that says it is a peer spends its own byte budget (``PEER_LINK_BYTES_PER_S``)
-    before its frames are decoded, and all peer links from one host share
-    ``PEER_LINKS_PER_HOST_BUDGET`` links' worth: keys are free, so six identities on one address
-    get two links' frames, not six. Frames past the budgets are dropped unread, the sender is
-    told why, and the peer serves again once the budgets refill."""
+def flood_decodes(monkeypatch) -> list[int]:
+    """The sizes of the frames holding ``FLOODMARK`` that ``protocol.decode`` is asked to decode
+    (filled as they are)."""
     decoded = []
     real_decode = protocol.decode
 
@@ -1517,6 +1513,17 @@ async def test_peer_links_have_byte_budgets_and_one_host_shares_them(tiny, monke
         return real_decode(frame, **kw)
 
     monkeypatch.setattr(protocol, "decode", counting_decode)
+    return decoded
+
+
+@pytest.mark.parametrize("kind", ["bytes", "identities"])
+async def test_peer_links_have_byte_budgets_and_one_host_shares_them(tiny, monkeypatch, kind):
+    """A connection that says it is a peer spends its own byte budget (``PEER_LINK_BYTES_PER_S``)
+    before its frames are decoded, and all peer links from one host share
+    ``PEER_LINKS_PER_HOST_BUDGET`` links' worth: keys are free, so six identities on one address
+    get two links' frames, not six. Frames past the budgets are dropped unread, the sender is
+    told why, and the peer serves again once the budgets refill."""
+    decoded = flood_decodes(monkeypatch)
     if kind == "bytes":  # one link, 100 KB frames past 1 MiB/s (bursts of 2 MiB)
         monkeypatch.setattr(peer_module, "PEER_LINK_BYTES_PER_S", float(1 << 20))
         keys, frames, pad = [ROGUE_KEY], 100, "FLOODMARK" + "x" * 100_000
@@ -1557,15 +1564,7 @@ async def test_a_flood_on_a_peer_link_is_dropped_before_it_is_decoded(tiny, monk
     """A connection that says it is a peer (keys are free) has no host budget, since a previous
     hop relays every client's steps; its own frame budget (``PEER_LINK_FRAMES_PER_S``) is still
     spent before decoding, and frames past it are dropped unread."""
-    decoded = []
-    real_decode = protocol.decode
-
-    def counting_decode(frame, **kw):
-        if b"FLOODMARK" in bytes(frame):
-            decoded.append(len(frame))
-        return real_decode(frame, **kw)
-
-    monkeypatch.setattr(protocol, "decode", counting_decode)
+    decoded = flood_decodes(monkeypatch)
     monkeypatch.setattr(peer_module, "PEER_LINK_FRAMES_PER_S", 50.0)
     async with serving(tiny) as peers:
         peer = peers[0]
