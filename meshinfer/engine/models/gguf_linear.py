@@ -43,7 +43,12 @@ class GGUFLinear(nn.Module):
 
     @property
     def weight_blocks(self) -> kb.QuantBlocks:
-        return kb.QuantBlocks(self.qtype, self.blocks, self.in_features)
+        """The weight as :class:`~meshinfer.engine.kernels.blocks.QuantBlocks`, made (and checked)
+        once per ``blocks`` buffer rather than on every call."""
+        wb = self.__dict__.get("_wb")
+        if wb is None or wb.data is not self.blocks or wb.qtype != self.qtype:
+            wb = self.__dict__["_wb"] = kb.QuantBlocks(self.qtype, self.blocks, self.in_features)
+        return wb
 
     def set_blocks(self, w: kb.QuantBlocks) -> None:
         """Keep ``w`` (the file's bytes) as this projection's weight."""
