@@ -317,3 +317,32 @@ async def test_hop_reuses_the_connection_the_next_peer_dialed(tiny, monkeypatch)
         async with MeshClient(list(first.addrs)) as client:
             _, ids, out = await ask(client, tok)
         assert out.token_ids == reference(tiny, ids)
+
+
+async def test_a_client_can_ask_for_one_precision_among_complete_routes(tiny):
+    """Two complete routes of the same weights, one f32 and one gguf: ``plan_for`` (``chat
+    --precision``) plans over the peers of the precision asked for only, and a precision no
+    peer has is refused with the precisions the mesh does have."""
+    from meshinfer.app.reply import plan_for
+
+    path, digest, tok, _ = tiny
+    bounds = [LayerRange(0, 2), LayerRange(2, 4)]
+    peers = []
+    try:
+        for precision in ("f32", "gguf"):
+            for r in bounds:
+                peers.append(await start_peer(load_shard(path, r, dtype=precision), weights_hash=digest,
+                                              precision=precision, bundle=tok.to_bundle(),
+                                              bootstrap=peers[0].addrs if peers else ()))
+        await wait_for_tables(peers)
+        by_id = {p.peer_id: p.precision for p in peers}
+        async with MeshClient(list(peers[0].addrs)) as client:
+            for precision in ("gguf", "f32"):
+                route, _ = await plan_for(client, precision=precision)
+                assert {by_id[h.peer_id] for h in route.hops} == {precision}
+                assert [h.layers for h in route.hops] == bounds
+            with pytest.raises(NoRoute, match="asked for precision q8-bf16, the mesh's peers compute at f32, gguf"):
+                await plan_for(client, precision="q8-bf16")
+    finally:
+        for p in peers:
+            await p.close()

@@ -510,7 +510,8 @@ async def _chat_with(args, messages: list[dict], interactive: bool, draft) -> in
                           tls_ca=args.tls_ca, allow_ids=_allow_ids(args), draft_model=draft,
                           draft_ahead=_draft_ahead(args),
                           **_audit_options(args)) as client:
-        route, tok = await plan_for(client)  # refuses a draft model with another vocabulary
+        # refuses a draft model with another vocabulary
+        route, tok = await plan_for(client, precision=args.precision)
         if not args.json:
             print(f"route: {route.describe()}", file=sys.stderr)
         if not interactive:
@@ -1182,6 +1183,9 @@ def _add_chat(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
     s.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample on the last hop")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
     s.add_argument("--seed", type=int, default=None, help="seed of sampling (default: random)")
+    s.add_argument("--precision", choices=PRECISION_NAMES, default=_env("MESHINFER_PRECISION"),
+                   help="use only peers computing at this precision (default: the fastest complete "
+                        "route at any) [$MESHINFER_PRECISION]")
     _add_draft_flags(s)
     s.set_defaults(func=cmd_chat)
 

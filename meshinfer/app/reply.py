@@ -77,19 +77,32 @@ class TextStream:
         return best
 
 
-async def plan_for(client: MeshClient, *, weights_hash: str | None = None) -> tuple[Route, Tokenizer]:
-    """Plan the fastest route (only over peers holding ``weights_hash`` when given) and get its tokenizer.
+async def plan_for(client: MeshClient, *, weights_hash: str | None = None,
+                   precision: str | None = None) -> tuple[Route, Tokenizer]:
+    """Plan the fastest route and get its tokenizer: only over peers holding ``weights_hash``
+    and computing at ``precision`` (e.g. ``"gguf-a16"``) when those are given; otherwise the
+    fastest complete route of any weights and precision.
 
     Raises:
-        NoRoute: no complete route (of those weights).
+        NoRoute: no complete route (of those weights, at that precision); the message names
+            the precisions the mesh does have.
         PeerUnavailable: no bootstrap peer answered.
         IncompatiblePeer: the first hop's tokenizer belongs to other weights.
     """
     exclude: frozenset[str] = frozenset()
-    if weights_hash is not None:
+    if weights_hash is not None or precision is not None:
         await client.refresh()
-        exclude = frozenset(pid for pid, ad in client.table.items() if ad.weights_hash != weights_hash)
-    route = await client.plan(exclude=exclude)
+        exclude = frozenset(pid for pid, ad in client.table.items()
+                            if (weights_hash is not None and ad.weights_hash != weights_hash)
+                            or (precision is not None and ad.precision != precision))
+    try:
+        route = await client.plan(exclude=exclude)
+    except NoRoute as exc:
+        if precision is None:
+            raise
+        have = sorted({ad.precision for ad in client.table.values()})
+        raise NoRoute(f"{exc}; asked for precision {precision}, the mesh's peers compute at "
+                      f"{', '.join(have) or 'none'}") from exc
     if weights_hash is not None and route.compat_key[0] != weights_hash:
         raise NoRoute(f"no complete route of weights {weights_hash[:12]}")
     return route, await client.tokenizer(route)
