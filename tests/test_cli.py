@@ -631,3 +631,18 @@ def test_the_stats_line_says_why_a_draft_model_drafted_nothing():
     busy = _stats_line(result(32, 31, "model:qwen"))
     assert "drafts 31/32 accepted (qwen)," in busy and "no gain" not in busy
     assert "drafts" not in _stats_line(result(0, 0, "prompt-lookup"))
+
+
+def test_the_stats_line_ends_with_the_unverified_notes_after_the_finish_reason():
+    """A new user read ``finish: stop`` as part of the last UNVERIFIED note: the finish reason
+    comes first, then each note after a semicolon."""
+    from types import SimpleNamespace
+
+    from meshinfer.app.cli import _stats_line
+
+    r = SimpleNamespace(token_ids=[1, 2], decode_tokens_per_s=5.0, ttft_ms=100.0, finish_reason="stop",
+                        unverified=[{"peer": "a" * 64, "layers": "0-11", "reason": "nobody checked"},
+                                    {"peer": "b" * 64, "layers": "12-23", "reason": "nobody checked"}])
+    line = _stats_line(r)
+    assert line.startswith("[2 tokens, TTFT 100 ms, 5.0 tok/s, finish: stop; UNVERIFIED: peer aaaaaaaaaaaa (layers 0-11)")
+    assert line.endswith("; UNVERIFIED: peer bbbbbbbbbbbb (layers 12-23): nobody checked]")

@@ -346,3 +346,23 @@ async def test_a_client_can_ask_for_one_precision_among_complete_routes(tiny):
     finally:
         for p in peers:
             await p.close()
+
+
+async def test_the_advertised_compute_time_follows_served_decode_steps(tiny):
+    """A peer's advertised ms per token starts from its warm-up and then follows the decode
+    steps it serves (``steps.COMPUTE_EWMA_WEIGHT``): a warm-up taken while the machine was busy
+    (here: a stale 1,000,000 ms) no longer steers routes once the peer has served a reply."""
+    path, digest, tok, _ = tiny
+    async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest,
+                    bundle=tok.to_bundle()) as peers:
+        for p in peers:
+            p.compute_ms_per_token = 1e6
+        async with MeshClient(list(peers[0].addrs)) as client:
+            conv = client.conversation(await client.plan(), max_tokens_total=128, speculate=False)
+            try:
+                out = await conv.generate(tok.encode_chat([{"role": "user", "content": "hi"}]), max_tokens=40,
+                                          eos_ids=())
+            finally:
+                await conv.close()
+    assert len(out.token_ids) == 40
+    assert all(0 < p.compute_ms_per_token < 1e4 for p in peers), [p.compute_ms_per_token for p in peers]

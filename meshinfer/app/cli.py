@@ -728,7 +728,7 @@ def _stats_line(r) -> str:
     failover = f", {len(r.failovers)} failover(s)" if getattr(r, "failovers", None) else ""
     liars = f", {len(r.detections)} lying peer(s) excluded" if getattr(r, "detections", None) else ""
     unverified = getattr(r, "unverified", None) or []
-    liars += "".join(f"; UNVERIFIED: peer {u['peer'][:12]} (layers {u['layers']}): {u['reason']}" for u in unverified)
+    notes = "".join(f"; UNVERIFIED: peer {u['peer'][:12]} (layers {u['layers']}): {u['reason']}" for u in unverified)
     spec = getattr(r, "speculative", None) or {}
     model = spec.get("drafter", "").removeprefix("model:") if spec.get("drafter", "").startswith("model:") else None
     drafts = ""
@@ -737,7 +737,7 @@ def _stats_line(r) -> str:
     if model and not spec.get("proposed"):  # say why, or it looks broken (a new user's check)
         drafts += ": drafting measured no gain on this route (the draft policy, docs/architecture.md)"
     return (f"[{n} token{'s' if n != 1 else ''}, TTFT {r.ttft_ms:.0f} ms{speed}{drafts}{failover}{liars}, "
-            f"finish: {r.finish_reason}]")
+            f"finish: {r.finish_reason}{notes}]")
 
 
 def cmd_chat(args) -> int:
@@ -1025,8 +1025,8 @@ def _add_draft_flags(s: argparse.ArgumentParser) -> None:
                         "since its peers share the machine) [$MESHINFER_DRAFT_THREADS]")
     s.add_argument("--draft-ahead", default=_env("MESHINFER_DRAFT_AHEAD", "off"), choices=("auto", "on", "off"),
                    help="draft the next step's tokens while the mesh verifies a step: auto does when the "
-                        "route's round trip holds a draft pass; off by default, since it measured no faster "
-                        "on the benchmark machine (docs/benchmarks.md) [$MESHINFER_DRAFT_AHEAD]")
+                        "route's round trip holds a draft pass (default: off, since it measured no faster "
+                        "on the benchmark machine, docs/benchmarks.md) [$MESHINFER_DRAFT_AHEAD]")
 
 
 def _subcommand(sub, name: str, help_text: str, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
