@@ -1583,3 +1583,23 @@ async def test_a_flood_on_a_peer_link_is_dropped_before_it_is_decoded(tiny, monk
         finally:
             await raw.close()
         await assert_healthy(tiny, peers)
+
+
+async def test_a_decode_step_queued_behind_other_work_does_not_inflate_the_advert(tiny):
+    """A client that queues its decode steps behind other work on the peer's device thread (its
+    own prefill, a verify; here a gate held 2 s) made the peer advertise that wait as its ms
+    per token (0.2 of it per step, nearly all of it after ten), so routes avoided an honest peer
+    for as long as no other decode step came. Only the step's own pass counts
+    (``steps.COMPUTE_EWMA_WEIGHT``)."""
+    async with raw_conversation(tiny) as (peers, raw):
+        peer = peers[0]
+        peer.compute_ms_per_token = 1.0
+        await raw.request("open", conv="w", layers=[0, 4], max_tokens=200)
+        gate = threading.Event()
+        peer.executor.submit(gate.wait, 30)  # the device thread is busy for 2 s
+        asyncio.get_running_loop().call_later(2.0, gate.set)
+        await raw.send("step", conv="w", seq=1, start=0, tokens=[1], want="token")
+        reply = await raw.recv(timeout_s=10)
+        assert reply["t"] == "token" and gate.is_set()
+        # the tiny model's one-position pass takes about a millisecond; the wait was 2,000 ms
+        assert 0 <= peer.compute_ms_per_token < 50, peer.compute_ms_per_token

@@ -48,6 +48,7 @@ class StepJob:
         future: resolved with the step's result, or its exception.
         sampling: the step's sampling settings for the last hop, or None (greedy); passed
             to ``finish`` as is (they never change the forward pass, so they batch freely).
+        took_s: seconds the pass that ran this step took on the device thread (0 until it ran).
     """
 
     conv: Any
@@ -57,6 +58,7 @@ class StepJob:
     future: asyncio.Future
     sampling: Any = None
     queued_at: float = field(default_factory=time.perf_counter)
+    took_s: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -127,9 +129,11 @@ class StepScheduler:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = self.spawn(self._loop(), "step scheduler")
 
-    async def submit(self, conv, x: torch.Tensor, start: int, want: str, sampling=None):
+    async def submit(self, conv, x: torch.Tensor, start: int, want: str, sampling=None, *,
+                     timing: dict | None = None):
         """Run one step of ``conv`` in the next pass that can take it; return what ``finish``
-        returned.
+        returned. ``timing``, when given, gets ``pass_s``: the seconds the pass that ran the step
+        took on the device thread (not its wait behind other passes, holds or other work).
 
         Cancelling the caller withdraws a step still pending; a step already in a pass
         completes (its cache advances) and the result is dropped, as with
@@ -144,7 +148,11 @@ class StepScheduler:
         self._coming.pop(id(conv), None)
         self._pending.append(job)
         self._wake.set()
-        return await job.future
+        try:
+            return await job.future
+        finally:
+            if timing is not None:
+                timing["pass_s"] = job.took_s
 
     def forget(self, conv) -> None:
         """``conv`` has ended: never wait for its next step. Safe to call for any conversation.
@@ -235,6 +243,7 @@ class StepScheduler:
         if any(isinstance(r, _Fallback) for r in results):
             self.stats.fallbacks += 1
         for job, result in zip(group, results):
+            job.took_s = took
             if job.future.done():
                 continue
             value = result.value

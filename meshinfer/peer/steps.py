@@ -33,7 +33,9 @@ if TYPE_CHECKING:  # pragma: no cover
 #: exponential average from the warm-up's measurement): the warm-up runs once, often while other
 #: processes load on the same machine, and routes are planned from the advert, so it follows
 #: what steps really cost (about the last 10). Steps of several positions (prefill,
-#: verification) are not per-token costs and do not count.
+#: verification) are not per-token costs and do not count, and a step counts the time of its
+#: own pass on the device thread only: not its wait behind another conversation's prefill, a
+#: batching hold or a verify, which a client could otherwise queue to inflate the advert.
 COMPUTE_EWMA_WEIGHT = 0.2
 #: a child of the node's logger: configuring ``meshinfer.peer.node`` configures all of a peer
 log = logging.getLogger("meshinfer.peer.node.steps")
@@ -290,11 +292,11 @@ class Steps:
         seq, start, want, sampling = step.seq, step.start, step.want, step.sampling
         if conv.cache.length > start:  # rejected drafts of the previous step (speculation)
             await self.peer.executor.run(roll_back_to, conv, start)
-        t_pass = time.perf_counter()
-        out = await self.peer.scheduler.submit(conv, step.x, start, want, sampling)
+        timing: dict = {}
+        out = await self.peer.scheduler.submit(conv, step.x, start, want, sampling, timing=timing)
         self.peer.metrics.step(step.x.shape[1], time.perf_counter() - t0)
         if step.x.shape[1] == 1:  # a decode step: what a token costs here now (see COMPUTE_EWMA_WEIGHT)
-            ms, old = (time.perf_counter() - t_pass) * 1e3, self.peer.compute_ms_per_token
+            ms, old = timing["pass_s"] * 1e3, self.peer.compute_ms_per_token
             self.peer.compute_ms_per_token = ms if old <= 0 else old + COMPUTE_EWMA_WEIGHT * (ms - old)
         hop = {"peer": self.peer.peer_id, "compute_ms": round((time.perf_counter() - t0) * 1e3, 3),
                "queue_ms": round((t0 - step.received_at) * 1e3, 3)}
