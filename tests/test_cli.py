@@ -646,3 +646,52 @@ def test_the_stats_line_ends_with_the_unverified_notes_after_the_finish_reason()
     line = _stats_line(r)
     assert line.startswith("[2 tokens, TTFT 100 ms, 5.0 tok/s, finish: stop; UNVERIFIED: peer aaaaaaaaaaaa (layers 0-11)")
     assert line.endswith("; UNVERIFIED: peer bbbbbbbbbbbb (layers 12-23): nobody checked]")
+
+
+class _RacingClient:
+    """A client whose ``plan`` learns, in its own refresh, a faster peer at another precision
+    (a hostile advert timed for the second fetch of the table), and a table of hostile precision
+    strings: what ``plan_for`` sees when an attacker races ``chat --precision``."""
+
+    def __init__(self, junk: int = 0) -> None:
+        from types import SimpleNamespace as NS
+
+        self.ns = NS
+        self.table = {"slow": NS(weights_hash="w", precision="gguf-a16")}
+        self.table.update({f"junk{i}": NS(weights_hash="w", precision="\x1b]0;owned\x07" + "x" * 4000 + str(i))
+                           for i in range(junk)})
+
+    async def refresh(self) -> None:
+        pass
+
+    async def plan(self, *, exclude=frozenset()):
+        from meshinfer.core.errors import NoRoute
+
+        self.table["fast"] = self.ns(weights_hash="w", precision="f32")  # learnt by plan's own refresh
+        usable = [pid for pid in ("fast", "slow") if pid not in exclude and pid in self.table]
+        if not usable or any(pid.startswith("junk") for pid in self.table if pid not in exclude):
+            raise NoRoute("no compatible chain")
+        return self.ns(compat_key=("w", self.table[usable[0]].precision), hops=[usable[0]])
+
+    async def tokenizer(self, route):
+        return "tokenizer"
+
+
+def test_a_peer_learnt_while_planning_cannot_take_a_route_of_another_precision():
+    """``chat --precision gguf-a16``: peers of other precisions were excluded from the table as
+    fetched before ``plan``, whose own refresh then learnt a faster f32 peer; it got the route.
+    And a NoRoute listed every precision string of the table (hostile: terminal escapes, 4,000
+    characters each): only known precision names are listed now."""
+    import asyncio
+
+    from meshinfer.app.reply import plan_for
+    from meshinfer.core.errors import NoRoute
+
+    route, tok = asyncio.run(plan_for(_RacingClient(), precision="gguf-a16"))
+    assert route.compat_key[1] == "gguf-a16" and route.hops == ["slow"] and tok == "tokenizer"
+    with pytest.raises(NoRoute) as err:
+        asyncio.run(plan_for(_RacingClient(junk=50), precision="bf16"))
+    message = str(err.value)
+    assert message.endswith("asked for precision bf16, the mesh's peers compute at f32, gguf-a16 "
+                            "and 50 other precision name(s)"), message[-300:]
+    assert "\x1b" not in message and len(message) < 400

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
+from meshinfer.core.config import PRECISION_NAMES
 from meshinfer.core.errors import ContextOverflow, NoRoute
 from meshinfer.client.routing import Route
 from meshinfer.core.sampling_params import SamplingParams
@@ -77,35 +78,62 @@ class TextStream:
         return best
 
 
+#: Plans ``plan_for`` makes before it gives up on a route of the weights and precision asked for:
+#: each ``client.plan`` refreshes the table, and may learn peers of others that the exclusions
+#: made from the table before it did not name.
+PLAN_TRIES = 3
+
+
+def _unwanted(client: MeshClient, weights_hash: str | None, precision: str | None) -> frozenset[str]:
+    """Ids of the peers in ``client``'s table of other weights or another precision than asked."""
+    return frozenset(pid for pid, ad in client.table.items()
+                     if (weights_hash is not None and ad.weights_hash != weights_hash)
+                     or (precision is not None and ad.precision != precision))
+
+
+def _precisions_note(client: MeshClient, precision: str) -> str:
+    """What the mesh computes at, for a refusal: the known precision names its peers advertise
+    (:data:`PRECISION_NAMES`) and how many others (an advert's string is anyone's: it is not printed)."""
+    have = {ad.precision for ad in client.table.values()}
+    known = [p for p in PRECISION_NAMES if p in have]
+    others = len(have) - len(known)
+    listed = ", ".join(known) or "none"
+    return (f"asked for precision {precision}, the mesh's peers compute at {listed}"
+            + (f" and {others} other precision name(s)" if others else ""))
+
+
 async def plan_for(client: MeshClient, *, weights_hash: str | None = None,
                    precision: str | None = None) -> tuple[Route, Tokenizer]:
     """Plan the fastest route and get its tokenizer: only over peers holding ``weights_hash``
     and computing at ``precision`` (e.g. ``"gguf-a16"``) when those are given; otherwise the
-    fastest complete route of any weights and precision.
+    fastest complete route of any weights and precision. A route that ``client.plan``'s own
+    refresh made of peers learnt meanwhile of other weights or precision is planned again
+    without them (:data:`PLAN_TRIES` plans in all).
 
     Raises:
         NoRoute: no complete route (of those weights, at that precision); the message names
-            the precisions the mesh does have.
+            the known precisions the mesh does have.
         PeerUnavailable: no bootstrap peer answered.
         IncompatiblePeer: the first hop's tokenizer belongs to other weights.
     """
     exclude: frozenset[str] = frozenset()
     if weights_hash is not None or precision is not None:
         await client.refresh()
-        exclude = frozenset(pid for pid, ad in client.table.items()
-                            if (weights_hash is not None and ad.weights_hash != weights_hash)
-                            or (precision is not None and ad.precision != precision))
-    try:
-        route = await client.plan(exclude=exclude)
-    except NoRoute as exc:
-        if precision is None:
-            raise
-        have = sorted({ad.precision for ad in client.table.values()})
-        raise NoRoute(f"{exc}; asked for precision {precision}, the mesh's peers compute at "
-                      f"{', '.join(have) or 'none'}") from exc
-    if weights_hash is not None and route.compat_key[0] != weights_hash:
-        raise NoRoute(f"no complete route of weights {weights_hash[:12]}")
-    return route, await client.tokenizer(route)
+        exclude = _unwanted(client, weights_hash, precision)
+    for _ in range(PLAN_TRIES):
+        try:
+            route = await client.plan(exclude=exclude)
+        except NoRoute as exc:
+            if precision is None:
+                raise
+            raise NoRoute(f"{exc}; {_precisions_note(client, precision)}") from exc
+        if ((weights_hash is None or route.compat_key[0] == weights_hash)
+                and (precision is None or route.compat_key[1] == precision)):
+            return route, await client.tokenizer(route)
+        exclude |= _unwanted(client, weights_hash, precision)
+    what = " ".join(x for x in (weights_hash and f"of weights {weights_hash[:12]}",
+                                precision and f"at precision {precision}") if x)
+    raise NoRoute(f"no complete route {what}: peers of others kept joining while it was planned")
 
 
 def check_prompt_fits(tok: Tokenizer, messages: Sequence[Mapping[str, Any]], *, context_tokens: int | None,
