@@ -68,10 +68,6 @@ PEER_LINK_FRAMES_PER_S = 8192.0
 #: like its frames. An honest previous hop relays hidden states of every client: for a model of
 #: width 8,192 (32 KiB a token in float32), 256 MiB/s is 8,000 prefilled tokens a second.
 PEER_LINK_BYTES_PER_S = float(256 << 20)
-#: All peer links from one host together get this many links' frame and byte budgets: keys are
-#: free, so a stranger with many peer identities on one address does not multiply its budget,
-#: while a few honest peers sharing a machine (or a NAT) each keep a whole link's worth.
-PEER_LINKS_PER_HOST_BUDGET = 4
 #: Seconds between two ``rate_limited`` notices telling a connection that its frames are dropped unread.
 DROP_NOTICE_EVERY_S = 1.0
 #: Most conversations one client connection may hold open at once.
@@ -177,7 +173,6 @@ class FrameBudgets:
     def __init__(self, client_limits, metrics) -> None:
         self.client_limits, self.metrics = client_limits, metrics
         self.hosts: dict[str, tuple[Bucket, Bucket, Bucket]] = {}  # host -> (steps, bytes, frames)
-        self.peer_hosts: dict[str, tuple[Bucket, Bucket]] = {}  # host -> (frames, bytes) of its peer links together
 
     def _host(self, host: str) -> tuple[Bucket, Bucket, Bucket]:
         cl = self.client_limits()
@@ -213,26 +208,23 @@ class FrameBudgets:
         return False
 
     def _admit_peer(self, link: Link, nbytes: int) -> str | None:
-        """Spend a peer link's frame and byte budgets (:data:`PEER_LINK_FRAMES_PER_S`,
-        :data:`PEER_LINK_BYTES_PER_S`) and its host's share of all peer links
-        (:data:`PEER_LINKS_PER_HOST_BUDGET` times those); None when the frame fits, else why not."""
+        """Spend a peer link's own frame and byte budgets (:data:`PEER_LINK_FRAMES_PER_S`,
+        :data:`PEER_LINK_BYTES_PER_S`); None when the frame fits, else why not.
+
+        There is no budget shared by the peer links of one host: strangers on an address an
+        honest peer shares (a NAT, a hosting provider's /64) would empty it and starve that
+        peer's link. Identities per host are bounded by the connections a host may hold
+        (``ClientLimits.connections``) instead."""
         own = link.info.get("peer_budget")
         if own is None:
             own = link.info["peer_budget"] = (Bucket(PEER_LINK_FRAMES_PER_S, 2 * PEER_LINK_FRAMES_PER_S),
                                               Bucket(PEER_LINK_BYTES_PER_S, 2 * PEER_LINK_BYTES_PER_S))
-        host = client_host(link)
-        shared = self.peer_hosts.get(host)
-        if shared is None:
-            n = PEER_LINKS_PER_HOST_BUDGET
-            shared = self.peer_hosts[host] = (Bucket(n * PEER_LINK_FRAMES_PER_S, 2 * n * PEER_LINK_FRAMES_PER_S),
-                                              Bucket(n * PEER_LINK_BYTES_PER_S, 2 * n * PEER_LINK_BYTES_PER_S))
-        name = f"peer link {(link.remote_id or '?')[:12]} sends"
-        for (frames, volume), who, scale in ((own, name, 1),
-                                             (shared, f"the peer links of {host} send", PEER_LINKS_PER_HOST_BUDGET)):
-            if not frames.take(1):
-                return f"{who} more than {scale * PEER_LINK_FRAMES_PER_S:g} frames/s"
-            if not volume.take(nbytes):
-                return f"{who} more than {scale * PEER_LINK_BYTES_PER_S:.0f} bytes/s"
+        frames, volume = own
+        name = f"peer link {(link.remote_id or '?')[:12]}"
+        if not frames.take(1):
+            return f"{name} sends more than {PEER_LINK_FRAMES_PER_S:g} frames/s"
+        if not volume.take(nbytes):
+            return f"{name} sends more than {PEER_LINK_BYTES_PER_S:.0f} bytes/s"
         return None
 
     def charge(self, link: Link, msg_type: str) -> None:
@@ -253,7 +245,6 @@ class FrameBudgets:
     def forget_idle(self) -> None:
         """Drop the buckets of hosts that have sent nothing for long enough to refill them all."""
         self.hosts = {h: b for h, b in self.hosts.items() if not all(bucket.full() for bucket in b)}
-        self.peer_hosts = {h: b for h, b in self.peer_hosts.items() if not all(bucket.full() for bucket in b)}
 
 
 def client_host(link: Link) -> str:
