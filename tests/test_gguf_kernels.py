@@ -123,6 +123,7 @@ def test_the_f32_kernel_equals_torch_for_every_row_count_it_takes(lib, threads):
     g = torch.Generator().manual_seed(threads)
     w = torch.randn(389, 904, generator=g)  # 389 rows: 8- and 4-row groups plus a tail
     x = torch.randn(kb.F32_KERNEL_MAX_ROWS, 904, generator=g)
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         alone = kb.matmul_f32(x[5:6], w)
@@ -133,7 +134,7 @@ def test_the_f32_kernel_equals_torch_for_every_row_count_it_takes(lib, threads):
             if m > 5:
                 assert torch.equal(got[5], alone[0]), m
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(before)
     assert kb.matmul_f32(torch.randn(kb.F32_KERNEL_MAX_ROWS + 1, 904), w) is None
     assert kb.matmul_f32(torch.randn(2, 900), torch.randn(10, 900)) is None  # K not a multiple of 8
     assert kb.matmul_f32(x[:2].double(), w.double()) is None

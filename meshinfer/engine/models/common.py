@@ -49,11 +49,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     relative). Every other device and dtype uses ``F.linear``.
     """
     rows = x.numel() // max(x.shape[-1], 1)
-    if x.device.type == "cpu" and w.dtype == torch.float32 and x.dtype == torch.float32:
-        y = matmul_f32(x.reshape(rows, x.shape[-1]), w)
-        if y is not None:
-            y = y if b is None else y + b
-            return y.reshape(*x.shape[:-1], w.shape[0])
+    y = matmul_f32(x.reshape(rows, x.shape[-1]), w)  # None where the kernel does not apply
+    if y is not None:
+        y = y if b is None else y + b
+        return y.reshape(*x.shape[:-1], w.shape[0])
     if (x.device.type != "cpu" or w.dtype != torch.float32 or not 2 <= rows <= TRANSPOSED_MAX_ROWS
             or w.numel() < TRANSPOSED_MIN_WEIGHT):
         return F.linear(x, w, b)
