@@ -15,6 +15,7 @@ from meshinfer.core.errors import (CacheFull, ContextOverflow, LayerRangeError, 
     PositionError)
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.peer.launch import launch_peer
+from meshinfer.peer import steps
 from meshinfer.peer.node import PeerSettings
 from meshinfer.client.mesh import MeshClient
 from meshinfer.text.tokenizer import Tokenizer
@@ -366,3 +367,23 @@ async def test_the_advertised_compute_time_follows_served_decode_steps(tiny):
                 await conv.close()
     assert len(out.token_ids) == 40
     assert all(0 < p.compute_ms_per_token < 1e4 for p in peers), [p.compute_ms_per_token for p in peers]
+
+
+def test_the_advertised_compute_time_returns_toward_idle_when_no_step_comes():
+    """A burst of load raises a peer's cost; routes then avoid it, no decode step comes to
+    measure it again, and it used to stay avoided for good. Without steps the cost relaxes
+    toward the lowest it has been (half-life ``steps.COMPUTE_IDLE_HALF_LIFE_S``); a served
+    step continues from there."""
+    half = steps.COMPUTE_IDLE_HALF_LIFE_S
+    cost = steps.ComputeCost()
+    assert cost.value(0.0) == 0.0
+    cost.set(10.0, now=0.0)  # the warm-up
+    for i in range(30):
+        cost.observe(110.0, now=1.0 + i / 100)  # a burst: each pass 110 ms
+    busy = cost.value(1.3)
+    assert busy > 100
+    assert cost.value(1.3 + half) == pytest.approx(10 + (busy - 10) / 2)
+    assert cost.value(1.3 + 10 * half) == pytest.approx(10, abs=0.2)
+    relaxed = cost.value(1.3 + 2 * half)
+    cost.observe(20.0, now=1.3 + 2 * half)
+    assert cost.value(1.3 + 2 * half) == pytest.approx(relaxed + steps.COMPUTE_EWMA_WEIGHT * (20 - relaxed))

@@ -43,7 +43,7 @@ from meshinfer.peer.metrics import PeerMetrics, PeerUsage
 from meshinfer.peer.relay import Relay
 from meshinfer.peer.scheduler import BatchStats, StepScheduler
 from meshinfer.peer.settings import PeerSettings
-from meshinfer.peer.steps import Steps
+from meshinfer.peer.steps import ComputeCost, Steps
 from meshinfer.text.bundle import bundle_sha256
 from meshinfer.wire import discovery, protocol, tls
 from meshinfer.wire.discovery import PeerTable, peer_id_of, sign_advert
@@ -110,7 +110,7 @@ class Peer(_Handlers):
         self.settings = settings or PeerSettings()
         self.state = protocol.JOINING
         self.table = PeerTable(self.peer_id, capacity=limits.MAX_KNOWN_PEERS)
-        self.compute_ms_per_token = 0.0
+        self.cost = ComputeCost()  # the advertised ms per token (compute_ms_per_token)
         self.rtts_ms: dict[str, float] = {}
         self._tasks: set[asyncio.Task] = set()
         self._seq = discovery.first_seq()  # newer than any advert of this key's previous runs
@@ -185,6 +185,16 @@ class Peer(_Handlers):
         return PeerUsage(conversations=conversations, kv_used_bytes=used,
                          kv_free_bytes=self.free_kv_tokens * self.kv_bytes_per_token,
                          kv_budget_bytes=self.kv_budget_bytes)
+
+    @property
+    def compute_ms_per_token(self) -> float:
+        """What a token costs on this peer's whole range now, ms: the advert's value
+        (:class:`~meshinfer.peer.steps.ComputeCost`). Setting it is a measurement taken now."""
+        return self.cost.value()
+
+    @compute_ms_per_token.setter
+    def compute_ms_per_token(self, ms: float) -> None:
+        self.cost.set(ms)
 
     def advert(self) -> PeerAdvert:
         """This peer's current advert, signed by its key."""

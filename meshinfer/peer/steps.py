@@ -37,8 +37,44 @@ if TYPE_CHECKING:  # pragma: no cover
 #: own pass on the device thread only: not its wait behind another conversation's prefill, a
 #: batching hold or a verify, which a client could otherwise queue to inflate the advert.
 COMPUTE_EWMA_WEIGHT = 0.2
+#: Half-life, seconds, of the advertised cost's return toward the peer's idle cost while it
+#: serves no decode step (:class:`ComputeCost`). A minute: longer than a burst of batched
+#: conversations, short enough that a peer is not avoided for the rest of the day.
+COMPUTE_IDLE_HALF_LIFE_S = 60.0
 #: a child of the node's logger: configuring ``meshinfer.peer.node`` configures all of a peer
 log = logging.getLogger("meshinfer.peer.node.steps")
+
+
+class ComputeCost:
+    """What a peer's advert says one token costs on its whole range, milliseconds.
+
+    :meth:`set` takes a measurement (the warm-up's); :meth:`observe` folds in a served
+    one-position step (weight :data:`COMPUTE_EWMA_WEIGHT`). Between observations the value
+    relaxes toward the lowest it has been (the idle machine's cost), with half-life
+    :data:`COMPUTE_IDLE_HALF_LIFE_S`: a peer slowed by a burst of real load (many batched
+    conversations, another process) used to stay avoided until a decode step came to measure
+    it again, and none came, since routes avoided it. Times: ``time.monotonic()`` seconds.
+    """
+
+    def __init__(self) -> None:
+        self.ms = self.floor_ms = 0.0
+        self.at = time.monotonic()
+
+    def set(self, ms: float, now: float | None = None) -> None:
+        """A measurement of ``ms`` per token taken at ``now``: the value from now on."""
+        self.ms, self.at = ms, time.monotonic() if now is None else now
+        self.floor_ms = ms if self.floor_ms <= 0 else min(self.floor_ms, ms)
+
+    def observe(self, ms: float, now: float | None = None) -> None:
+        """A served decode step's own pass took ``ms``: move the value toward it."""
+        now = time.monotonic() if now is None else now
+        old = self.value(now)
+        self.set(ms if old <= 0 else old + COMPUTE_EWMA_WEIGHT * (ms - old), now)
+
+    def value(self, now: float | None = None) -> float:
+        """The cost to advertise at ``now``, ms per token (0 before any measurement)."""
+        idle_s = max(0.0, (time.monotonic() if now is None else now) - self.at)
+        return self.floor_ms + (self.ms - self.floor_ms) * 0.5 ** (idle_s / COMPUTE_IDLE_HALF_LIFE_S)
 
 
 @dataclass(frozen=True)
@@ -295,9 +331,8 @@ class Steps:
         timing: dict = {}
         out = await self.peer.scheduler.submit(conv, step.x, start, want, sampling, timing=timing)
         self.peer.metrics.step(step.x.shape[1], time.perf_counter() - t0)
-        if step.x.shape[1] == 1:  # a decode step: what a token costs here now (see COMPUTE_EWMA_WEIGHT)
-            ms, old = timing["pass_s"] * 1e3, self.peer.compute_ms_per_token
-            self.peer.compute_ms_per_token = ms if old <= 0 else old + COMPUTE_EWMA_WEIGHT * (ms - old)
+        if step.x.shape[1] == 1:  # a decode step: what a token costs here now (see ComputeCost)
+            self.peer.cost.observe(timing["pass_s"] * 1e3)
         hop = {"peer": self.peer.peer_id, "compute_ms": round((time.perf_counter() - t0) * 1e3, 3),
                "queue_ms": round((t0 - step.received_at) * 1e3, 3)}
         if conv.next_id is None:
