@@ -95,6 +95,83 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(lib, act_bits):
             assert torch.equal(kb.matmul(x[i:i + 1], w, act_bits=act_bits)[0], together[i])
 
 
+@pytest.mark.parametrize("act_bits", [32, 16, 8])
+def test_a_fused_product_equals_each_weights_own_product_bit_for_bit(lib, act_bits):
+    """q, k and v (or gate and up) in one kernel call give what three calls give, biases
+    included, at every row count (17: two passes of the kernel) and thread count."""
+    ws = [blocks_of("Q5_0", 96, 512, seed=20), blocks_of("Q8_0", 40, 512, seed=21),
+          blocks_of("Q4_K", 130, 512, seed=22)]  # 130 rows: over two threads' chunks, not a multiple
+    biases = [torch.randn(96), None, torch.randn(130)]
+    fused = kb.FusedProduct.make(ws, biases, act_bits)
+    assert fused is not None
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for m in (1, 3, 17):
+                x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+                got = fused(x)
+                assert [tuple(y.shape) for y in got] == [(m, 96), (m, 40), (m, 130)]
+                for y, w, b in zip(got, ws, biases):
+                    want = kb.matmul(x, w, act_bits=act_bits)
+                    assert torch.equal(y, want if b is None else want + b)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_weights_that_cannot_share_a_call_are_not_fused(lib):
+    q5 = blocks_of("Q5_0", 32, 512, seed=23)
+    assert kb.FusedProduct.make([q5, blocks_of("Q5_0", 32, 896, seed=24)], [None, None], 8) is None  # two K
+    assert kb.FusedProduct.make([q5, blocks_of("F16", 32, 512, seed=25)], [None, None], 8) is None  # a8 and f32 activations
+    assert kb.FusedProduct.make([q5, kb.QuantBlocks.from_float(torch.randn(32, 512))], [None, None], 32) is None
+    assert kb.FusedProduct.make([q5], [torch.randn(31)], 32) is None  # a bias of the wrong length
+    assert kb.FusedProduct.make([q5] * 5, [None] * 5, 32) is None  # more than the kernel takes
+    assert kb.FusedProduct.make([q5, blocks_of("F16", 32, 512, seed=25)], [None, None], 32) is not None
+    with pytest.raises(ValueError, match="float32"):
+        kb.FusedProduct.make([q5], [None], 32)(torch.randn(2, 896))
+
+
+def test_the_model_runs_q_k_v_and_gate_up_as_one_call_each(lib, monkeypatch):
+    """A decode pass of a layer makes 4 kernel calls (qkv, o, gate-up, down), not 7; a prefill
+    pass and other linears go module by module; a changed weight is seen."""
+    from meshinfer.engine.models import gguf_linear
+    lins = []
+    for n, seed in ((64, 30), (32, 31), (32, 32)):
+        lin = GGUFLinear(512, n, bias=True, act_bits=16)
+        lin.set_blocks(blocks_of("Q5_0", n, 512, seed=seed))
+        lin.bias = torch.randn(n)
+        lins.append(lin)
+    calls = []
+    real = kb.FusedProduct.__call__
+    monkeypatch.setattr(kb.FusedProduct, "__call__", lambda self, x: calls.append(len(self.out_features)) or real(self, x))
+    x = torch.randn(1, 2, 512)
+    got = gguf_linear.project_many(x, lins)
+    assert calls == [3]
+    for y, lin in zip(got, lins):
+        assert torch.equal(y, lin(x))
+    calls.clear()
+    gguf_linear.project_many(torch.randn(1, DENSE_MIN_ROWS, 512), lins)  # prefill: dense, module by module
+    assert calls == []
+    lins[1].set_blocks(blocks_of("Q5_0", 32, 512, seed=33))
+    assert torch.equal(gguf_linear.project_many(x, lins)[1], lins[1](x))
+    plain = torch.nn.Linear(512, 8)
+    assert torch.equal(gguf_linear.project_many(x, [lins[0], plain])[1], plain(x))
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_the_integer_kernels_round_activations_as_quantize_activations_does(lib, bits):
+    """The kernel's integer product equals the float32 product of the rounded activations
+    (``quantize_activations``) with the dequantized weight, up to float32 summation order: the
+    kernel and the dense path round alike (halves, clamps, NaN-free subnormal blocks)."""
+    w = blocks_of("Q8_0", 48, 896, seed=34)
+    x = torch.randn(5, 896, generator=torch.Generator().manual_seed(35))
+    x[1, :32] = 0.5 * torch.arange(32) / 31  # halves after scaling
+    x[2, 32:64] = 1e-40  # a subnormal block
+    want = kb.quantize_activations(x, bits).double() @ kb.dequantize(w).double().T
+    got = kb.matmul(x, w, act_bits=bits).double()
+    assert torch.allclose(got, want, rtol=0, atol=2e-6 * want.abs().max().item())
+
+
 def test_a_linear_uses_the_dense_path_from_prefill_sizes_with_the_same_result(lib):
     lin = GGUFLinear(896, 40, bias=True)
     lin.set_blocks(blocks_of("Q5_0", 40, 896, seed=5))

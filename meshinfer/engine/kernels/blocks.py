@@ -10,8 +10,10 @@ Pure computation: nothing here logs (except ``native.library()``'s one warning),
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -130,6 +132,75 @@ def matmul(x: torch.Tensor, w: QuantBlocks, *, act_bits: int = 32) -> torch.Tens
     return y
 
 
+class FusedProduct:
+    """``x @ W_t.T + b_t`` for a few weights ``W_t`` that share one input (a layer's q, k and v;
+    gate and up), as one kernel call (``mi_matmul_many``): the activations are rounded once and
+    one thread team covers all the weights' rows, so the 128-row k and v of a decode step no
+    longer run alone on one thread, and a step makes 4 calls per layer instead of 7. Each
+    output equals :func:`matmul` of its own weight plus its bias, bit for bit
+    (tests/test_gguf_kernels.py).
+
+    The kernel's arguments are prepared once (ctypes arrays of types, data pointers, row counts
+    and biases), and the weights and biases are kept referenced, so a call costs one ctypes
+    call: at 169 projections a step, Python overhead was about a tenth of a decode step.
+
+    Build with :meth:`make`, which returns None where the weights cannot share a call.
+    """
+
+    #: Most weights in one call (``MAX_TENSORS`` in gguf_blocks.c).
+    MAX_WEIGHTS = 4
+
+    def __init__(self, ws: Sequence[QuantBlocks], biases: Sequence[torch.Tensor | None], bits: int) -> None:
+        n = len(ws)
+        self.in_features, self.bits = ws[0].in_features, bits
+        self.out_features = tuple(w.shape[0] for w in ws)
+        self._keep = (tuple(ws), tuple(biases))  # the kernel reads their memory
+        self._arrays = ((ctypes.c_int * n)(*(w.qtype for w in ws)),
+                        (ctypes.c_void_p * n)(*(w.data.data_ptr() for w in ws)),
+                        (ctypes.c_int64 * n)(*self.out_features),
+                        (ctypes.c_void_p * n)(*(None if b is None else b.data_ptr() for b in biases)))
+        self._args = (bits, n, *(ctypes.addressof(a) for a in self._arrays), self.in_features)
+
+    @classmethod
+    def make(cls, ws: Sequence[QuantBlocks], biases: Sequence[torch.Tensor | None],
+             act_bits: int) -> "FusedProduct | None":
+        """The fused product of ``ws`` (with ``biases``: ``(N_t,)`` float32 contiguous CPU
+        tensors or None), or None when the kernels are not loaded, the weights differ in
+        ``K`` or in the activation rounding :func:`matmul` would give them
+        (:func:`integer_activations`), a weight is float32 rows, a bias is not float32
+        contiguous, or there are more than :data:`MAX_WEIGHTS`."""
+        if native.library() is None or not 1 <= len(ws) <= cls.MAX_WEIGHTS or len(biases) != len(ws):
+            return None
+        bits = {act_bits if integer_activations(w, act_bits) else 32 for w in ws}
+        if (len(bits) != 1 or len({w.in_features for w in ws}) != 1 or any(w.qtype == 0 for w in ws)
+                or ws[0].in_features % 32 or ws[0].data.device.type != "cpu"):
+            return None
+        for w, b in zip(ws, biases):
+            if b is not None and (b.dtype != torch.float32 or not b.is_contiguous() or b.device.type != "cpu"
+                                  or b.shape != (w.shape[0],)):
+                return None
+        return cls(ws, biases, bits.pop())
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``x`` ``(M, K)`` float32 -> one ``(M, N_t)`` float32 per weight (views of one buffer).
+
+        Raises:
+            ValueError: ``x`` is not ``(M, K)`` float32 on the CPU, or the kernel refused.
+        """
+        M, K = x.shape
+        if K != self.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"x must be (M, {self.in_features}) float32, got {tuple(x.shape)} {x.dtype}")
+        x = x.contiguous()
+        y = torch.empty(M * sum(self.out_features), dtype=torch.float32)
+        if M and native.library().mi_matmul_many(*self._args, x.data_ptr(), M, y.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"the gguf kernels refused the fused product of {len(self.out_features)} weights")
+        outs, start = [], 0
+        for n in self.out_features:
+            outs.append(y[start:start + M * n].view(M, n))
+            start += M * n
+        return outs
+
+
 #: Most rows :func:`matmul_f32` takes: decode batches and verification steps (up to 1 + 16
 #: drafts). From about 32 rows torch's GEMM is as fast (``tests/benchmarks/small_m_gemm.py``).
 F32_KERNEL_MAX_ROWS = 24
@@ -177,7 +248,7 @@ def quantize_activations(x: torch.Tensor, bits: int) -> torch.Tensor:
     """``x`` ``(M, K)`` float32 (``K`` a multiple of 32) rounded as the integer kernels round
     it, returned as float32 ``q * dx``: per 32 columns ``dx = max|x| / L`` (``L`` 127 for 8
     bits, 32767 for 16), ``q = round(x / dx)`` halves away from zero, clamped to ``[-L, L]``
-    (``quantize_rows`` / ``quantize_rows16`` in gguf_blocks.c; computed there by
+    (``round_block`` in gguf_blocks.c; computed there by
     ``mi_round_activations`` when the kernels are loaded, else with torch operations that give the
     same bits, tests/test_gguf_kernels.py). A float32 product of the
     result equals the kernel's integer product up to float32 rounding, so a row gets the same

@@ -51,7 +51,14 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-static float rd_half(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
+#ifdef __F16C__
+#include <immintrin.h>
+/* The hardware conversion (F16C, on every AVX2 CPU): exact, as half_to_float, and without its
+ * branches; it runs once per block in the kernels' inner loops. */
+static inline float rd_half(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
+#else
+static inline float rd_half(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
+#endif
 
 /* One block -> its weights, float32. Each returns the number of weights (the block size). */
 static int deq_q8_0(const uint8_t *b, float *y) { /* d f16, qs int8[32]: y = q * d */
@@ -274,8 +281,9 @@ static inline void q6k_half(const uint8_t *w, int half, __m256i q[4]) {
 static inline __m256i q5_0_bytes(const uint8_t *w) {
     uint32_t qh;
     memcpy(&qh, w + 2, 4);
-    __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
-    return _mm256_sub_epi8(_mm256_or_si256(nibbles(w + 6), hb), _mm256_set1_epi8(16));
+    /* q5 - 16 = q4 where the fifth bit is set, else q4 - 16 = q4 | 0xF0 (two's complement):
+     * one andnot and one or (ggml's ggml_vec_dot_q5_0_q8_0 does the same) */
+    return _mm256_or_si256(nibbles(w + 6), _mm256_andnot_si256(bits_to_bytes(qh), _mm256_set1_epi8((char)0xF0)));
 }
 
 /* Consume 32 weights against m input rows at column offset xo: four accumulators per row. */
@@ -409,40 +417,58 @@ static void row_dots(int type, const uint8_t *wrow, int64_t nb, int qk, int byte
  * integer dot product (maddubs / madd), scaled once: llama.cpp's CPU path (ggml_vec_dot_*_q8_*). */
 
 #ifdef MI_AVX2
-typedef struct {
-    int8_t *q;  /* (m, k) */
-    float *d;   /* (m, k / 32) scales */
-    float *s;   /* (m, k / 32) dx * sum(q) */
-} qrows;
-
-/* f rounded to the nearest integer (halves away from zero, as roundf) within [-lim, lim].
- * The float is clamped before the conversion, which C leaves undefined for NaN and for values
- * outside int: x * id is +-inf or NaN (0 * inf) when a block's largest |x| is so small that its
- * scale is subnormal and 1 / scale overflows (hidden states with subnormal values pass the
- * hop's checks). NaN gives 0 here; the caller marks a block holding a NaN input with a NaN
- * scale, so NaN in gives NaN out, as with float32 activations (the step is then refused). */
-static inline int quant_clamp(float f, int lim) {
-    if (f >= (float)lim) return lim;
-    if (f <= -(float)lim) return -lim;
-    return f == f ? (int)roundf(f) : 0;
+/* The clamp matters: C leaves the float -> int conversion undefined for NaN and for values
+ * outside int, and x * id is +-inf or NaN (0 * inf) when a block's largest |x| is so small that
+ * its scale is subnormal and 1 / scale overflows (hidden states with subnormal values pass the
+ * hop's checks). NaN rounds to 0 and the block's scale is NaN, so NaN in gives NaN out, as
+ * with float32 activations (the step is then refused). */
+/* One 32-block xb rounded, 8 lanes at a time: q[0..3] = x * id clamped to [-lim, lim] and
+ * rounded to integral floats (NaN inputs -> 0) and the block's scale d = max|x| / lim (NaN when the
+ * block holds a NaN). max|x| ignores NaN, as fmaxf does (_mm256_max_ps returns its second
+ * operand when one is NaN); halves round away from zero, as roundf. The one rounding of every
+ * integer path: quantize_blocks and mi_round_activations. */
+static inline float round_block(const float *xb, int lim, __m256 q[4]) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+    for (int j = 0; j < 32; j += 8) {
+        __m256 v = _mm256_loadu_ps(xb + j);
+        vmax = _mm256_max_ps(_mm256_and_ps(v, absmask), vmax);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[8], amax = 0;
+    _mm256_storeu_ps(lanes, vmax);
+    for (int j = 0; j < 8; j++) amax = fmaxf(amax, lanes[j]);
+    float d = amax / (float)lim, id = d ? 1.0f / d : 0.0f;
+    const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps((float)lim), lo = _mm256_set1_ps(-(float)lim),
+                 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    for (int j = 0; j < 4; j++) {
+        __m256 f = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), vid);
+        __m256 bad = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+        __m256 c = _mm256_min_ps(_mm256_max_ps(f, lo), hi);
+        __m256 t = _mm256_round_ps(c, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __m256 up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(c, t), absmask), half, _CMP_GE_OQ);
+        __m256 step = _mm256_and_ps(up, _mm256_or_ps(one, _mm256_andnot_ps(absmask, c))); /* +-1 or +0 */
+        q[j] = _mm256_andnot_ps(bad, _mm256_add_ps(t, step)); /* -0 + +0 = +0, as (int) gives */
+    }
+    return _mm256_movemask_ps(vnan) ? NAN : d;
 }
 
-static void quantize_rows(const float *x, int64_t m, int64_t k, qrows *out) {
+/* Each 32-block of x (m, k) rounded (round_block) into integers: q (m, k) int8 (lim 127) or
+ * int16 (lim 32767), scales d and d * sum(q) in s (m, k / 32; NaN for a block with a NaN). */
+static void quantize_blocks(const float *x, int64_t m, int64_t k, int lim, void *q, float *d, float *s) {
     int64_t nb = k / 32;
     for (int64_t i = 0; i < m * nb; i++) {
-        const float *xb = x + i * 32;
-        float amax = 0;
-        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
-        int sum = 0, nan = 0;
-        for (int j = 0; j < 32; j++) {
-            int q = quant_clamp(xb[j] * id, 127);
-            nan |= xb[j] != xb[j];
-            out->q[i * 32 + j] = (int8_t)q;
-            sum += q;
-        }
-        out->d[i] = nan ? NAN : d;
-        out->s[i] = nan ? NAN : d * (float)sum;
+        __m256 v[4];
+        int32_t ints[32];
+        float di = round_block(x + i * 32, lim, v);
+        __m256 sum = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])); /* exact: < 2^24 */
+        for (int j = 0; j < 4; j++) _mm256_storeu_si256((__m256i *)(ints + 8 * j), _mm256_cvtps_epi32(v[j]));
+        if (lim == 127)
+            for (int j = 0; j < 32; j++) ((int8_t *)q)[i * 32 + j] = (int8_t)ints[j];
+        else
+            for (int j = 0; j < 32; j++) ((int16_t *)q)[i * 32 + j] = (int16_t)ints[j];
+        d[i] = di;
+        s[i] = di * hsum8(sum);
     }
 }
 
@@ -561,27 +587,6 @@ int mi_supports_q8(int type) {
  * block's largest value, where bfloat16 keeps 8 bits), and each block's product is an integer
  * dot product of int16 pairs (madd), scaled once. The weights are the file's, exactly. */
 
-#ifdef MI_AVX2
-static void quantize_rows16(const float *x, int64_t m, int64_t k, int16_t *q, float *d, float *s) {
-    int64_t nb = k / 32;
-    for (int64_t i = 0; i < m * nb; i++) {
-        const float *xb = x + i * 32;
-        float amax = 0;
-        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        float dd = amax / 32767.0f, id = dd ? 1.0f / dd : 0.0f;
-        int sum = 0, nan = 0;
-        for (int j = 0; j < 32; j++) {
-            int v = quant_clamp(xb[j] * id, 32767);
-            nan |= xb[j] != xb[j];
-            q[i * 32 + j] = (int16_t)v;
-            sum += v;
-        }
-        d[i] = nan ? NAN : dd;
-        s[i] = nan ? NAN : dd * (float)sum;
-    }
-}
-
-#endif
 
 #ifdef MI_AVX2
 /* 32 int8 weights (|w| <= 128) times 32 int16 activations -> 8 int32 partial sums. */
@@ -680,103 +685,103 @@ static inline __attribute__((always_inline)) void row_q16(int type, const uint8_
 }
 #endif
 
-/* y (m, n) = x (m, k) @ W^T with x quantized per 32 columns to int16 first (the near-exact
- * mode). Returns as mi_matmul_q8. */
-int mi_matmul_q16(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
-                  float *y, int nthreads) {
-    int qk, bytes;
-    deq_fn fn;
-    if (!mi_supports_q8(type) || type_info(type, &qk, &bytes, &fn) || k % qk) return -1;
-#ifdef MI_AVX2
-    int64_t nb = k / qk, row_bytes = nb * bytes, xb = k / 32;
-    int16_t *q = (int16_t *)malloc((size_t)(m * k) * sizeof(int16_t));
-    float *d = (float *)malloc((size_t)(m * xb) * sizeof(float)), *s = (float *)malloc((size_t)(m * xb) * sizeof(float));
-    if (!q || !d || !s) {
-        free(q), free(d), free(s);
-        return -2;
+/* ------------------------------------------------------------------ drivers */
+
+/* Most weights one mi_matmul_many call takes (q, k and v). */
+#define MAX_TENSORS 4
+
+/* Products of one input x (m, k) float32 with nt weights W_t (ns[t], k), each stored as
+ * types[t] blocks at ws[t], rows contiguous: y_t = x @ W_t^T (+ biases[t], (ns[t],) float32,
+ * when biases and biases[t] are not NULL), written as (m, ns[t]) float32 at y + m * off_t,
+ * off_t = ns[0] + ... + ns[t - 1].
+ * act_bits 32 multiplies float32 activations (the gguf precision); 8 or 16 rounds each row of
+ * x per 32 columns to int8 / int16 (quantize_blocks) once for all the weights, then takes
+ * integer dot products (gguf-a8 / gguf-a16). One thread team covers the rows of all the
+ * weights, so that a decode step's q, k and v (or gate and up) cost one call: the 128-row k and
+ * v share the threads instead of running alone on one.
+ * A row's result does not depend on m, on the other weights or on the thread count.
+ * Returns 0; -1 for nt outside 1..MAX_TENSORS, act_bits other than 8, 16 and 32, a type the
+ * mode does not take (mi_supports; mi_supports_q8 for 8 and 16) or a k that is not a multiple
+ * of a type's block size; -2 when memory for the rounded rows cannot be had. */
+int mi_matmul_many(int act_bits, int nt, const int *types, const uint8_t *const *ws, const int64_t *ns,
+                   const float *const *biases, int64_t k, const float *x, int64_t m, float *y, int nthreads) {
+    int qk[MAX_TENSORS], bytes[MAX_TENSORS];
+    deq_fn fn[MAX_TENSORS];
+    int64_t start[MAX_TENSORS + 1];
+    if (nt < 1 || nt > MAX_TENSORS || (act_bits != 8 && act_bits != 16 && act_bits != 32)) return -1;
+    start[0] = 0;
+    for (int t = 0; t < nt; t++) {
+        if (type_info(types[t], &qk[t], &bytes[t], &fn[t]) || k % qk[t] || ns[t] < 0) return -1;
+        if (act_bits != 32 && !mi_supports_q8(types[t])) return -1;
+        start[t + 1] = start[t] + ns[t];
     }
-    quantize_rows16(x, m, k, q, d, s);
+    int64_t total = start[nt], xb = k / 32;
+    if (m <= 0 || total == 0) return 0;
+    void *q = NULL;
+    float *d = NULL, *s = NULL;
+#ifdef MI_AVX2
+    if (act_bits != 32) {
+        q = malloc((size_t)(m * k) * (act_bits == 8 ? 1 : 2));
+        d = (float *)malloc((size_t)(m * xb) * sizeof(float));
+        s = (float *)malloc((size_t)(m * xb) * sizeof(float));
+        if (!q || !d || !s) {
+            free(q), free(d), free(s);
+            return -2;
+        }
+        quantize_blocks(x, m, k, act_bits == 8 ? 127 : 32767, q, d, s);
+    }
+#endif
     for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
         int mm = (int)(m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS);
-#pragma omp parallel for num_threads(n >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK)
-        for (int64_t r = 0; r < n; r++) {
+        /* dynamic chunks: a thread the OS deschedules (other processes on the core) holds up
+         * only its current chunk, not a fixed half of the rows */
+#pragma omp parallel for num_threads(total >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK)
+        for (int64_t g = 0; g < total; g++) {
+            int t = 0;
+            while (g >= start[t + 1]) t++;
+            int64_t r = g - start[t], n = ns[t], nb = k / qk[t];
+            const uint8_t *wr = ws[t] + r * nb * bytes[t];
             float out[MAX_ROWS];
-            if (mm == 1)
-                row_q16(type, w + r * row_bytes, nb, k, 1, q + i0 * k, d + i0 * xb, s + i0 * xb, xb, out);
-            else
-                row_q16(type, w + r * row_bytes, nb, k, mm, q + i0 * k, d + i0 * xb, s + i0 * xb, xb, out);
-            for (int i = 0; i < mm; i++) y[(i0 + i) * n + r] = out[i];
+            if (act_bits == 32) {
+                row_dots(types[t], wr, nb, qk[t], bytes[t], fn[t], x + i0 * k, k, mm, out);
+            }
+#ifdef MI_AVX2
+            else if (act_bits == 8) { /* a constant m = 1: the accumulator stays in a register */
+                const int8_t *xq = (const int8_t *)q + i0 * k;
+                if (mm == 1)
+                    row_q8(types[t], wr, nb, k, 1, xq, d + i0 * xb, s + i0 * xb, xb, out);
+                else
+                    row_q8(types[t], wr, nb, k, mm, xq, d + i0 * xb, s + i0 * xb, xb, out);
+            } else {
+                const int16_t *xq = (const int16_t *)q + i0 * k;
+                if (mm == 1)
+                    row_q16(types[t], wr, nb, k, 1, xq, d + i0 * xb, s + i0 * xb, xb, out);
+                else
+                    row_q16(types[t], wr, nb, k, mm, xq, d + i0 * xb, s + i0 * xb, xb, out);
+            }
+#endif
+            float *yt = y + m * start[t];
+            const float *bias = biases ? biases[t] : NULL;
+            for (int i = 0; i < mm; i++) yt[(i0 + i) * n + r] = bias ? out[i] + bias[r] : out[i];
         }
     }
     free(q), free(d), free(s);
     return 0;
-#else
-    (void)w, (void)n, (void)x, (void)m, (void)y, (void)nthreads;
-    return -1;
-#endif
 }
 
-/* y (m, n) = x (m, k) @ W^T with x quantized per 32 columns to int8 first (the fast mode).
- * Returns 0, -1 for a type mi_supports_q8 refuses or a k that is not a multiple of the block
- * size, -2 when memory for the quantized rows cannot be had. */
-int mi_matmul_q8(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
-                 float *y, int nthreads) {
-    int qk, bytes;
-    deq_fn fn;
-    if (!mi_supports_q8(type) || type_info(type, &qk, &bytes, &fn) || k % qk) return -1;
-#ifdef MI_AVX2
-    int64_t nb = k / qk, row_bytes = nb * bytes, xb = k / 32;
-    qrows qr;
-    qr.q = (int8_t *)malloc((size_t)(m * k));
-    qr.d = (float *)malloc((size_t)(m * xb) * sizeof(float));
-    qr.s = (float *)malloc((size_t)(m * xb) * sizeof(float));
-    if (!qr.q || !qr.d || !qr.s) {
-        free(qr.q), free(qr.d), free(qr.s);
-        return -2;
-    }
-    quantize_rows(x, m, k, &qr);
-    for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
-        int mm = (int)(m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS);
-#pragma omp parallel for num_threads(n >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK)
-        for (int64_t r = 0; r < n; r++) {
-            float out[MAX_ROWS];
-            if (mm == 1) /* a constant m: the accumulator stays in a register */
-                row_q8(type, w + r * row_bytes, nb, k, 1, qr.q + i0 * k, qr.d + i0 * xb, qr.s + i0 * xb, xb, out);
-            else
-                row_q8(type, w + r * row_bytes, nb, k, mm, qr.q + i0 * k, qr.d + i0 * xb, qr.s + i0 * xb, xb, out);
-            for (int i = 0; i < mm; i++) y[(i0 + i) * n + r] = out[i];
-        }
-    }
-    free(qr.q), free(qr.d), free(qr.s);
-    return 0;
-#else
-    (void)w, (void)n, (void)x, (void)m, (void)y, (void)nthreads;
-    return -1;
-#endif
+/* y (m, n) = x (m, k) @ W^T for one weight W (n, k) stored as `type` blocks: mi_matmul_many
+ * with float32 activations (mi_matmul), int8 (mi_matmul_q8) or int16 (mi_matmul_q16), and its
+ * return codes. */
+int mi_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int nthreads) {
+    return mi_matmul_many(32, 1, &type, &w, &n, NULL, k, x, m, y, nthreads);
 }
 
-/* y (m, n) = x (m, k) @ W^T for W (n, k) stored as `type` blocks, rows contiguous.
- * x and y are contiguous float32. Returns 0, or -1 for an unknown type or a k that is not a
- * multiple of the block size. */
-int mi_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
-              float *y, int nthreads) {
-    int qk, bytes;
-    deq_fn fn;
-    if (type_info(type, &qk, &bytes, &fn) || k % qk) return -1;
-    int64_t nb = k / qk, row_bytes = nb * bytes;
-    for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
-        int mm = (int)(m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS);
-        const float *xi = x + i0 * k;
-        /* dynamic chunks: a thread the OS deschedules (other processes on the core) holds up
-         * only its current chunk, not a fixed half of the rows */
-#pragma omp parallel for num_threads(n >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK)
-        for (int64_t r = 0; r < n; r++) {
-            float acc[MAX_ROWS];
-            row_dots(type, w + r * row_bytes, nb, qk, bytes, fn, xi, k, mm, acc);
-            for (int i = 0; i < mm; i++) y[(i0 + i) * n + r] = acc[i];
-        }
-    }
-    return 0;
+int mi_matmul_q8(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int nthreads) {
+    return mi_matmul_many(8, 1, &type, &w, &n, NULL, k, x, m, y, nthreads);
+}
+
+int mi_matmul_q16(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int nthreads) {
+    return mi_matmul_many(16, 1, &type, &w, &n, NULL, k, x, m, y, nthreads);
 }
 
 #ifdef MI_AVX2
@@ -848,9 +853,9 @@ int mi_matmul_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t 
 #endif
 }
 
-/* out (m, k) = x rounded as the integer kernels round their activations (quantize_rows /
- * quantize_rows16): per 32 columns d = max|x| / L (L = 127 for bits 8, 32767 for 16),
- * q = quant_clamp(x / d), out = q * d; a block holding a NaN gives NaN throughout. The dense
+/* out (m, k) = x rounded as the integer kernels round their activations (round_block, as
+ * quantize_blocks): per 32 columns d = max|x| / L (L = 127 for bits 8, 32767 for 16),
+ * q = round(x / d) clamped to [-L, L], out = q * d; a block holding a NaN gives NaN throughout. The dense
  * (prefill) path multiplies this in float32, so a row gets the kernels' rounding whichever path
  * its pass takes. Returns 0, or -1 for bits other than 8 and 16, a k that is not a multiple
  * of 32, or a build without AVX2 (whose kernels do not round activations). */
@@ -861,34 +866,9 @@ int mi_round_activations(const float *x, int64_t m, int64_t k, int bits, float *
     int64_t blocks = m * (k / 32);
 #pragma omp parallel for num_threads(blocks >= 4096 ? nthreads : 1) schedule(static)
     for (int64_t i = 0; i < blocks; i++) {
-        const float *xb = x + i * 32;
-        /* 8 lanes at a time, the same operations as the scalar quantize_rows: max|x| ignoring
-         * NaN (fmaxf; _mm256_max_ps returns its second operand when one is NaN), f = x * id,
-         * quant_clamp's clamp, round half away from zero, NaN -> 0 */
-        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-        __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
-        for (int j = 0; j < 32; j += 8) {
-            __m256 v = _mm256_loadu_ps(xb + j);
-            vmax = _mm256_max_ps(_mm256_and_ps(v, absmask), vmax);
-            vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        }
-        float lanes[8], amax = 0;
-        _mm256_storeu_ps(lanes, vmax);
-        for (int j = 0; j < 8; j++) amax = fmaxf(amax, lanes[j]);
-        float d = amax / (float)lim, id = d ? 1.0f / d : 0.0f;
-        if (_mm256_movemask_ps(vnan)) d = NAN;
-        const __m256 vid = _mm256_set1_ps(id), vd = _mm256_set1_ps(d), hi = _mm256_set1_ps((float)lim),
-                     lo = _mm256_set1_ps(-(float)lim), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
-        for (int j = 0; j < 32; j += 8) {
-            __m256 f = _mm256_mul_ps(_mm256_loadu_ps(xb + j), vid);
-            __m256 bad = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
-            __m256 c = _mm256_min_ps(_mm256_max_ps(f, lo), hi);
-            __m256 t = _mm256_round_ps(c, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            __m256 up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(c, t), absmask), half, _CMP_GE_OQ);
-            __m256 step = _mm256_and_ps(up, _mm256_or_ps(one, _mm256_andnot_ps(absmask, c)));  /* +-1 or +0 */
-            __m256 q = _mm256_andnot_ps(bad, _mm256_add_ps(t, step));  /* -0 + +0 = +0, as (int) gives */
-            _mm256_storeu_ps(out + i * 32 + j, _mm256_mul_ps(q, vd));
-        }
+        __m256 q[4];
+        const __m256 vd = _mm256_set1_ps(round_block(x + i * 32, lim, q));
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + i * 32 + 8 * j, _mm256_mul_ps(q[j], vd));
     }
     return 0;
 #else

@@ -91,7 +91,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mi_dequantize.argtypes = [i32, p, i64, i64, p, i32]
     lib.mi_matmul_f32.argtypes = [p, i64, i64, p, i64, p, i32]
     lib.mi_round_activations.argtypes = [p, i64, i64, i32, p, i32]
-    for f in (lib.mi_round_activations, lib.mi_matmul_f32, lib.mi_matmul, lib.mi_matmul_q8, lib.mi_matmul_q16, lib.mi_dequantize, lib.mi_supports, lib.mi_supports_q8, lib.mi_simd):
+    lib.mi_matmul_many.argtypes = [i32, i32, p, p, p, p, i64, p, i64, p, i32]
+    for f in (lib.mi_matmul_many, lib.mi_round_activations, lib.mi_matmul_f32, lib.mi_matmul, lib.mi_matmul_q8, lib.mi_matmul_q16, lib.mi_dequantize, lib.mi_supports, lib.mi_supports_q8, lib.mi_simd):
         f.restype = i32
     lib.mi_supports.argtypes = lib.mi_supports_q8.argtypes = [i32]
     return lib

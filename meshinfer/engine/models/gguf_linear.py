@@ -9,6 +9,8 @@ summation order. Pure torch plus the C kernels: nothing here logs, prints, await
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
@@ -62,9 +64,28 @@ class GGUFLinear(nn.Module):
         """The weight ``(N, K)`` f32 (exactly gguf-py's dequantization)."""
         return kb.dequantize(self.weight_blocks)
 
+    def fused(self, others: Sequence["GGUFLinear"] = ()) -> kb.FusedProduct | None:
+        """This projection and ``others`` (which share its input) as one kernel call, or None
+        where they cannot share one (``kb.FusedProduct.make``). Made once and kept until a
+        weight, bias or type of one of them changes."""
+        mods = (self, *others)
+        state = [(m.blocks, m.bias, m.qtype, m.act_bits) for m in mods]
+        cache = self.__dict__.setdefault("_fused", {})
+        key = tuple(map(id, others))
+        entry = cache.get(key)
+        if entry is None or not all(a[0] is b[0] and a[1] is b[1] and a[2:] == b[2:] for a, b in zip(entry[0], state)):
+            made = None
+            if all(m.act_bits == self.act_bits for m in mods):
+                made = kb.FusedProduct.make([m.weight_blocks for m in mods], [m.bias for m in mods], self.act_bits)
+            cache[key] = entry = (state, made)
+        return entry[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()  # (M, K)
+        fused = self.fused() if x2.shape[0] < DENSE_MIN_ROWS else None
+        if fused is not None:  # a decode or verification pass: one prepared kernel call, bias included
+            return fused(x2)[0].reshape(*lead, self.out_features)
         w = self.weight_blocks
         if self.qtype == 0:
             y = linear(x2, self.blocks.view(torch.float32).reshape(self.out_features, self.in_features))
@@ -75,6 +96,23 @@ class GGUFLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
+
+
+def project_many(x: torch.Tensor, mods: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """Each of ``mods``' outputs for one input ``x`` ``(..., K)``: ``[(..., N_t)]``.
+
+    :class:`GGUFLinear` projections of a decode or verification pass (fewer than
+    :data:`DENSE_MIN_ROWS` rows) run as one kernel call (``GGUFLinear.fused``: a layer's q, k
+    and v, or gate and up); anything else runs module by module. The results are the same
+    either way, bit for bit."""
+    first = mods[0]
+    if (isinstance(first, GGUFLinear) and all(isinstance(m, GGUFLinear) for m in mods)
+            and x.numel() < DENSE_MIN_ROWS * x.shape[-1]):
+        fused = first.fused(mods[1:])
+        if fused is not None:
+            lead = x.shape[:-1]
+            return [y.reshape(*lead, y.shape[1]) for y in fused(x.reshape(-1, x.shape[-1]).float())]
+    return [m(x) for m in mods]
 
 
 class GGUFEmbedding(nn.Module):

@@ -24,6 +24,7 @@ from meshinfer.core.config import LayerRange, ModelConfig
 from meshinfer.core.errors import InvalidInput, PositionError, WeightsError
 from meshinfer.engine.models.common import (LayerCache, Linear, RMSNorm, apply_rope, causal_attention,
                                             rope_tables)
+from meshinfer.engine.models.gguf_linear import project_many
 from meshinfer.engine.models.quant import Precision, quantize_modules
 
 
@@ -42,9 +43,10 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``(B, T, C)`` -> q ``(B, H, T, D)``, k and v ``(B, Hkv, T, D)``, before RoPE."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k, v = project_many(x, (self.q_proj, self.k_proj, self.v_proj))  # one kernel call at gguf*
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -96,7 +98,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C)
+        gate, up = project_many(x, (self.gate_proj, self.up_proj))  # one kernel call at gguf*
+        return self.down_proj(F.silu(gate) * up)  # (B, T, C)
 
 
 class Block(nn.Module):
