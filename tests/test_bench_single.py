@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
 import pytest
 
 from meshinfer.app.bench import GENERAL_PROMPTS
-from meshinfer.app.bench_single import add_fidelity, prefix_agreement, single_table, top1_agreement
+from meshinfer.app.bench_single import (add_decode_median, add_fidelity, prefix_agreement, single_table,
+                                        top1_agreement)
 from meshinfer.core.config import PRECISION_NAMES
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.text.tokenizer import Tokenizer
@@ -77,10 +79,16 @@ def test_add_fidelity_averages_over_prompts_and_says_why_a_value_is_missing():
     no_ref = {"fidelity_tokens": [[1]]}
     add_fidelity(no_ref, None, "the f32 reference failed: boom")
     assert no_ref["fidelity_greedy"] is None and no_ref["fidelity_greedy_error"] == "the f32 reference failed: boom"
-    table = single_table([{"engine": "llama.cpp", "precision": "gguf as stored", "decode_tok_s": 1.0,
-                           "ttft30_ms": 1, "ttft1000_ms": 1, "peak_rss_mib": 1, "load_s": 1, **no_logits}],
-                         tokens=4, threads=1)
-    assert "| 1.0 | 1.00 | - (TypeError: no logits_all) |" in table
+    llama = {"engine": "llama.cpp", "precision": "gguf as stored", "decode_tok_s": 1.0,
+             "chat_decode_tok_s": [9.0, 4.0, 2.0, 30.0], "ttft30_ms": 1, "ttft1000_ms": 1, "peak_rss_mib": 1,
+             "load_s": 1, **no_logits}
+    mesh = {**llama, "engine": "meshinfer", "precision": "gguf", "chat_decode_tok_s": [2.0, 3.0, 1.0]}
+    for row in (llama, mesh):
+        add_decode_median(row)
+    assert llama["decode_tok_s_median"] == 6.5 and mesh["decode_tok_s_median"] == 2.0
+    table = single_table([mesh, llama], tokens=4, threads=1)
+    assert "| llama.cpp | gguf as stored | 6.5 | 1.00 | 1.00 | - (TypeError: no logits_all) |" in table
+    assert "| meshinfer | gguf | 2.0 | 0.31 | 1.00 |" in table
     assert "f32 is not in --dtypes: it ran only as the fidelity reference." in table
 
 
@@ -118,5 +126,7 @@ def test_bench_single_fidelity_is_computed_against_f32(tiny_gguf, tmp_path):
     assert q8["fidelity_greedy"] == sum(map(prefix_agreement, refs, q8["fidelity_tokens"])) / len(refs)
     assert q8["fidelity_top1"] == sum(map(top1_agreement, refs, q8["fidelity_argmax"])) / len(refs)
     assert 0 <= q8["fidelity_greedy"] <= 1 and 0 <= q8["fidelity_top1"] <= 1
-    assert f"| meshinfer | f32 | {f32['decode_tok_s']:.1f} | 1.00 | {f32['fidelity_top1']:.2f} |" in out.stdout
+    assert len(f32["chat_decode_tok_s"]) == len(GENERAL_PROMPTS) and min(f32["chat_decode_tok_s"]) > 0
+    assert f32["decode_tok_s_median"] == statistics.median(f32["chat_decode_tok_s"])
+    assert f"| meshinfer | f32 | {f32['decode_tok_s_median']:.1f} | - | 1.00 | {f32['fidelity_top1']:.2f} |" in out.stdout
     assert "ran only as the fidelity reference" not in out.stdout
