@@ -114,6 +114,31 @@ def test_a_bad_draft_model_is_refused_before_any_peer_is_contacted(tmp_path):
 
 
 @pytest.mark.slow
+def test_join_exits_with_a_clear_error_when_its_model_file_changes_in_place(tiny_gguf, tmp_path):
+    """A gguf peer computes from the file's memory map: written over in place, it stops and
+    `join` exits 1 with the reason (meshinfer.peer.filewatch), instead of serving other weights
+    under the old hash or dying of SIGBUS."""
+    model = tmp_path / "model.gguf"
+    model.write_bytes(tiny_gguf.read_bytes())
+    env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(model), "--dtype", "gguf",
+                             "--listen", "127.0.0.1:0", "--key", str(tmp_path / "k.pem")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ready: peer"), line + (proc.stderr.read() if proc.poll() is not None else "")
+        with open(model, "r+b") as fh:
+            fh.truncate(model.stat().st_size // 2)
+        assert proc.wait(timeout=60) == 1
+        err = proc.stderr.read().strip().splitlines()[-1]
+        assert err.startswith("error: the model file model.gguf was changed in place") and "the peer stopped" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
 def test_join_status_chat_and_sigterm(tiny_gguf, tmp_path):
     env = dict(os.environ, MESHINFER_HOME=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-m", "meshinfer", "join", "--model", str(tiny_gguf),

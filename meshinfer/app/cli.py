@@ -434,9 +434,15 @@ async def _join(args, plan: JoinPlan) -> int:
     _announce(args, f"ready: peer {peer.peer_id} serving layers {peer.shard.range.cli()} of "
                     f"{peer.cfg.num_hidden_layers} at {where} "
                     f"({peer.executor.device}, {peer.precision}, {peer.compute_ms_per_token:.1f} ms/token)")
-    await stop.wait()
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(peer.stopped.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
     _announce(args, "shutting down")
     await peer.close()
+    if peer.fatal:  # the peer stopped itself (its model file changed under it)
+        print(f"error: {peer.fatal}; the peer stopped", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshinfer.core.config import LayerRange
 from meshinfer.engine.executor import DeviceExecutor
+from meshinfer.peer.filewatch import FileIdentity
 from meshinfer.peer.limits import ClientLimits
 from meshinfer.peer.node import Peer
 from meshinfer.peer.settings import PeerSettings
@@ -52,6 +53,7 @@ async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "c
     dev = parse_device(device)
     path = resolve_model(model, home=home)
     executor = DeviceExecutor(dev, threads=threads)
+    loaded = FileIdentity.of(path) if path.is_file() and dtype.startswith("gguf") else None  # kept mapped
     try:
         shard, bundle, digest = await _load(executor, path, layers, precision, home)
         key = _key(key_path)
@@ -65,6 +67,8 @@ async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "c
                     tokenizer_bundle=bundle, settings=settings)
         peer.owns_executor = True
         await peer.start(warmup=warmup)
+        if loaded is not None:
+            peer.watch_model_file(path, loaded)
         return peer
     except BaseException:
         executor.close()
