@@ -131,6 +131,21 @@ def test_weights_that_cannot_share_a_call_are_not_fused(lib):
         kb.FusedProduct.make([q5], [None], 32)(torch.randn(2, 896))
 
 
+def test_a_fused_product_reads_only_cpu_weights_it_keeps_alive(lib):
+    """Only the first weight's device was checked: a second one elsewhere (here ``meta``) gave
+    the kernel a pointer it cannot read (a segfault); and the product kept the QuantBlocks, not
+    their bytes, so rebinding ``data`` freed the memory its prepared pointers read."""
+    q5 = blocks_of("Q5_0", 32, 512, seed=26)
+    elsewhere = kb.QuantBlocks(q5.qtype, q5.data.to("meta"), 512)
+    assert kb.FusedProduct.make([q5, elsewhere], [None, None], 32) is None
+    w = blocks_of("Q5_0", 32, 512, seed=27)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(27))
+    want, fused = kb.matmul(x, w), kb.FusedProduct.make([w], [None], 32)
+    w.data = torch.zeros(1, w.data.shape[1], dtype=torch.uint8)  # the old bytes' last holder is the product
+    junk = [torch.full((32, w.data.shape[1]), 255, dtype=torch.uint8) for _ in range(50)]  # reuse freed memory
+    assert torch.equal(fused(x)[0], want) and len(junk) == 50
+
+
 def test_the_model_runs_q_k_v_and_gate_up_as_one_call_each(lib, monkeypatch):
     """A decode pass of a layer makes 4 kernel calls (qkv, o, gate-up, down), not 7; a prefill
     pass and other linears go module by module; a changed weight is seen."""

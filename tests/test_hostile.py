@@ -37,6 +37,7 @@ from meshinfer.wire.discovery import (HELLO_LABEL, host_key, MAX_TTL_S, NONCE_BY
 from meshinfer.core.errors import ProtocolError
 from meshinfer.engine.generate import load_shard
 from meshinfer.peer.node import ClientLimits
+from meshinfer.peer.steps import ComputeCost
 
 
 # --------------------------------------------------------------------------- fixtures and helpers
@@ -1600,3 +1601,27 @@ async def test_a_decode_step_queued_behind_other_work_does_not_inflate_the_adver
         assert reply["t"] == "token" and gate.is_set()
         # the tiny model's one-position pass takes about a millisecond; the wait was 2,000 ms
         assert 0 <= peer.compute_ms_per_token < 50, peer.compute_ms_per_token
+
+
+async def test_decode_steps_over_part_of_a_peers_layers_do_not_set_its_advert(tiny):
+    """The advert is what a token costs on the peer's whole range, and it relaxes toward the
+    lowest value it has held (``steps.ComputeCost``). A client (or a rogue previous hop) that
+    opened a conversation over one of the peer's layers made every one-position pass count as
+    the whole range: 30 such steps on a 24-layer peer took its advert from 40 ms to 1.1 ms, and
+    that became its floor, so after any later burst it sank back there within minutes and
+    routes crowded onto it. Only steps over the whole range are measured."""
+    async with raw_conversation(tiny, role="peer", advert=rogue_advert(tiny[1])) as (peers, raw):
+        peer = peers[0]
+        peer.cost = ComputeCost()
+        peer.compute_ms_per_token = 1e3  # the value and the floor: it stays 1e3 until a step is measured
+        await raw.request("open", conv="part", layers=[3, 4], max_tokens=16, prev=peer_id_of(ROGUE_KEY))
+        for i in range(5):
+            await raw.send("step", conv="part", seq=i + 1, start=i, hidden=f32(torch.zeros(1, 1, WIDTH)), want="token")
+            assert (await raw.recv())["t"] == "token"
+        assert peer.compute_ms_per_token == 1e3
+        await raw.request("open", conv="whole", layers=[0, 4], max_tokens=16)
+        await raw.send("step", conv="whole", seq=1, start=0, tokens=[1], want="token")
+        assert (await raw.recv())["t"] == "token"
+        assert peer.compute_ms_per_token < 1e3  # the tiny model's pass takes about a millisecond
+        for conv in ("part", "whole"):
+            await raw.send("close", conv=conv)

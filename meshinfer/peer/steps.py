@@ -49,7 +49,8 @@ class ComputeCost:
     """What a peer's advert says one token costs on its whole range, milliseconds.
 
     :meth:`set` takes a measurement (the warm-up's); :meth:`observe` folds in a served
-    one-position step (weight :data:`COMPUTE_EWMA_WEIGHT`). Between observations the value
+    one-position step over the whole range (weight :data:`COMPUTE_EWMA_WEIGHT`; ``Steps.run``
+    ignores steps over part of it, which a client chooses and which would set the floor). Between observations the value
     relaxes toward the lowest it has been (the idle machine's cost), with half-life
     :data:`COMPUTE_IDLE_HALF_LIFE_S`: a peer slowed by a burst of real load (many batched
     conversations, another process) used to stay avoided until a decode step came to measure
@@ -331,7 +332,9 @@ class Steps:
         timing: dict = {}
         out = await self.peer.scheduler.submit(conv, step.x, start, want, sampling, timing=timing)
         self.peer.metrics.step(step.x.shape[1], time.perf_counter() - t0)
-        if step.x.shape[1] == 1:  # a decode step: what a token costs here now (see ComputeCost)
+        if step.x.shape[1] == 1 and conv.run == self.peer.shard.range:  # a decode step: what a token costs here now
+            # (ComputeCost). Only over the whole range the advert stands for: a conversation over
+            # one of its layers (a client may open one) would count a tenth of the cost, and set the floor.
             self.peer.cost.observe(timing["pass_s"] * 1e3)
         hop = {"peer": self.peer.peer_id, "compute_ms": round((time.perf_counter() - t0) * 1e3, 3),
                "queue_ms": round((t0 - step.received_at) * 1e3, 3)}

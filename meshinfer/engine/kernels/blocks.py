@@ -154,7 +154,9 @@ class FusedProduct:
         n = len(ws)
         self.in_features, self.bits = ws[0].in_features, bits
         self.out_features = tuple(w.shape[0] for w in ws)
-        self._keep = (tuple(ws), tuple(biases))  # the kernel reads their memory
+        # the kernel reads these tensors' memory: the tensors themselves, not the QuantBlocks,
+        # whose ``data`` could be rebound and the bytes freed under the prepared pointers
+        self._keep = (tuple(w.data for w in ws), tuple(biases))
         self._arrays = ((ctypes.c_int * n)(*(w.qtype for w in ws)),
                         (ctypes.c_void_p * n)(*(w.data.data_ptr() for w in ws)),
                         (ctypes.c_int64 * n)(*self.out_features),
@@ -167,13 +169,13 @@ class FusedProduct:
         """The fused product of ``ws`` (with ``biases``: ``(N_t,)`` float32 contiguous CPU
         tensors or None), or None when the kernels are not loaded, the weights differ in
         ``K`` or in the activation rounding :func:`matmul` would give them
-        (:func:`integer_activations`), a weight is float32 rows, a bias is not float32
+        (:func:`integer_activations`), a weight is float32 rows or not on the CPU, a bias is not float32
         contiguous, or there are more than :data:`MAX_WEIGHTS`."""
         if native.library() is None or not 1 <= len(ws) <= cls.MAX_WEIGHTS or len(biases) != len(ws):
             return None
         bits = {act_bits if integer_activations(w, act_bits) else 32 for w in ws}
         if (len(bits) != 1 or len({w.in_features for w in ws}) != 1 or any(w.qtype == 0 for w in ws)
-                or ws[0].in_features % 32 or ws[0].data.device.type != "cpu"):
+                or ws[0].in_features % 32 or any(w.data.device.type != "cpu" for w in ws)):
             return None
         for w, b in zip(ws, biases):
             if b is not None and (b.dtype != torch.float32 or not b.is_contiguous() or b.device.type != "cpu"
