@@ -382,8 +382,15 @@ def test_the_advertised_compute_time_returns_toward_idle_when_no_step_comes():
         cost.observe(110.0, now=1.0 + i / 100)  # a burst: each pass 110 ms
     busy = cost.value(1.3)
     assert busy > 100
-    assert cost.value(1.3 + half) == pytest.approx(10 + (busy - 10) / 2)
+    assert cost.floor_ms < 10.1  # a burst of 0.3 s barely moves the idle cost
+    assert cost.value(1.3 + half) == pytest.approx(cost.floor_ms + (busy - cost.floor_ms) / 2)
     assert cost.value(1.3 + 10 * half) == pytest.approx(10, abs=0.2)
     relaxed = cost.value(1.3 + 2 * half)
     cost.observe(20.0, now=1.3 + 2 * half)
     assert cost.value(1.3 + 2 * half) == pytest.approx(relaxed + steps.COMPUTE_EWMA_WEIGHT * (20 - relaxed))
+    slower = steps.ComputeCost()  # a machine that became slower for good: after hours of serving,
+    slower.set(10.0, now=0.0)     # its idle cost has followed
+    hours = int(4 * steps.COMPUTE_FLOOR_HALF_LIFE_S)
+    for i in range(hours):
+        slower.observe(50.0, now=float(i))
+    assert slower.floor_ms > 45 and slower.value(hours + 10 * half) > 45

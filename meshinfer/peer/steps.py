@@ -41,6 +41,11 @@ COMPUTE_EWMA_WEIGHT = 0.2
 #: serves no decode step (:class:`ComputeCost`). A minute: longer than a burst of batched
 #: conversations, short enough that a peer is not avoided for the rest of the day.
 COMPUTE_IDLE_HALF_LIFE_S = 60.0
+#: Half-life, seconds of serving decode steps, of that idle cost's (the floor's) rise toward the
+#: advertised value (:class:`ComputeCost`): ten minutes of steady serving at a slower speed move
+#: it half way, while a burst of a few seconds moves it by under 1%. Each step counts the time
+#: since the one before, at most 1 s, so idle time does not count as serving.
+COMPUTE_FLOOR_HALF_LIFE_S = 600.0
 #: a child of the node's logger: configuring ``meshinfer.peer.node`` configures all of a peer
 log = logging.getLogger("meshinfer.peer.node.steps")
 
@@ -50,11 +55,14 @@ class ComputeCost:
 
     :meth:`set` takes a measurement (the warm-up's); :meth:`observe` folds in a served
     one-position step over the whole range (weight :data:`COMPUTE_EWMA_WEIGHT`; ``Steps.run``
-    ignores steps over part of it, which a client chooses and which would set the floor). Between observations the value
-    relaxes toward the lowest it has been (the idle machine's cost), with half-life
-    :data:`COMPUTE_IDLE_HALF_LIFE_S`: a peer slowed by a burst of real load (many batched
-    conversations, another process) used to stay avoided until a decode step came to measure
-    it again, and none came, since routes avoided it. Times: ``time.monotonic()`` seconds.
+    ignores steps over part of it, which a client chooses and which would set the floor).
+    Between observations the value relaxes toward the floor (the idle machine's cost), with
+    half-life :data:`COMPUTE_IDLE_HALF_LIFE_S`: a peer slowed by a burst of real load (many
+    batched conversations, another process) used to stay avoided until a decode step came to
+    measure it again, and none came, since routes avoided it. The floor is the lowest value
+    seen, and follows served steps up with half-life :data:`COMPUTE_FLOOR_HALF_LIFE_S` of
+    serving time, so a machine that became slower for good (a throttled CPU, a new neighbour)
+    stops relaxing to its old speed. Times: ``time.monotonic()`` seconds.
     """
 
     def __init__(self) -> None:
@@ -67,10 +75,12 @@ class ComputeCost:
         self.floor_ms = ms if self.floor_ms <= 0 else min(self.floor_ms, ms)
 
     def observe(self, ms: float, now: float | None = None) -> None:
-        """A served decode step's own pass took ``ms``: move the value toward it."""
+        """A served decode step's own pass took ``ms``: move the value toward it, and the
+        floor up toward the new value (half-life :data:`COMPUTE_FLOOR_HALF_LIFE_S` of serving)."""
         now = time.monotonic() if now is None else now
-        old = self.value(now)
+        old, serving_s = self.value(now), min(max(0.0, now - self.at), 1.0)
         self.set(ms if old <= 0 else old + COMPUTE_EWMA_WEIGHT * (ms - old), now)
+        self.floor_ms += (self.ms - self.floor_ms) * (1 - 0.5 ** (serving_s / COMPUTE_FLOOR_HALF_LIFE_S))
 
     def value(self, now: float | None = None) -> float:
         """The cost to advertise at ``now``, ms per token (0 before any measurement)."""
