@@ -106,7 +106,8 @@ def test_bench_single_reports_every_engine(tiny_gguf, tmp_path):
     assert 0 < mesh["join_cached_s"] and 0 < mesh["join_cold_s"] and len(mesh["token_ids"]) == 4
     assert 0 <= mesh["fidelity_greedy"] <= 1 and 0 <= mesh["fidelity_top1"] <= 1  # against f32 run as reference only
     assert llama == {"engine": "llama.cpp", "precision": "gguf as stored",
-                     "error": f"{tmp_path / 'no-python'} does not exist"}
+                     "error": f"{tmp_path / 'no-python'} does not exist (bash deploy/install-llama-cpp.sh builds "
+                              "it, or pass --llama-python)"}
     assert "| meshinfer | q8-bf16 |" in out.stdout and "| llama.cpp | gguf as stored | not measured:" in out.stdout
     assert "f32 is not in --dtypes: it ran only as the fidelity reference." in out.stdout
 

@@ -348,7 +348,9 @@ def run_single(*, model: str, dtypes: list[str], tokens: int, threads: int, llam
         engines.append(("transformers", sys.executable, HF_WORKER, "f32"))
     for name, py, script, precision in engines:
         if not Path(py).exists():
-            row = {"engine": name, "precision": precision, "error": f"{py} does not exist"}
+            row = {"engine": name, "precision": precision,
+                   "error": f"{py} does not exist (bash deploy/install-llama-cpp.sh builds it, or pass --llama-python)"
+                   if name == "llama.cpp" else f"{py} does not exist"}
         else:
             row = {"engine": name, "precision": precision, **_worker(py, script, {**spec, "refs": refs})}
         add_fidelity(row, refs, why)
@@ -391,7 +393,7 @@ def single_table(rows: list[dict], *, tokens: int, threads: int) -> str:
                      f"{_fidelity_cell(r, 'fidelity_greedy')} | {_fidelity_cell(r, 'fidelity_top1')} | "
                      f"{r['ttft30_ms']:.0f} | {r['ttft1000_ms']:.0f} | {r['peak_rss_mib']:.0f} | {r['load_s']:.1f} | "
                      f"{join} |")
-    note = (f"\n\n{threads} threads per engine, one process each after a warm-up; decode speed is the median "
+    note = (f"\n\n{threads} thread{'s' if threads != 1 else ''} per engine, one process each after a warm-up; decode speed is the median "
             f"of the fidelity chats' decodes. Fidelity: {len(GENERAL_PROMPTS)} "
             f"built-in chat prompts x {tokens} greedy tokens against meshinfer f32 (greedy: mean share of "
             f"positions before the first divergence; teacher-forced: share of top-1 equal to f32's tokens).")

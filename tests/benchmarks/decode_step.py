@@ -35,19 +35,24 @@ def timed(fn, n: int) -> list[float]:
 
 
 def main() -> None:
+    from meshinfer.core.errors import MeshError
     from meshinfer.engine.generate import load_shard, new_cache
     from meshinfer.engine.models.gguf_linear import GGUFLinear, project_many
     from meshinfer.engine.weights.registry import DEFAULT_MODEL, resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--dtype", default="gguf-a16")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--positions", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="a GGUF file or a known model name (default: %(default)s)")
+    ap.add_argument("--dtype", default="gguf-a16", help="precision (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
+    ap.add_argument("--positions", type=int, default=1,
+                    help="new positions per step: 1 a decode step, k + 1 a verification step (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=40, help="timed steps (default: %(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    shard = load_shard(str(resolve_model(args.model)), dtype=args.dtype)
+    try:
+        shard = load_shard(str(resolve_model(args.model)), dtype=args.dtype)
+    except MeshError as exc:
+        raise SystemExit(f"error: {exc}") from None
     cache = new_cache(shard)
     shard(torch.arange(100, 140).unsqueeze(0), 0, cache)
     T = args.positions
