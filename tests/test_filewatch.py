@@ -38,14 +38,19 @@ def test_a_change_in_place_is_told_from_a_replacement(tmp_path):
     assert change_in_place(f, again) is None and FileIdentity.of(f) is None
 
 
+async def _peer_on_a_copy(tiny, tmp_path, monkeypatch, dtype: str):
+    """(the copy of the tiny model a new peer at ``dtype`` serves, the peer), checking every 50 ms."""
+    model = tmp_path / "model.gguf"
+    shutil.copyfile(tiny[0], model)
+    monkeypatch.setattr(filewatch, "MODEL_WATCH_INTERVAL_S", 0.05)
+    return model, await launch_peer(str(model), None, dtype=dtype, settings=PeerSettings(gossip_interval_s=0.1),
+                                    key_path=str(tmp_path / "k.pem"), home=str(tmp_path), warmup=False)
+
+
 @pytest.mark.parametrize("how", ["truncate", "rename"])
 async def test_a_gguf_peer_stops_when_its_model_file_changes_in_place(tiny, tmp_path, monkeypatch, how):
-    path, *_ = tiny
-    model = tmp_path / "model.gguf"
-    shutil.copyfile(path, model)
-    monkeypatch.setattr(filewatch, "MODEL_WATCH_INTERVAL_S", 0.05)
-    peer = await launch_peer(str(model), None, dtype="gguf", settings=PeerSettings(gossip_interval_s=0.1),
-                             key_path=str(tmp_path / "k.pem"), home=str(tmp_path), warmup=False)
+    path = tiny[0]
+    model, peer = await _peer_on_a_copy(tiny, tmp_path, monkeypatch, "gguf")
     try:
         assert peer.state == protocol.READY
         if how == "rename":
@@ -67,12 +72,7 @@ async def test_a_gguf_peer_stops_when_its_model_file_changes_in_place(tiny, tmp_
 
 async def test_an_f32_peer_does_not_watch_its_file(tiny, tmp_path, monkeypatch):
     """f32 copies the weights out of the file at load, so a later change cannot reach it."""
-    path, *_ = tiny
-    model = tmp_path / "model.gguf"
-    shutil.copyfile(path, model)
-    monkeypatch.setattr(filewatch, "MODEL_WATCH_INTERVAL_S", 0.05)
-    peer = await launch_peer(str(model), None, dtype="f32", settings=PeerSettings(gossip_interval_s=0.1),
-                             key_path=str(tmp_path / "k.pem"), home=str(tmp_path), warmup=False)
+    model, peer = await _peer_on_a_copy(tiny, tmp_path, monkeypatch, "f32")
     try:
         with open(model, "r+b") as fh:
             fh.truncate(100)
