@@ -417,16 +417,16 @@ static void row_dots(int type, const uint8_t *wrow, int64_t nb, int qk, int byte
  * integer dot product (maddubs / madd), scaled once: llama.cpp's CPU path (ggml_vec_dot_*_q8_*). */
 
 #ifdef MI_AVX2
-/* The clamp matters: C leaves the float -> int conversion undefined for NaN and for values
+/* One 32-block xb rounded, 8 lanes at a time: q[0..3] = x * id clamped to [-lim, lim] and
+ * rounded to integral floats (NaN inputs -> 0), and the block's scale d = max|x| / lim (NaN when
+ * the block holds a NaN). max|x| ignores NaN, as fmaxf does (_mm256_max_ps returns its second
+ * operand when one is NaN); halves round away from zero, as roundf. The one rounding of every
+ * integer path: quantize_blocks and mi_round_activations.
+ * The clamp matters: C leaves the float -> int conversion undefined for NaN and for values
  * outside int, and x * id is +-inf or NaN (0 * inf) when a block's largest |x| is so small that
  * its scale is subnormal and 1 / scale overflows (hidden states with subnormal values pass the
  * hop's checks). NaN rounds to 0 and the block's scale is NaN, so NaN in gives NaN out, as
  * with float32 activations (the step is then refused). */
-/* One 32-block xb rounded, 8 lanes at a time: q[0..3] = x * id clamped to [-lim, lim] and
- * rounded to integral floats (NaN inputs -> 0) and the block's scale d = max|x| / lim (NaN when the
- * block holds a NaN). max|x| ignores NaN, as fmaxf does (_mm256_max_ps returns its second
- * operand when one is NaN); halves round away from zero, as roundf. The one rounding of every
- * integer path: quantize_blocks and mi_round_activations. */
 static inline float round_block(const float *xb, int lim, __m256 q[4]) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
