@@ -98,6 +98,38 @@ def test_a_corrupt_draft_file_is_refused(tiny, tmp_path, damage):
         load_draft_model(bad, dtype="f32")
 
 
+async def test_the_draft_model_keeps_its_own_weights_when_its_file_is_written_over(tmp_path):
+    """Nothing watches the client's draft file (a peer stops when its model file changes in
+    place): the draft model computes from its own copy of the file's blocks, so a file written
+    over or truncated after loading changes no draft (and cannot SIGBUS the client)."""
+    import gguf
+
+    path = tmp_path / "draft.gguf"
+    cfg = tiny_config("qwen2", context=256)
+    write_gguf(path, cfg, random_weights(cfg, seed=5),
+               quantize=lambda name: gguf.GGMLQuantizationType.Q8_0 if name.endswith("proj.weight") else None)
+    model = load_draft_model(path, dtype="gguf")
+    history = [4, 8, 15, 16, 23, 42]
+    try:
+        d = model.drafter()
+        before = await d.propose(history, 6)
+        await d.close()
+        size = path.stat().st_size
+        with open(path, "r+b") as f:  # in place: the same inode, every byte after the header zeroed
+            f.seek(4096)
+            f.write(bytes(size - 4096))
+        d = model.drafter()
+        assert await d.propose(history, 6) == before
+        await d.close()
+        with open(path, "r+b") as f:
+            f.truncate(4096)
+        d = model.drafter()
+        assert await d.propose(history, 6) == before
+        await d.close()
+    finally:
+        model.close()
+
+
 def test_a_missing_draft_file_is_refused(tmp_path):
     with pytest.raises(ModelNotFound, match="^draft model: model .*nope.gguf' is not a known model name"):
         load_draft_model(tmp_path / "nope.gguf")

@@ -287,17 +287,19 @@ def dequantize_chunks(x: torch.Tensor, w: QuantBlocks, act_bits: int = 32) -> to
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def blocks_from_file(raw: np.ndarray, type_name: str, in_features: int) -> QuantBlocks | None:
+def blocks_from_file(raw: np.ndarray, type_name: str, in_features: int, *, private: bool = False) -> QuantBlocks | None:
     """The file's bytes ``raw`` ``(N, row_bytes)`` uint8 as :class:`QuantBlocks`, or None when
     ``type_name`` is not a type of :data:`KERNEL_TYPES`.
 
     A contiguous read-only ``raw`` (a view of the file's memory map) is used in place, not
-    copied: the shard's weights are then the mapped file's pages, shared with the page cache, as
-    llama.cpp's mmap loading does (docs/performance.md, load memory). Nothing writes to blocks."""
+    copied, unless ``private``: the shard's weights are then the mapped file's pages, shared with
+    the page cache, as llama.cpp's mmap loading does (docs/performance.md, load memory). Nothing
+    writes to blocks. ``private`` copies them into the process's own memory, out of reach of a
+    later change of the file."""
     qtype = KERNEL_TYPES.get(type_name)
     if qtype is None:
         return None
-    if raw.flags.c_contiguous and not raw.flags.writeable:
+    if raw.flags.c_contiguous and not raw.flags.writeable and not private:
         with warnings.catch_warnings():  # torch warns that the array is not writable: it is never written
             warnings.simplefilter("ignore", UserWarning)
             return QuantBlocks(qtype, torch.from_numpy(raw), in_features)

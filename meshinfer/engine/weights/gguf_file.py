@@ -394,7 +394,8 @@ class GGUFFile:
                 out[r:r + DEQUANT_ROWS] = quants.dequantize(chunk, t.qtype)
         return out.reshape(tuple(reversed(t.dims)))  # GGUF lists ne0 (innermost) first
 
-    def iter_shard_tensors(self, layers: LayerRange, *, blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_shard_tensors(self, layers: LayerRange, *, blocks: bool = False,
+                           private: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(module_name, float32 tensor)`` for the tensors a shard over ``layers`` needs.
 
         Only blocks ``[layers.start, layers.stop)`` are read; the token embedding only when
@@ -404,7 +405,8 @@ class GGUFFile:
 
         With ``blocks``, a 2-D tensor stored in a type the gguf kernels take
         (``kernels.blocks.KERNEL_TYPES``, float32 excepted) comes as ``QuantBlocks``: the file's
-        bytes, rows permuted as the float tensor's would be (the ``gguf`` precision).
+        bytes, rows permuted as the float tensor's would be (the ``gguf`` precision): a view of the
+        file's memory map, or with ``private`` a copy (every other tensor is a copy anyway).
         """
         import torch
 
@@ -437,7 +439,8 @@ class GGUFFile:
                 yield module, torch.from_numpy(arr)
             else:
                 from meshinfer.engine.kernels.blocks import blocks_from_file
-                yield module, blocks_from_file(arr, self.tensor_type(gname), self._tensor(gname).dims[0])
+                yield module, blocks_from_file(arr, self.tensor_type(gname), self._tensor(gname).dims[0],
+                                               private=private)
             if cfg.is_moe and module.endswith(".mlp.gate.weight"):  # the experts follow their router
                 yield from self._iter_experts(gname.rsplit(".", 2)[0], module.rsplit(".", 3)[0])
 
