@@ -81,6 +81,39 @@ def test_forward_batch_checks_every_input_before_touching_a_cache(tiny):
     assert [c.length for c in caches] == [0, 3, 0]
 
 
+async def test_a_pass_of_a_conversation_that_ends_stops_at_the_next_layer(tiny):
+    """A client that leaves during a long prefill chunk: the peer drops the conversation and its
+    pass stops before the next layer instead of running every layer of the chunk (about 25 s at
+    20k tokens of context on the benchmark CPU) for nobody."""
+    from meshinfer.client.mesh import MeshClient
+
+    path, digest, tok, _ = tiny
+    async with mesh([load_shard(path)], weights_hash=digest, bundle=tok.to_bundle()) as peers:
+        peer, ran = peers[0], []
+        for name, block in peer.shard.layers.items():
+            def slow(*args, _real=block.forward, _name=name, **kwargs):
+                ran.append(_name)
+                time.sleep(0.5)
+                return _real(*args, **kwargs)
+            block.forward = slow
+        async with MeshClient(list(peer.addrs)) as client:
+            conv = client.conversation(await client.plan(), max_tokens_total=64)
+            task = asyncio.create_task(conv.generate(tok.encode("a prompt"), max_tokens=4, eos_ids=()))
+            while not ran:
+                await asyncio.sleep(0.005)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await conv.close()
+            for _ in range(200):
+                if not peer.convs:
+                    break
+                await asyncio.sleep(0.02)
+            assert not peer.convs
+            await peer.executor.run(lambda: None)  # the pass, if still running, has ended
+        assert ran == ["0"], ran  # without the check: all 4 layers
+        assert peer.kv_bytes_used == 0
+
+
 @pytest.mark.realmodel
 def test_forward_batch_equals_single_forwards_default_model():
     """The reference prompts and prefixes of them: 6 sequences of 12..41 tokens, 2 hops."""

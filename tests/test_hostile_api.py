@@ -327,10 +327,10 @@ class SlowVerify:
     def __getattr__(self, name):
         return getattr(self._shard, name)
 
-    def __call__(self, x, start, cache=None, *, run=None, logits="last"):
+    def __call__(self, x, start, cache=None, *, run=None, logits="last", abandoned=None):
         if logits == "all":
             time.sleep(0.3)
-        return self._shard(x, start, cache, run=run, logits=logits)
+        return self._shard(x, start, cache, run=run, logits=logits, abandoned=abandoned)
 
 
 @pytest.mark.slow

@@ -167,6 +167,13 @@ class DeviceError(MeshError):
     code = "device_error"
 
 
+class StepAbandoned(MeshError):
+    """A forward pass stopped between two layers because nobody waits for its result any more
+    (the step's conversation ended): the KV cache it wrote to must be freed, not used."""
+
+    code = "step_abandoned"
+
+
 class TemplateError(InvalidInput):
     """A chat template cannot render the given messages (``raise_exception`` in the template,
     an undefined variable, a sandbox violation) or the model has no chat template."""

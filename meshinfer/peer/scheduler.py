@@ -135,9 +135,10 @@ class StepScheduler:
         returned. ``timing``, when given, gets ``pass_s``: the seconds the pass that ran the step
         took on the device thread (not its wait behind other passes, holds or other work).
 
-        Cancelling the caller withdraws a step still pending; a step already in a pass
-        completes (its cache advances) and the result is dropped, as with
-        :meth:`DeviceExecutor.run`.
+        Cancelling the caller withdraws a step still pending; a step already in a pass of its
+        own (a prefill chunk, say) stops at the next layer (``Shard.forward``'s ``abandoned``:
+        the conversation ended, its cache is to be freed), and one in a batched pass completes
+        with the others (its cache advances) and its result is dropped.
 
         Raises:
             MeshError: the step's own error (bad input, position, a full cache, NaN output).
@@ -300,11 +301,12 @@ class StepScheduler:
                 outcomes[i] = _Outcome(exc)
 
     def _one(self, job: StepJob):
-        """One step alone: its result, or the exception it raised."""
+        """One step alone: its result, or the exception it raised. The pass stops between two
+        layers once the step's caller is gone (its future cancelled: the conversation ended)."""
         try:
             shard = self.get_shard()
             out = shard(job.x, job.start, job.conv.cache, run=job.conv.run,
-                        logits=self.logits_mode(job.want))
+                        logits=self.logits_mode(job.want), abandoned=job.future.done)
             return self.finish(job.conv, job.start, job.tokens, job.want, out, job.sampling)
         except Exception as exc:
             return exc

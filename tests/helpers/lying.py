@@ -14,7 +14,7 @@ class LyingShard:
     def __getattr__(self, name):
         return getattr(self._shard, name)
 
-    def __call__(self, x, start, cache=None, *, run=None, logits="last"):
+    def __call__(self, x, start, cache=None, *, run=None, logits="last", abandoned=None):
         return self._lie(self._shard, x, start, cache, run or self._shard.range, logits)
 
 

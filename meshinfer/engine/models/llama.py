@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from meshinfer.core.config import LayerRange, ModelConfig
-from meshinfer.core.errors import InvalidInput, PositionError, WeightsError
+from meshinfer.core.errors import InvalidInput, PositionError, StepAbandoned, WeightsError
 from meshinfer.engine.models.common import (LayerCache, Linear, RMSNorm, apply_rope, causal_attention,
                                             rope_tables)
 from meshinfer.engine.models.gguf_linear import project_many
@@ -264,7 +264,8 @@ class Shard(nn.Module):
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, start: int, cache: "LayerCache | None" = None, *,
-                run: LayerRange | None = None, logits: str = "last") -> torch.Tensor:
+                run: LayerRange | None = None, logits: str = "last",
+                abandoned: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run layers ``run`` (default: all of this shard's) over ``T`` new tokens.
 
         Args:
@@ -274,6 +275,8 @@ class Shard(nn.Module):
             cache: the conversation's KV cache for these layers, or None for a stateless pass.
             run: a sub-range of this shard's layers to apply.
             logits: on the last layer, ``"last"`` returns ``(B, 1, V)``, ``"all"`` ``(B, T, V)``.
+            abandoned: asked before each layer; True stops the pass (a long prefill chunk whose
+                conversation ended need not run to its end: seconds per chunk at long context).
 
         Returns:
             Hidden states ``(B, T, C)`` in the compute dtype, or float32 logits when ``run``
@@ -283,6 +286,8 @@ class Shard(nn.Module):
             InvalidInput: wrong input kind or shape, a token id outside the vocabulary.
             PositionError: ``start`` differs from the cache length, or exceeds the context.
             LayerRangeError: ``run`` is not within this shard.
+            StepAbandoned: ``abandoned()`` said so; the cache keeps its length, but the layers
+                already run wrote past it (a sliding window's ring included): free it.
         """
         run = self.check_step(x, start, cache, run)
         T = x.shape[1]
@@ -293,6 +298,8 @@ class Shard(nn.Module):
         positions = torch.arange(start, start + T, device=h.device)  # (T,)
         cos, sin = rope_tables(self.cfg, positions, start + T, h.dtype)  # (T, R)
         for i in range(run.start, run.stop):
+            if abandoned is not None and abandoned():
+                raise StepAbandoned(f"the step at positions {start}..{start + T - 1} was abandoned before layer {i}")
             h = self.layers[str(i)](h, cos, sin, start, cache, i)
         if cache is not None:
             cache.commit(T)
