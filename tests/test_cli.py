@@ -358,7 +358,8 @@ def test_bench_speculative_and_ttft_suites_run(tiny_gguf, tmp_path):
     spec, ttft = result["speculative"], result["ttft"]
     assert [(r["rtt_ms"], r["prompts"], r["mode"]) for r in spec] == [
         (rtt, p, m) for rtt in (0, 20) for p in ("general", "code edit") for m in ("plain", "lookup", "draft")]
-    assert all(r["identical"] and r["tokens_per_s"] > 0 for r in spec)
+    assert all(r["identical"] and r["tokens_per_s"] > 0 and r["ttft_ms_median"] > 0 for r in spec)
+    assert "| steps (verify) | TTFT ms | identical |" in out.stdout
     assert [r["conversations"] for r in spec[:3]] == [2, 2, 2]
     bad_prompts = meshinfer("bench", "--model", str(tiny_gguf), "--suite", "speculative", "--prompts", str(tiny_gguf))
     assert bad_prompts.returncode == 2 and f"--prompts {tiny_gguf}:" in bad_prompts.stderr

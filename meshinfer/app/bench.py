@@ -382,7 +382,8 @@ async def _spec_run(client, route, tok, prompts: list, *, max_tokens: int, conte
 
 def _spec_rows(rtt: float, prompt_set: str, route, runs: dict) -> list[dict]:
     """One row per mode: aggregate decode tokens/s over the set, its ratio to plain, acceptance,
-    decode steps, and whether every prompt's tokens equal plain decoding's."""
+    decode steps, the median time to first token (ms), and whether every prompt's tokens equal
+    plain decoding's."""
     def rate(outs) -> float:
         secs = sum(_decode_s(o) for o in outs)
         return sum(len(o.token_ids) - 1 + (o.finish_reason == "stop") for o in outs) / secs if secs else 0.0
@@ -399,6 +400,7 @@ def _spec_rows(rtt: float, prompt_set: str, route, runs: dict) -> list[dict]:
                      "tokens_per_s": rate(outs), "vs_plain": rate(outs) / plain if plain else 0.0,
                      "acceptance": accepted / proposed if proposed else 0.0, "proposed": proposed,
                      "verify_steps": sum(o.speculative.get("steps", 0) for o in outs), "decode_steps": steps,
+                     "ttft_ms_median": statistics.median(o.ttft_ms for o in outs) if outs else 0.0,
                      "identical": all(a.token_ids == b.token_ids for a, b in zip(runs["plain"], outs))})
     return rows
 
@@ -514,14 +516,16 @@ def _cpu_model() -> str:
 def spec_table(rows: list[dict]) -> str:
     """The rows of :func:`run_spec_bench` as a markdown table: decode tokens/s over each prompt
     set, the ratio to plain decoding at the same RTT, draft acceptance, decode steps (verification
-    steps in brackets), and whether every prompt's tokens equal plain decoding's."""
+    steps in brackets), the median time to first token, and whether every prompt's tokens equal
+    plain decoding's."""
     def row(r: dict) -> str:
         acc = f"{r['acceptance']:.2f}" if r["proposed"] else "-"
         return (f"| {r['rtt_ms']:g} | {r['prompts']} | {r['mode']} | {r['tokens_per_s']:.2f} | "
-                f"{r['vs_plain']:.2f} | {acc} | {r['decode_steps']} ({r['verify_steps']}) | {r['identical']} |")
+                f"{r['vs_plain']:.2f} | {acc} | {r['decode_steps']} ({r['verify_steps']}) | "
+                f"{r.get('ttft_ms_median', 0.0):.0f} | {r['identical']} |")
 
-    return _markdown("| RTT ms | prompts | mode | tok/s | vs plain | acceptance | steps (verify) | identical |",
-                     "|---:|---|---|---:|---:|---:|---:|---|", rows, row)
+    return _markdown("| RTT ms | prompts | mode | tok/s | vs plain | acceptance | steps (verify) | TTFT ms | identical |",
+                     "|---:|---|---|---:|---:|---:|---:|---:|---|", rows, row)
 
 
 # --------------------------------------------------------------------------- TTFT
