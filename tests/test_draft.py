@@ -110,22 +110,24 @@ async def test_the_draft_model_keeps_its_own_weights_when_its_file_is_written_ov
                quantize=lambda name: gguf.GGMLQuantizationType.Q8_0 if name.endswith("proj.weight") else None)
     model = load_draft_model(path, dtype="gguf")
     history = [4, 8, 15, 16, 23, 42]
+
+    async def drafts() -> list[int]:
+        d = model.drafter()
+        try:
+            return await d.propose(history, 6)
+        finally:
+            await d.close()
+
+    def zero_all_but_4k(f) -> None:
+        f.seek(4096)
+        f.write(bytes(path.stat().st_size - 4096))
+
     try:
-        d = model.drafter()
-        before = await d.propose(history, 6)
-        await d.close()
-        size = path.stat().st_size
-        with open(path, "r+b") as f:  # in place: the same inode, every byte after the header zeroed
-            f.seek(4096)
-            f.write(bytes(size - 4096))
-        d = model.drafter()
-        assert await d.propose(history, 6) == before
-        await d.close()
-        with open(path, "r+b") as f:
-            f.truncate(4096)
-        d = model.drafter()
-        assert await d.propose(history, 6) == before
-        await d.close()
+        before = await drafts()
+        for damage in (zero_all_but_4k, lambda f: f.truncate(4096)):  # in place: the same inode
+            with open(path, "r+b") as f:
+                damage(f)
+            assert await drafts() == before
     finally:
         model.close()
 

@@ -522,7 +522,7 @@ def spec_table(rows: list[dict]) -> str:
         acc = f"{r['acceptance']:.2f}" if r["proposed"] else "-"
         return (f"| {r['rtt_ms']:g} | {r['prompts']} | {r['mode']} | {r['tokens_per_s']:.2f} | "
                 f"{r['vs_plain']:.2f} | {acc} | {r['decode_steps']} ({r['verify_steps']}) | "
-                f"{r.get('ttft_ms_median', 0.0):.0f} | {r['identical']} |")
+                f"{r['ttft_ms_median']:.0f} | {r['identical']} |")
 
     return _markdown("| RTT ms | prompts | mode | tok/s | vs plain | acceptance | steps (verify) | TTFT ms | identical |",
                      "|---:|---|---|---:|---:|---:|---:|---:|---|", rows, row)
