@@ -99,9 +99,8 @@ def test_a_corrupt_draft_file_is_refused(tiny, tmp_path, damage):
 
 
 async def test_the_draft_model_keeps_its_own_weights_when_its_file_is_written_over(tmp_path):
-    """Nothing watches the client's draft file (a peer stops when its model file changes in
-    place): the draft model computes from its own copy of the file's blocks, so a file written
-    over or truncated after loading changes no draft (and cannot SIGBUS the client)."""
+    """The draft model computes from its own copy of the file's blocks (as a peer does), so a
+    file written over or truncated after loading changes no draft (and cannot SIGBUS the client)."""
     import gguf
 
     path = tmp_path / "draft.gguf"

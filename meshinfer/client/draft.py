@@ -359,7 +359,7 @@ def load_draft_model(spec: str | os.PathLike, *, device: str = "cpu", dtype: str
     """Load a whole draft model and its tokenizer, checking everything that can be checked without
     the mesh: the file exists (or the name is known and pulled), its weights and tokenizer read.
     The weights are this process's own copy, not the file's memory map: a file written over or
-    truncated later changes no draft (nothing watches it, unlike a peer's model file).
+    truncated later changes no draft (:func:`meshinfer.engine.generate.load_shard`).
 
     Args:
         spec: a GGUF file, a Hugging Face directory, or a known model name (pulled if missing).
@@ -388,9 +388,7 @@ def load_draft_model(spec: str | os.PathLike, *, device: str = "cpu", dtype: str
     try:
         src = open_weights(path)
         tok = Tokenizer.from_gguf(src) if Path(path).is_file() else Tokenizer.from_hf_dir(path)
-        # its own copy of the weights: no one watches the draft's file (a peer stops when its
-        # model file changes in place, peer/filewatch.py), and a draft needs no shared pages
-        shard = load_shard(src, dtype=dtype, device=str(dev), cache_dir=cache_dir, private=True)
+        shard = load_shard(src, dtype=dtype, device=str(dev), cache_dir=cache_dir)  # copies: see load_shard
     except (WeightsError, OSError, ValueError, KeyError, IndexError) as exc:
         if isinstance(exc, InvalidInput) and not isinstance(exc, WeightsError):
             raise InvalidInput(f"draft model: {exc}") from exc

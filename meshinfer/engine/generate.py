@@ -51,17 +51,17 @@ def parse_dtype(name: str) -> Precision:
 
 def load_shard(weights: WeightsSource | str | os.PathLike, layers: LayerRange | None = None, *,
                dtype: torch.dtype | Precision | str = torch.float32, device: str = "cpu",
-               cache_dir: str | os.PathLike | None = None, private: bool = False) -> Shard:
+               cache_dir: str | os.PathLike | None = None) -> Shard:
     """Load layers ``layers`` (default: all) of a GGUF file or HF directory.
+
+    The shard holds copies of the file's tensors, at every precision (the gguf precisions copy
+    the file's blocks: ``GGUFFile.iter_shard_tensors``), so nothing written to the file later
+    (in place, or truncating it: SIGBUS on a mapped page) reaches it.
 
     Args:
         dtype: a torch float dtype, or a precision (object or name, e.g. ``"q8-bf16"``).
         cache_dir: for a quantized precision, keep the converted tensors under this folder
             (see :mod:`meshinfer.engine.weights.converted`) and reuse them on the next load; None: no cache.
-        private: at the gguf precisions, copy the file's blocks into this process's memory
-            instead of computing from the file's memory map, so that nothing written to the
-            file later (in place, or truncating it: SIGBUS) reaches the shard. Every other
-            precision holds copies anyway.
 
     Raises:
         WeightsError: unreadable or inconsistent weights.
@@ -79,7 +79,7 @@ def load_shard(weights: WeightsSource | str | os.PathLike, layers: LayerRange | 
             raise InvalidInput(f"precision {precision.name} computes from a GGUF file's blocks; this model is "
                                f"not a GGUF file")
         _check_gguf_kernels(precision.name)
-        return Shard.from_tensors(src.config, layers, src.iter_shard_tensors(layers, blocks=True, private=private),
+        return Shard.from_tensors(src.config, layers, src.iter_shard_tensors(layers, blocks=True),
                                   device=device, precision=precision)
     if precision.quantized and cache_dir is not None:
         return _load_via_cache(src, layers, precision, cache_dir)

@@ -8,8 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshinfer.core.config import LayerRange
+from meshinfer.core.errors import WeightsError
 from meshinfer.engine.executor import DeviceExecutor
-from meshinfer.peer.filewatch import FileIdentity
 from meshinfer.peer.limits import ClientLimits
 from meshinfer.peer.node import Peer
 from meshinfer.peer.settings import PeerSettings
@@ -53,7 +53,6 @@ async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "c
     dev = parse_device(device)
     path = resolve_model(model, home=home)
     executor = DeviceExecutor(dev, threads=threads)
-    loaded = FileIdentity.of(path) if path.is_file() and dtype.startswith("gguf") else None  # kept mapped
     try:
         shard, bundle, digest = await _load(executor, path, layers, precision, home)
         key = _key(key_path)
@@ -67,8 +66,6 @@ async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "c
                     tokenizer_bundle=bundle, settings=settings)
         peer.owns_executor = True
         await peer.start(warmup=warmup)
-        if loaded is not None:
-            peer.watch_model_file(path, loaded)
         return peer
     except BaseException:
         executor.close()
@@ -77,13 +74,22 @@ async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "c
 
 async def _load(executor: DeviceExecutor, path: Path, layers: LayerRange | None, precision, home: str | None):
     """(shard, tokenizer bundle or None, weights hash) of ``layers`` of the model at ``path``,
-    loaded on ``executor``'s device thread; the first hop's shard comes with the tokenizer."""
+    loaded on ``executor``'s device thread; the first hop's shard comes with the tokenizer.
+
+    The shard is a copy of the file's tensors (``load_shard``): a file changed later reaches no
+    step. The hash is taken before the copy and checked after it (a look-up, unless the file's
+    size or modification time moved).
+
+    Raises:
+        WeightsError: the file changed while it was being loaded.
+    """
     from meshinfer.engine.generate import load_shard
     from meshinfer.engine.weights import open_weights
     from meshinfer.engine.weights.identity import weights_hash
     from meshinfer.engine.weights.registry import meshinfer_home
     from meshinfer.text.tokenizer import Tokenizer
 
+    digest = await executor.run(weights_hash, path)  # and again after the copy: it names what was loaded
     src = await executor.run(open_weights, path)
     rng = layers or LayerRange(0, src.config.num_hidden_layers)
     rng.check_within(src.config.num_hidden_layers)
@@ -95,7 +101,8 @@ async def _load(executor: DeviceExecutor, path: Path, layers: LayerRange | None,
     if rng.start == 0:  # the first hop serves the tokenizer to clients
         bundle = (await executor.run(Tokenizer.from_gguf, src)).to_bundle() if path.is_file() \
             else (await executor.run(Tokenizer.from_hf_dir, path)).to_bundle()
-    digest = await executor.run(weights_hash, path)
+    if await executor.run(weights_hash, path) != digest:
+        raise WeightsError(f"{path}: the model file changed while this peer loaded it; start the peer again")
     return shard, bundle, digest
 
 

@@ -32,7 +32,7 @@ from meshinfer.core.errors import InvalidInput, PeerUnavailable, ProtocolError, 
 from meshinfer.core.logs import context
 from meshinfer.engine.executor import DeviceExecutor
 from meshinfer.engine.models.llama import Shard
-from meshinfer.peer import filewatch, limits
+from meshinfer.peer import limits
 from meshinfer.peer.audit import Audits
 from meshinfer.peer.connections import Connections
 from meshinfer.peer.conversations import Conv, Conversations
@@ -122,8 +122,6 @@ class Peer(_Handlers):
                                 + limits.FRAME_OVERHEAD_BYTES)
         self._closing = False
         self.stopped = asyncio.Event()  # set once close() has finished
-        self.fatal: str | None = None  # why the peer stopped itself (watch_model_file), for join's exit
-        self._stopper: asyncio.Task | None = None
         self.owns_executor = False
         self.metrics = PeerMetrics(self)
         self.budgets = FrameBudgets(lambda: self.settings.client_limits, self.metrics)  # see Link.admit
@@ -221,18 +219,6 @@ class Peer(_Handlers):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    def watch_model_file(self, path, loaded: "filewatch.FileIdentity") -> None:
-        """Stop this peer (``fatal`` says why, then :meth:`close`) if the model file at ``path``,
-        whose identity at load was ``loaded``, is changed in place while the peer computes from
-        its memory map (:mod:`meshinfer.peer.filewatch`)."""
-        async def stop(reason: str) -> None:
-            log.error("%s: stopping (replace model files by rename, not in place)", reason,
-                      extra=context(peer=self.peer_id))
-            self.fatal = reason
-            self._stopper = asyncio.get_running_loop().create_task(self.close())  # close() cancels this watch
-
-        self._spawn(filewatch.watch(path, loaded, stop), "model file watch")
 
     async def warmup(self, *, prompt_tokens: int = 16) -> float:
         """Run one prefill and one decode on dummy input; return decode ms per token

@@ -11,7 +11,6 @@ Pure computation: nothing here logs (except ``native.library()``'s one warning),
 from __future__ import annotations
 
 import ctypes
-import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -287,20 +286,16 @@ def dequantize_chunks(x: torch.Tensor, w: QuantBlocks, act_bits: int = 32) -> to
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def blocks_from_file(raw: np.ndarray, type_name: str, in_features: int, *, private: bool = False) -> QuantBlocks | None:
+def blocks_from_file(raw: np.ndarray, type_name: str, in_features: int) -> QuantBlocks | None:
     """The file's bytes ``raw`` ``(N, row_bytes)`` uint8 as :class:`QuantBlocks`, or None when
     ``type_name`` is not a type of :data:`KERNEL_TYPES`.
 
-    A contiguous read-only ``raw`` (a view of the file's memory map) is used in place, not
-    copied, unless ``private``: the shard's weights are then the mapped file's pages, shared with
-    the page cache, as llama.cpp's mmap loading does (docs/performance.md, load memory). Nothing
-    writes to blocks. ``private`` copies them into the process's own memory, out of reach of a
-    later change of the file."""
+    ``raw`` must be the caller's own copy (``GGUFFile`` copies the blocks out of its memory map),
+    used as it is when contiguous and writable; a read-only array (a view of a memory map) is
+    copied, so that a model file written over or truncated later (SIGBUS on a mapped page)
+    cannot reach the weights."""
     qtype = KERNEL_TYPES.get(type_name)
     if qtype is None:
         return None
-    if raw.flags.c_contiguous and not raw.flags.writeable and not private:
-        with warnings.catch_warnings():  # torch warns that the array is not writable: it is never written
-            warnings.simplefilter("ignore", UserWarning)
-            return QuantBlocks(qtype, torch.from_numpy(raw), in_features)
-    return QuantBlocks(qtype, torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)), in_features)
+    owned = raw if raw.flags.c_contiguous and raw.flags.writeable else np.array(raw, dtype=np.uint8, copy=True)
+    return QuantBlocks(qtype, torch.from_numpy(owned), in_features)

@@ -14,6 +14,7 @@ and only the tensors of one layer range are dequantized.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import struct
 import time
@@ -44,6 +45,9 @@ MAX_DIMS = 4
 #: concatenating them, so one call on a 519 MiB embedding peaks at twice that; 4096 rows of
 #: 896 floats are 14 MiB of temporaries.
 DEQUANT_ROWS = 4096
+
+#: Bytes of a tensor's blocks copied out of the memory map at a time (``GGUFFile._blocks``).
+COPY_CHUNK_BYTES = 8 << 20
 
 #: Tensor types meshinfer dequantizes: F64 by numpy, the rest by ``gguf.quants.dequantize``.
 SUPPORTED_TYPES = frozenset({
@@ -394,8 +398,7 @@ class GGUFFile:
                 out[r:r + DEQUANT_ROWS] = quants.dequantize(chunk, t.qtype)
         return out.reshape(tuple(reversed(t.dims)))  # GGUF lists ne0 (innermost) first
 
-    def iter_shard_tensors(self, layers: LayerRange, *, blocks: bool = False,
-                           private: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_shard_tensors(self, layers: LayerRange, *, blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(module_name, float32 tensor)`` for the tensors a shard over ``layers`` needs.
 
         Only blocks ``[layers.start, layers.stop)`` are read; the token embedding only when
@@ -404,9 +407,15 @@ class GGUFFile:
         Module names follow Hugging Face's (``layers.3.self_attn.q_proj.weight``).
 
         With ``blocks``, a 2-D tensor stored in a type the gguf kernels take
-        (``kernels.blocks.KERNEL_TYPES``, float32 excepted) comes as ``QuantBlocks``: the file's
-        bytes, rows permuted as the float tensor's would be (the ``gguf`` precision): a view of the
-        file's memory map, or with ``private`` a copy (every other tensor is a copy anyway).
+        (``kernels.blocks.KERNEL_TYPES``, float32 excepted) comes as ``QuantBlocks``: a copy of the
+        file's bytes, rows permuted as the float tensor's would be (the ``gguf`` precision); a
+        tensor named twice (a head tied to the token embedding) comes as one object.
+
+        Every tensor is a copy in this process's memory, never a view of the file's memory map:
+        nothing written to the file later (in place, or truncating it, which would raise SIGBUS
+        on the next read of a mapped page) reaches a loaded shard. The blocks' mapped pages are
+        dropped from this process as they are copied (:meth:`_blocks`), so loading peaks near the
+        copies' size, not twice it.
         """
         import torch
 
@@ -425,7 +434,11 @@ class GGUFFile:
             wanted.append(("output_norm.weight", "norm.weight"))
             head = "output.weight" if "output.weight" in self._tensors else "token_embd.weight"
             wanted.append((head, "lm_head.weight"))
+        copied: dict[str, object] = {}  # gguf name -> QuantBlocks already made (a tied head)
         for gname, module in wanted:
+            if gname in copied:
+                yield module, copied[gname]
+                continue
             kept = self._blocks(gname) if blocks else None
             arr = self.dequantize(gname) if kept is None else kept
             if cfg.architecture in ("llama", "mixtral"):
@@ -439,20 +452,39 @@ class GGUFFile:
                 yield module, torch.from_numpy(arr)
             else:
                 from meshinfer.engine.kernels.blocks import blocks_from_file
-                yield module, blocks_from_file(arr, self.tensor_type(gname), self._tensor(gname).dims[0],
-                                               private=private)
+                copied[gname] = blocks_from_file(arr, self.tensor_type(gname), self._tensor(gname).dims[0])
+                yield module, copied[gname]
             if cfg.is_moe and module.endswith(".mlp.gate.weight"):  # the experts follow their router
                 yield from self._iter_experts(gname.rsplit(".", 2)[0], module.rsplit(".", 3)[0])
 
+    def _release(self, start: int, stop: int) -> None:
+        """Drop this process's mapped pages of file bytes ``[start, stop)`` (``madvise(MADV_DONTNEED)``
+        on the whole pages inside) once they have been copied: read-only file pages, so a later
+        read maps them again from the page cache, and nothing is lost. Without ``madvise`` (not
+        every platform's ``mmap`` has it) the pages stay until the file is closed."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = stop // mmap.PAGESIZE * mmap.PAGESIZE
+        if advice is not None and hasattr(self._buf, "madvise") and last > first:
+            self._buf.madvise(advice, first, last - first)
+
     def _blocks(self, name: str) -> np.ndarray | None:
-        """Tensor ``name``'s bytes ``(rows, row_bytes)`` uint8 (a view of the mapping) when it is
-        2-D and stored in a type the gguf kernels compute from; else None."""
+        """A copy of tensor ``name``'s bytes ``(rows, row_bytes)`` uint8 when it is 2-D and stored
+        in a type the gguf kernels compute from; else None. Copied :data:`COPY_CHUNK_BYTES` at a
+        time, each chunk's mapped pages released once copied (:meth:`_release`): a load holds at
+        most one chunk of the file's pages on top of the copies (a 145 MB head copied whole held
+        both, and raised the default model's load peak from 790 to 957 MiB)."""
         from meshinfer.engine.kernels.blocks import KERNEL_TYPES
 
         t = self._tensor(name)
         if len(t.dims) != 2 or t.qtype.name not in KERNEL_TYPES or t.qtype.name == "F32":
             return None
-        return self._bytes[t.start:t.start + t.n_bytes].reshape(-1, t.row_bytes)
+        out = np.empty(t.n_bytes, dtype=np.uint8)
+        for i in range(0, t.n_bytes, COPY_CHUNK_BYTES):
+            j = min(i + COPY_CHUNK_BYTES, t.n_bytes)
+            out[i:j] = self._bytes[t.start + i:t.start + j]
+            self._release(t.start + i, t.start + j)
+        return out.reshape(-1, t.row_bytes)
 
     def _iter_experts(self, block: str, layer: str) -> Iterator[tuple[str, torch.Tensor]]:
         """Split block ``blk.N``'s merged ``ffn_*_exps`` tensors ``(E, out, in)`` into per-expert

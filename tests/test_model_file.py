@@ -1,0 +1,63 @@
+"""A peer's weights are its own copy of the model file's tensors at every precision
+(``GGUFFile.iter_shard_tensors``): the file written over in place under a running peer changes
+none of its answers. (Truncated: ``tests/test_cli.py``, in a subprocess, since a regression
+there is a SIGBUS.)"""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+
+from helpers.meshkit import generate_through
+from helpers.tiny import random_weights, tiny_config, write_gguf
+from meshinfer.peer.launch import launch_peer
+from meshinfer.peer.node import PeerSettings
+from meshinfer.text.tokenizer import Tokenizer
+from meshinfer.wire import protocol
+
+MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.mark.parametrize("dtype", ["gguf", "gguf-a16", "f32"])
+async def test_a_peer_answers_the_same_after_its_model_file_is_written_over(tmp_path, dtype):
+    model = tmp_path / "model.gguf"
+    cfg = tiny_config("qwen2", context=256)
+    write_gguf(model, cfg, random_weights(cfg, seed=7),
+               quantize=lambda name: gguf.GGMLQuantizationType.Q8_0 if name.endswith("proj.weight") else None)
+    tok = Tokenizer.from_gguf(model)
+    peer = await launch_peer(str(model), None, dtype=dtype, settings=PeerSettings(gossip_interval_s=0.1),
+                             key_path=str(tmp_path / "k.pem"), home=str(tmp_path), warmup=False)
+    try:
+        _, _, before = await generate_through([peer], tok, MESSAGES, max_tokens=6)
+        size = model.stat().st_size
+        with open(model, "r+b") as f:  # the same inode: what a `cp` over the file does
+            f.seek(4096)
+            f.write(bytes(size - 4096))
+        _, _, after = await generate_through([peer], tok, MESSAGES, max_tokens=6)
+        assert after.token_ids == before.token_ids and len(before.token_ids) == 6
+        assert peer.state == protocol.READY
+    finally:
+        await peer.close()
+
+
+async def test_a_model_file_changed_while_a_peer_loads_it_is_refused(tmp_path, monkeypatch):
+    """The weights hash is taken before the copy and checked after it: a peer never advertises
+    the hash of bytes other than those it loaded."""
+    from meshinfer.core.errors import WeightsError
+    from meshinfer.engine import generate
+
+    model = tmp_path / "model.gguf"
+    cfg = tiny_config("qwen2", context=256)
+    write_gguf(model, cfg, random_weights(cfg, seed=7))
+    real = generate.load_shard
+
+    def load_then_change(*args, **kwargs):
+        shard = real(*args, **kwargs)
+        with open(model, "ab") as f:
+            f.write(b"\0" * 64)
+        return shard
+
+    monkeypatch.setattr(generate, "load_shard", load_then_change)
+    with pytest.raises(WeightsError, match="the model file changed while this peer loaded it"):
+        await launch_peer(str(model), None, dtype="f32", key_path=str(tmp_path / "k.pem"), home=str(tmp_path),
+                          warmup=False)
