@@ -325,12 +325,17 @@ async def test_a_reply_with_every_hop_checked_reports_nothing_unverified(tiny):
             await p.close()
 
 
-@pytest.mark.parametrize("lies", [("token",), ("token", "probed")], ids=["in_its_token_reply", "in_probes_too"])
+@pytest.mark.parametrize("lies", [("token",), ("token", "probed"), ("token", "probed", "log")],
+                         ids=["in_its_token_reply", "in_probes_too", "forging_its_log_too"])
 async def test_a_last_hop_that_over_reports_its_positions_is_the_one_excluded(tiny, monkeypatch, lies):
     """The last hop says it holds one position more than it does, in its ``token`` replies (and,
     a consistent liar, in its ``probed`` answers). The client banned the honest hop before it:
     the probes blamed the previous hop of the first hop holding another count. Now the hop that
-    reported the wrong count is the suspect when the others agree with the conversation."""
+    reported the wrong count is the suspect when the others agree with the conversation.
+
+    The thorough liar also forges its log: a digest for the position it never received, and its
+    previous hop's signed step moved to cover it. Before steps were signed, a digest was all the
+    client asked for, and the honest previous hop was blamed; the signature does not verify."""
     from meshinfer.wire.transport import Link
 
     ids, expected = tiny[3], tiny[4]
@@ -340,7 +345,11 @@ async def test_a_last_hop_that_over_reports_its_positions_is_the_one_excluded(ti
 
     async def send(link, msg_type, **fields):
         if msg_type in lies and any(c.owner is link for c in liar.convs.values()):
-            fields["length"] += 1
+            if msg_type != "log":
+                fields["length"] += 1
+            elif "signed" in fields:  # the genuine statement moved one position on, and a digest for it
+                fields["received"] = bytes(range(16))
+                fields["signed"] = {**fields["signed"], "start": fields["signed"]["start"] + 1}
         return await real_send(link, msg_type, **fields)
 
     monkeypatch.setattr(Link, "send", send)
@@ -360,6 +369,32 @@ async def test_a_last_hop_that_over_reports_its_positions_is_the_one_excluded(ti
     assert [d["peer"] for d in out.detections] == [liar.peer_id]
     assert "positions after the step" in out.detections[0]["reason"]
     assert conv.route.peer_ids == (first.peer_id, middle.peer_id, twin.peer_id)
+
+
+async def test_a_hop_that_does_not_sign_its_steps_is_refused_by_the_next_and_replaced(tiny):
+    """Every hop signs the hidden states it sends (``Steps.sign``), and the next hop checks the
+    signature against the key the sender proved in its handshake: a step without a valid one is
+    refused with ``lying_peer`` naming the sender, which is replaced; the reply is unchanged."""
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (1, 3), (3, 4)])
+    first, unsigned, twin, last = peers
+    unsigned.steps.sign = lambda conv, seq, start, hidden: bytes(64)
+    try:
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan(exclude=frozenset({twin.peer_id}))
+            assert route.peer_ids == (first.peer_id, unsigned.peer_id, last.peer_id)
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS)
+            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            await conv.close()
+            banned = client.backed_off()
+    finally:
+        for p in peers:
+            await p.close()
+    assert out.token_ids == expected
+    assert [d["peer"] for d in out.detections] == [unsigned.peer_id]
+    assert "without a valid signature" in out.detections[0]["reason"]
+    assert unsigned.peer_id in banned and not {first.peer_id, last.peer_id} & banned
+    assert conv.route.peer_ids == (first.peer_id, twin.peer_id, last.peer_id)
 
 
 async def two_hops_and_a_stranger(tiny):

@@ -366,7 +366,7 @@ async def test_a_reachable_peer_passes_the_dial_back_and_lists_no_relay(model):
 def advert(peer_id, first, last, *, addrs=True, relays=(), rtts=None, weights="a" * 64):
     """A ready advert of a 24-layer model holding the inclusive range ``first-last``."""
     return protocol.PeerAdvert(peer_id=peer_id, addrs=(f"ws://{peer_id}:7000",) if addrs else (),
-                               protocol_version=1, weights_hash=weights, architecture="llama", num_layers=24,
+                               protocol_version=protocol.PROTOCOL_VERSION, weights_hash=weights, architecture="llama", num_layers=24,
                                layers=LayerRange(first, last + 1), device="cpu", precision="f32",
                                free_kv_tokens=4096, compute_ms_per_token=12.0, rtts_ms=dict(rtts or {}),
                                relays=tuple(relays))

@@ -181,12 +181,12 @@ async def test_a_relayed_or_unbound_proof_is_refused_over_ws(tiny):
         for addr in ("ws://127.0.0.1:1", None):  # a member's proof for a relay's address; an unbound one
             async with websockets.connect(peer.addrs[0], compression=None) as ws:
                 hello_nonce = discovery.new_nonce()
-                await ws.send(msgpack.packb({"v": 1, "t": "hello", "role": "client", "nonce": hello_nonce}))
+                await ws.send(msgpack.packb({"v": protocol.PROTOCOL_VERSION, "t": "hello", "role": "client", "nonce": hello_nonce}))
                 welcome_nonce = msgpack.unpackb(await ws.recv())["nonce"]
                 auth = discovery.auth_macs(KEY, welcome_nonce, hello_nonce, addr or "")
                 if addr is None:
                     del auth["addr"], auth["bound_mac"]
-                await ws.send(msgpack.packb({"v": 1, "t": "auth", **auth}))
+                await ws.send(msgpack.packb({"v": protocol.PROTOCOL_VERSION, "t": "auth", **auth}))
                 reply = msgpack.unpackb(await ws.recv())
                 assert (reply["t"], reply["code"]) == ("error", "unauthenticated")
                 assert reply["message"] == (
@@ -195,3 +195,21 @@ async def test_a_relayed_or_unbound_proof_is_refused_over_ws(tiny):
                     "auth: over ws:// a private mesh needs a proof bound to the address dialed (field 'addr'); "
                     "update meshinfer, or serve wss://")
         assert not peer.convs and not peer.links
+
+
+def test_a_signed_step_verifies_only_for_its_own_fields_and_key():
+    """``sign_step`` covers the conversation, seq, start and every position's digest: a statement
+    moved to another of them, or checked against another key, does not verify."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    public = discovery.public_key_hex(key)
+    digests = bytes(range(32))  # two positions
+    sig = discovery.sign_step(key, "conv-1", 7, 40, digests)
+    assert len(sig) == 64 and discovery.check_step(public, sig, "conv-1", 7, 40, digests)
+    for changed in (("conv-2", 7, 40, digests), ("conv-1", 8, 40, digests), ("conv-1", 7, 41, digests),
+                    ("conv-1", 7, 40, digests[:16]), ("conv-1", 7, 40, bytes(32)), ("conv-1\0", 7, 40, digests)):
+        assert not discovery.check_step(public, sig, *changed), changed
+    assert not discovery.check_step(discovery.public_key_hex(other), sig, "conv-1", 7, 40, digests)
+    assert not discovery.check_step(public, bytes(64), "conv-1", 7, 40, digests)
+    assert not discovery.check_step(public, b"", "conv-1", 7, 40, digests)

@@ -15,7 +15,7 @@ import torch
 
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import InvalidInput, LyingPeer, MeshError
-from meshinfer.wire import tensors
+from meshinfer.wire import discovery, tensors
 from meshinfer.wire.tensors import DIGEST_BYTES, row_digests
 
 log = logging.getLogger(__name__)
@@ -257,37 +257,48 @@ async def _log_of(conv, j: int, start: int, stop: int) -> tuple[torch.Tensor | N
                                   digest_bytes=DIGEST_BYTES)
 
 
-async def find_length_liar(conv, expected: int) -> str:
-    """The hop to blame when the last hop reports a position count other than ``expected``.
+async def find_length_liar(conv, expected: int, seq: int) -> str:
+    """The hop to blame when the last hop reports, after step ``seq``, a position count other
+    than ``expected``.
 
     Probes every hop up to the first that holds another count (or does not answer). Hop 0, or
     every hop holding ``expected`` (the last hop misreported in its ``token`` reply): that hop.
-    A later hop ``i`` that claims more positions must show the digest it logged of the hidden
-    states it received for position ``expected`` (``get_log``): a hop whose previous hop sent an
-    extra position has it, and the previous hop is blamed; a hop that over-reports (in its
-    ``token`` replies and its probes alike) received no such position, and is blamed itself,
-    not its honest previous hop, which the probes alone blamed before. A hop that holds fewer
-    positions, or does not answer, blames its previous hop. Hop-to-hop frames are not signed:
-    a liar that also forges the digest of a position it never received still gets its previous
-    hop blamed (docs/security.md).
+    A later hop ``i`` that claims more positions must show its previous hop's signature of step
+    ``seq`` covering position ``expected`` (``get_log`` with ``signed``; every hop signs the
+    hidden states it sends, :func:`meshinfer.wire.discovery.sign_step`, and its next hop keeps
+    the signature): a hop whose previous hop sent an extra position holds one, and the previous
+    hop is blamed; a hop that over-reports (in its ``token`` replies and its probes alike)
+    cannot forge one, and is blamed itself, whatever digests it shows. A hop that holds fewer
+    positions, or does not answer, blames its previous hop.
     """
     hops = conv.route.hops
     for i, hop in enumerate(hops):
         held = await conv.probe(hop)
         if held == expected:
             continue
-        if i == 0 or (held is not None and held > expected and not await _shows_received(conv, i, expected)):
+        if i == 0 or (held is not None and held > expected and not await _shows_signed_input(conv, i, expected, seq)):
             return hop.peer_id
         return hops[i - 1].peer_id
     return hops[-1].peer_id
 
 
-async def _shows_received(conv, i: int, position: int) -> bool:
-    """Whether hop ``i`` (not the first) shows, in its log, the digest of the hidden states it
-    received for ``position``; False when it fails or refuses to."""
+async def _shows_signed_input(conv, i: int, position: int, seq: int) -> bool:
+    """Whether hop ``i`` (not the first) shows hop ``i - 1``'s valid signature of step ``seq``
+    with hidden states at ``position``; False when it fails or refuses to."""
+    hops = conv.route.hops
     try:
-        _, received = await _log_of(conv, i, position, position + 1)
+        link = await conv.client.link(hops[i].peer)
+        _, f = await link.request("get_log", timeout_s=conv.client.request_timeout_s, conv=conv.conv_id,
+                                  start=position, stop=position + 1, signed=seq)
+        signed = f.get("signed", dict, None)
+        if signed is None:
+            return False
+        start, digests, sig = signed.get("start"), signed.get("digests"), signed.get("sig")
+        if type(start) is not int or not isinstance(digests, bytes) or not isinstance(sig, bytes) \
+                or signed.get("seq") != seq or len(digests) % DIGEST_BYTES:
+            return False
     except MeshError as exc:
-        log.info("hop %s shows no input for position %d: %s", conv.route.hops[i].peer_id[:12], position, exc)
+        log.info("hop %s shows no input for position %d: %s", hops[i].peer_id[:12], position, exc)
         return False
-    return received is not None and len(received) == DIGEST_BYTES
+    return start <= position < start + len(digests) // DIGEST_BYTES and discovery.check_step(
+        hops[i - 1].peer.public_key, sig, conv.conv_id, seq, start, digests)

@@ -246,7 +246,7 @@ class Connections:
                 raise PeerUnavailable(f"{link.name}: {exc}") from exc
             raise
         link.remote_id, link.role = remote.peer_id, "peer"
-        link.info.update(authed=True, advert=remote)
+        link.info.update(authed=True, advert=remote, public_key=remote.public_key)
         return link
 
     def forget(self, link: Link) -> None:

@@ -34,6 +34,11 @@ log = logging.getLogger("meshinfer.peer.node.conversations")
 
 
 
+#: Signed steps of the previous hop a conversation keeps: the client asks for the step it just
+#: sent (a position count it doubts), and a few more cover steps still queued behind it.
+SIGNED_STEPS_KEPT = 8
+
+
 @dataclass
 class Conv:
     """One conversation on this peer."""
@@ -55,6 +60,15 @@ class Conv:
     next_relays: tuple[str, ...] | None = None  # the next hop's relays from ``open`` (None: from its advert)
     next_link: Link | None = None  # the link the last step went to the next hop on, until it closes
     forwarded_seq: int | None = None  # the seq of that step
+    #: the previous hop's signed statements of its last steps: seq -> (start, digests, sig), the
+    #: newest :data:`SIGNED_STEPS_KEPT` (``get_log`` shows one; docs/security.md, "Signed steps")
+    signed: dict = field(default_factory=dict)
+
+    def keep_signed(self, seq: int, start: int, digests: bytes, sig: bytes) -> None:
+        """Keep the previous hop's signature of step ``seq`` (and the newest few before it)."""
+        self.signed[seq] = (start, digests, sig)
+        while len(self.signed) > SIGNED_STEPS_KEPT:
+            del self.signed[next(iter(self.signed))]
 
 
 class Conversations:

@@ -96,6 +96,7 @@ class Handshake:
                                          welcome_nonce, hello_nonce):
                 raise Unauthenticated(f"auth: the proof does not match the key of peer {claimed.peer_id[:12]}")
             link.remote_id = claimed.peer_id
+            link.info["public_key"] = claimed.public_key  # what its signed steps are checked against
             self.peer.gossip.merge([claimed], proven=True)
             self.peer.links.setdefault(claimed.peer_id, link)
         link.info["authed"] = True

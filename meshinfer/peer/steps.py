@@ -23,7 +23,7 @@ from meshinfer.engine.kv_cache import KVCache
 from meshinfer.engine.sampling import pick_token
 from meshinfer.peer import limits, verify
 from meshinfer.peer.conversations import Conv
-from meshinfer.wire import protocol, tensors
+from meshinfer.wire import discovery, protocol, tensors
 from meshinfer.wire.transport import Link
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,6 +123,44 @@ class QueuedStep:
         return 0 if self.x is None else self.x.nbytes
 
 
+def check_positions(conv: Conv, seq: int, start: int, tokens: int, rollback: bool) -> None:
+    """Check that a step of ``tokens`` positions from ``start`` follows the conversation.
+
+    Raises:
+        PositionError: it does not start where the last step ended (nor rolls back to below
+            it, by fewer than :data:`meshinfer.wire.protocol.MAX_VERIFY_TOKENS`).
+        CacheFull: it would pass the tokens the conversation reserved.
+    """
+    if start != conv.expected_start and not (rollback and start < conv.expected_start):
+        raise PositionError(f"step {seq} starts at position {start}; conversation {conv.conv_id} "
+                            f"expects position {conv.expected_start}")
+    if rollback and conv.expected_start - start >= protocol.MAX_VERIFY_TOKENS:
+        raise PositionError(f"step {seq} rolls back {conv.expected_start - start} positions; a rollback drops "
+                            f"the rejected drafts of one step, fewer than {protocol.MAX_VERIFY_TOKENS}")
+    if start + tokens > conv.reserved_tokens:
+        raise CacheFull(f"step {seq} would grow the conversation to {start + tokens} tokens; "
+                        f"it reserved {conv.reserved_tokens}")
+
+
+def step_wants(f, seq: int, tokens: int) -> tuple[str, Any]:
+    """``want`` and ``sampling`` of a step frame of ``tokens`` positions.
+
+    Raises:
+        ProtocolError: an unknown ``want``.
+        InvalidInput: ``want="tokens"`` with too many positions, or with sampling.
+    """
+    want = f.str("want", "none")
+    if want not in protocol.STEP_WANTS:
+        raise ProtocolError(f"step {seq}: want {want[:40]!r} is not one of {', '.join(protocol.STEP_WANTS)}")
+    if want == "tokens" and tokens > protocol.MAX_VERIFY_TOKENS:
+        raise InvalidInput(f"step {seq}: want=tokens allows at most {protocol.MAX_VERIFY_TOKENS} tokens "
+                           f"per step, got {tokens}")
+    sampling = protocol.sampling_from_wire(f.get("sampling", dict, None), f"step {seq}")
+    if want == "tokens" and sampling is not None:
+        raise InvalidInput(f"step {seq}: want=tokens verifies greedy drafts; it cannot carry sampling")
+    return want, sampling
+
+
 class Steps:
     """The step data path of ``peer``.
 
@@ -178,23 +216,43 @@ class Steps:
         x = await self.step_input(link, conv, f, seq)
         if x is None:
             return
+        digests = tensors.row_digests(x) if conv.run.start > 0 else b""
+        if link is not conv.owner and not self.signed_by_previous_hop(link, conv, f, seq, start, digests):
+            return
         if f.get("replay", bool, False) and start + x.shape[1] <= conv.cache.length <= conv.expected_start:
             # failover replay of positions this hop kept: pass its logged output on, compute nothing
             self.enqueue(conv, QueuedStep(seq, start, "none", [], time.perf_counter(), True, kept_tokens=x.shape[1]))
             if conv.run.start > 0:  # a new previous hop's log must match what it sent now
                 d = tensors.DIGEST_BYTES
-                conv.received[d * start:d * (start + x.shape[1])] = tensors.row_digests(x)
+                conv.received[d * start:d * (start + x.shape[1])] = digests
             return
         rollback = f.get("rollback", bool, False)
-        self.check_positions(conv, seq, start, x.shape[1], rollback)
+        check_positions(conv, seq, start, x.shape[1], rollback)
         trace = protocol.trace_from_wire(f.get("trace", list, []), "step")
-        want, sampling = self.step_wants(f, seq, x.shape[1])
+        want, sampling = step_wants(f, seq, x.shape[1])
         self.enqueue(conv, QueuedStep(seq, start, want, trace, time.perf_counter(), f.get("replay", bool, False),
                                       x=x, sampling=sampling, rollback=rollback))
         conv.expected_start = start + x.shape[1]
         if conv.run.start > 0:  # what the previous hop sent, for spot-checks of its log
             del conv.received[tensors.DIGEST_BYTES * start:]
-            conv.received += tensors.row_digests(x)
+            conv.received += digests
+
+    def signed_by_previous_hop(self, link: Link, conv: Conv, f, seq: int, start: int, digests: bytes) -> bool:
+        """Whether the previous hop signed the hidden states of step ``seq`` (``sig``: the
+        :func:`meshinfer.wire.discovery.sign_step` of their ``digests`` by the key that link
+        proved in its handshake); the signature is kept (``Conv.keep_signed``) as evidence of
+        what that hop sent. Otherwise the conversation's client is told, naming the sender as
+        ``suspect`` (as for hidden states that fail their checks), and False."""
+        sig = f.get("sig", bytes, b"")
+        key = link.info.get("public_key")
+        if key is not None and discovery.check_step(key, sig, conv.conv_id, seq, start, digests):
+            conv.keep_signed(seq, start, digests, sig)
+            return True
+        exc = LyingPeer(f"previous hop {(conv.prev_id or '?')[:12]} sent step {seq} without a valid signature of "
+                        f"its hidden states", suspect=conv.prev_id)
+        log.warning("conversation %s, step %d: %s", conv.conv_id[:12], seq, exc)
+        conv.owner.post("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc), suspect=exc.suspect)
+        return False
 
     async def step_input(self, link: Link, conv: Conv, f, seq: int) -> torch.Tensor | None:
         """The input of a step: token ids ``(1, T)`` int64 on hop 0, else hidden states ``(1, T, C)``;
@@ -218,44 +276,6 @@ class Steps:
                 raise InvalidInput(f"step {seq}: hidden states must be (1, T, {self.peer.cfg.hidden_size})")
             return x
         return await self.incoming_hidden(conv, f, seq)
-
-    @staticmethod
-    def check_positions(conv: Conv, seq: int, start: int, tokens: int, rollback: bool) -> None:
-        """Check that a step of ``tokens`` positions from ``start`` follows the conversation.
-
-        Raises:
-            PositionError: it does not start where the last step ended (nor rolls back to below
-                it, by fewer than :data:`meshinfer.wire.protocol.MAX_VERIFY_TOKENS`).
-            CacheFull: it would pass the tokens the conversation reserved.
-        """
-        if start != conv.expected_start and not (rollback and start < conv.expected_start):
-            raise PositionError(f"step {seq} starts at position {start}; conversation {conv.conv_id} "
-                                f"expects position {conv.expected_start}")
-        if rollback and conv.expected_start - start >= protocol.MAX_VERIFY_TOKENS:
-            raise PositionError(f"step {seq} rolls back {conv.expected_start - start} positions; a rollback drops "
-                                f"the rejected drafts of one step, fewer than {protocol.MAX_VERIFY_TOKENS}")
-        if start + tokens > conv.reserved_tokens:
-            raise CacheFull(f"step {seq} would grow the conversation to {start + tokens} tokens; "
-                            f"it reserved {conv.reserved_tokens}")
-
-    @staticmethod
-    def step_wants(f, seq: int, tokens: int) -> tuple[str, Any]:
-        """``want`` and ``sampling`` of a step frame of ``tokens`` positions.
-
-        Raises:
-            ProtocolError: an unknown ``want``.
-            InvalidInput: ``want="tokens"`` with too many positions, or with sampling.
-        """
-        want = f.str("want", "none")
-        if want not in protocol.STEP_WANTS:
-            raise ProtocolError(f"step {seq}: want {want[:40]!r} is not one of {', '.join(protocol.STEP_WANTS)}")
-        if want == "tokens" and tokens > protocol.MAX_VERIFY_TOKENS:
-            raise InvalidInput(f"step {seq}: want=tokens allows at most {protocol.MAX_VERIFY_TOKENS} tokens "
-                               f"per step, got {tokens}")
-        sampling = protocol.sampling_from_wire(f.get("sampling", dict, None), f"step {seq}")
-        if want == "tokens" and sampling is not None:
-            raise InvalidInput(f"step {seq}: want=tokens verifies greedy drafts; it cannot carry sampling")
-        return want, sampling
 
     async def incoming_hidden(self, conv: Conv, f, seq: int) -> torch.Tensor | None:
         """Hidden states ``(1, T, C)`` float32 of a step from the previous hop, or None when they fail
@@ -327,9 +347,10 @@ class Steps:
         """A failover replay of positions this hop kept: send the next hop what this hop sent then."""
         if conv.next_id is not None:
             nxt = await self.peer.conns.link_to(conv.next_id, conv.next_addrs, conv.next_relays)
+            hidden = conv.sent.slice(step.start, step.start + step.kept_tokens)
             await nxt.send("step", conv=conv.conv_id, seq=step.seq, start=step.start, want=step.want, replay=True,
-                           hidden=tensors.tensor_to_wire(conv.sent.slice(step.start, step.start + step.kept_tokens)),
-                           trace=[])
+                           hidden=tensors.tensor_to_wire(hidden), trace=[],
+                           sig=self.sign(conv, step.seq, step.start, hidden))
             conv.next_link, conv.forwarded_seq = nxt, step.seq  # its closing is reported (Conversations.next_hop_lost)
 
     async def run(self, conv: Conv, step: QueuedStep) -> None:
@@ -356,9 +377,16 @@ class Steps:
             nxt = await self.peer.conns.link_to(conv.next_id, conv.next_addrs, conv.next_relays)
             await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, replay=step.replay,
                            hidden=tensors.tensor_to_wire(out), trace=step.trace + [hop],
+                           sig=self.sign(conv, seq, start, out),
                            **({"sampling": sampling.to_wire()} if sampling else {}),
                            **({"rollback": True} if step.rollback else {}))
             conv.next_link, conv.forwarded_seq = nxt, seq  # its closing is reported (Conversations.next_hop_lost)
+
+    def sign(self, conv: Conv, seq: int, start: int, hidden: torch.Tensor) -> bytes:
+        """This peer's signature of the hidden states ``(1, T, C)`` float32 it sends the next hop
+        for step ``seq`` (:func:`meshinfer.wire.discovery.sign_step`; about 0.1 ms, and 1-2 ms
+        of hashing for a 512-position prefill chunk)."""
+        return discovery.sign_step(self.peer.key, conv.conv_id, seq, start, tensors.row_digests(hidden))
 
     @staticmethod
     def logits_mode(want: str) -> str:

@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import struct
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -45,6 +46,7 @@ HELLO_LABEL = b"meshinfer-hello\0"
 MESH_WELCOME_LABEL = b"welcome\0"
 MESH_HELLO_LABEL = b"hello\0"
 MESH_BOUND_LABEL = b"hello-addr\0"
+STEP_LABEL = b"meshinfer-step\0"
 
 
 def load_or_create_key(path: str | os.PathLike):
@@ -198,6 +200,27 @@ def check_proof(public_key: str, proof: bytes, label: bytes, first: bytes, secon
     """True when ``proof`` is the signature of ``label + first + second`` by ``public_key`` (hex)."""
     public = _public_key(public_key)
     return public is not None and _verifies(public, proof, label + first + second)
+
+
+def _step_head(conv_id: str, seq: int, start: int) -> bytes:
+    """The signed fields before the digests: the conversation id (length-prefixed, so no id can
+    pass for another's), then seq and start (big-endian, 8 bytes each)."""
+    cid = conv_id.encode()
+    return struct.pack(">I", len(cid)) + cid + struct.pack(">QQ", seq, start)
+
+
+def sign_step(key, conv_id: str, seq: int, start: int, digests: bytes) -> bytes:
+    """A hop's Ed25519 signature (64 bytes) of the hidden states it sends its next hop for step
+    ``seq`` of conversation ``conv_id``: positions from ``start``, one
+    :func:`meshinfer.wire.tensors.row_digests` digest each (``digests``). The next hop keeps it,
+    so that it can later prove what it received, and the sender cannot deny it
+    (docs/security.md, "Signed steps")."""
+    return prove(key, STEP_LABEL, _step_head(conv_id, seq, start), digests)
+
+
+def check_step(public_key: str, sig: bytes, conv_id: str, seq: int, start: int, digests: bytes) -> bool:
+    """True when ``sig`` is :func:`sign_step` of these fields by ``public_key`` (hex)."""
+    return check_proof(public_key, sig, STEP_LABEL, _step_head(conv_id, seq, start), digests)
 
 
 def mesh_mac(mesh_key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:

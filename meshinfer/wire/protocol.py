@@ -21,8 +21,9 @@ from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import ProtocolError, VersionMismatch
 from meshinfer.core.sampling_params import SamplingParams
 
-#: Version of the wire protocol. A handshake whose version differs is refused.
-PROTOCOL_VERSION = 1
+#: Version of the wire protocol. A handshake whose version differs is refused. 2 (2026-12-03):
+#: a hop's hidden states to its next hop carry its signature (``sig``), required.
+PROTOCOL_VERSION = 2
 
 #: Peer states as advertised.
 JOINING, READY, DRAINING = "joining", "ready", "draining"
