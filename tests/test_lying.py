@@ -101,7 +101,7 @@ async def test_a_peer_that_logs_honestly_but_sends_noise_is_caught_by_the_next_h
     def send_noise(out):  # the hop's log (for spot-checks) keeps the honest output
         return out + 1e-2 * out.pow(2).mean(-1, keepdim=True).sqrt() * torch.randn(out.shape)
     out, conv, liar, twins = await run_with_liar(tiny, lie_compute=send_noise)
-    assert_caught(out, conv, liar, twins, tiny[4], "differs from what peer")
+    assert_caught(out, conv, liar, twins, tiny[4], "differs from what it signed and sent peer")
 
 
 async def test_garbage_norms_are_caught_by_the_next_hop(tiny):
@@ -395,6 +395,43 @@ async def test_a_hop_that_does_not_sign_its_steps_is_refused_by_the_next_and_rep
     assert "without a valid signature" in out.detections[0]["reason"]
     assert unsigned.peer_id in banned and not {first.peer_id, last.peer_id} & banned
     assert conv.route.peer_ids == (first.peer_id, twin.peer_id, last.peer_id)
+
+
+async def test_a_next_hop_showing_false_digests_cannot_frame_the_hop_before_it(tiny, monkeypatch):
+    """The last hop shows the client digests of inputs it never received (its ``log`` replies).
+    The spot-check found the middle hop's log and those digests differing and excluded the log's
+    owner, the honest middle hop. Now the last hop must show the middle hop's signature of the
+    step it claims; it cannot, and is the one excluded."""
+    from meshinfer.wire.transport import Link
+
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (1, 3), (3, 4), (3, 4)])
+    first, middle, middle_twin, liar, liar_twin = peers
+    real_send = Link.send
+
+    async def send(link, msg_type, **fields):
+        if msg_type == "log" and "received" in fields and any(c.owner is link for c in liar.convs.values()):
+            fields["received"] = bytes(len(fields["received"]))
+        return await real_send(link, msg_type, **fields)
+
+    monkeypatch.setattr(Link, "send", send)
+    try:
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan(exclude=frozenset({middle_twin.peer_id, liar_twin.peer_id}))
+            assert route.peer_ids == (first.peer_id, middle.peer_id, liar.peer_id)
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, spot_check_rate=1.0,
+                                       spot_check_seed=0)
+            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            await conv.close()
+            banned = client.backed_off()
+    finally:
+        for p in peers:
+            await p.close()
+    assert out.token_ids == expected
+    assert [d["peer"] for d in out.detections] == [liar.peer_id]
+    assert "neither logged nor signed" in out.detections[0]["reason"]
+    assert liar.peer_id in banned and middle.peer_id not in banned
+    assert conv.route.peer_ids[-1] == liar_twin.peer_id  # (the failover may take either middle peer)
 
 
 async def two_hops_and_a_stranger(tiny):

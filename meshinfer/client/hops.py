@@ -83,7 +83,7 @@ class HopSteps:
             extra["rollback"] = True  # hops drop the rejected drafts of the step before
         await first.send("step", conv=self.conv_id, seq=self._seq, start=start, tokens=list(tokens),
                          want=want, replay=replay, **extra)
-        self.ledger.hold(start + len(tokens))
+        self.ledger.hold(self._seq, start, start + len(tokens))
         return self._seq
 
     def _deadline_s(self, n_tokens: int) -> float:

@@ -20,20 +20,26 @@ class PositionLedger:
             after them).
         held: positions the hops may hold: more than ``len(cached)`` after rejected drafts,
             which the next step rolls back.
+        seq_at: the ``seq`` of the last step that sent each position the hops may hold: the
+            step whose signature a hop shows for what it received there (docs/security.md).
     """
 
     def __init__(self) -> None:
         self.cached: list[int] = []
         self.confirmed = 0
         self.held = 0
+        self.seq_at: list[int] = []
 
     def send(self, tokens: Sequence[int]) -> None:
         """A step's ``tokens`` went to the route: append them to ``cached``."""
         self.cached.extend(tokens)
 
-    def hold(self, stop: int) -> None:
-        """A step (or a replayed chunk) went out: the hops may hold positions ``[0, stop)``."""
+    def hold(self, seq: int, start: int, stop: int) -> None:
+        """Step ``seq`` (or a replayed chunk) went out with positions ``[start, stop)``: the hops
+        may hold positions ``[0, stop)``."""
         self.held = stop
+        del self.seq_at[start:]
+        self.seq_at += [seq] * (stop - start)
 
     def rolls_back(self, start: int) -> bool:
         """Whether a step starting at ``start`` must tell the hops to drop positions from
@@ -71,3 +77,4 @@ class PositionLedger:
         and the hops hold exactly ``length``."""
         self.forget_after(length)
         self.held = length
+        del self.seq_at[length:]

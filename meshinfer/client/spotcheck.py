@@ -134,7 +134,8 @@ async def spot_check(conv, i: int) -> bool:
 
     Raises:
         LyingPeer: the outputs differ beyond :data:`TOLERANCE` (``suspect`` is hop ``i``), or a
-            log differs from what the next hop received (``suspect`` is the log's owner).
+            log differs from what the next hop received (``suspect``: the log's owner when the
+            next hop shows the owner's signature of what it received, else the next hop).
     """
     route, client, audit = conv.route, conv.client, conv.audit
     hops, b = route.hops, len(conv.cached)
@@ -154,11 +155,11 @@ async def spot_check(conv, i: int) -> bool:
             inputs = {"tokens": conv.cached[:b]}
         else:
             prev_out, _ = await _log_of(conv, i - 1, 0, b)
-            _same_rows(prev_out, own_in, hops[i - 1], hops[i], 0)
+            await _same_rows(conv, i, prev_out, own_in, 0)
             inputs = {"hidden": tensors.tensor_to_wire(prev_out)}
         if not last:
             _, next_in = await _log_of(conv, i + 1, a, b)
-            _same_rows(own_out[:, a:], next_in, hop, hops[i + 1], a)
+            await _same_rows(conv, i + 1, own_out[:, a:], next_in, a)
         got = await _verify(client, checker, hop, a, b, inputs, None if last else own_out.shape[-1])
         try:
             _compare(audit, route, hop, checker, a, b, got, None if last else own_out[:, a:])
@@ -234,16 +235,28 @@ def _compare(audit, route, hop, checker, a: int, b: int, got, claimed) -> None:
                         f"relative L2 (tolerance {tol:g})", suspect=hop.peer_id)
 
 
-def _same_rows(sent: torch.Tensor, received: bytes, sender, receiver, start: int) -> None:
-    """Raise :class:`LyingPeer` (suspect: ``sender``) when ``sender``'s log differs from the
-    digests of what ``receiver`` got. Either could be lying; the sender's log is what the
-    spot-check rests on, so the sender is excluded (docs/security.md)."""
+async def _same_rows(conv, j: int, sent: torch.Tensor, received: bytes, start: int) -> None:
+    """Raise :class:`LyingPeer` when hop ``j - 1``'s log ``sent`` ``(1, n, C)`` (from position
+    ``start``) differs from the digests hop ``j`` shows it ``received``. Either could be lying,
+    so hop ``j`` must show hop ``j - 1``'s signed statement of the step that last sent the first
+    differing position (``conv.ledger.seq_at``): with it, and the same digest as it showed, hop
+    ``j - 1`` logged other rows than it signed and sent (the suspect); without, hop ``j`` claims
+    an input it cannot prove (the suspect): a lying next hop can no longer frame an honest
+    sender by showing false digests (docs/security.md)."""
     ours = row_digests(sent)
-    if ours != received:
-        n = next(k for k in range(len(ours) // DIGEST_BYTES)
-                 if ours[k * DIGEST_BYTES:(k + 1) * DIGEST_BYTES] != received[k * DIGEST_BYTES:(k + 1) * DIGEST_BYTES])
-        raise LyingPeer(f"spot-check: peer {sender.peer_id[:12]}'s log of position {start + n} differs from what "
-                        f"peer {receiver.peer_id[:12]} received", suspect=sender.peer_id)
+    if ours == received:
+        return
+    n = next(k for k in range(len(ours) // DIGEST_BYTES)
+             if ours[k * DIGEST_BYTES:(k + 1) * DIGEST_BYTES] != received[k * DIGEST_BYTES:(k + 1) * DIGEST_BYTES])
+    position, hops, seq_at = start + n, conv.route.hops, conv.ledger.seq_at
+    sender, receiver = hops[j - 1], hops[j]
+    shown = received[n * DIGEST_BYTES:(n + 1) * DIGEST_BYTES]
+    if position < len(seq_at) and len(shown) == DIGEST_BYTES and \
+            await _signed_digest(conv, j, position, seq_at[position]) == shown:
+        raise LyingPeer(f"spot-check: peer {sender.peer_id[:12]}'s log of position {position} differs from what it "
+                        f"signed and sent peer {receiver.peer_id[:12]}", suspect=sender.peer_id)
+    raise LyingPeer(f"spot-check: peer {receiver.peer_id[:12]} shows, for position {position}, an input that peer "
+                    f"{sender.peer_id[:12]} neither logged nor signed", suspect=receiver.peer_id)
 
 
 async def _log_of(conv, j: int, start: int, stop: int) -> tuple[torch.Tensor | None, bytes | None]:
@@ -285,6 +298,13 @@ async def find_length_liar(conv, expected: int, seq: int) -> str:
 async def _shows_signed_input(conv, i: int, position: int, seq: int) -> bool:
     """Whether hop ``i`` (not the first) shows hop ``i - 1``'s valid signature of step ``seq``
     with hidden states at ``position``; False when it fails or refuses to."""
+    return await _signed_digest(conv, i, position, seq) is not None
+
+
+async def _signed_digest(conv, i: int, position: int, seq: int) -> bytes | None:
+    """The digest of ``position`` in hop ``i - 1``'s signed statement of step ``seq`` as hop ``i``
+    shows it (``get_log`` with ``signed``), when the signature verifies against hop ``i - 1``'s
+    key and the step covers ``position``; else None (also when hop ``i`` fails or refuses)."""
     hops = conv.route.hops
     try:
         link = await conv.client.link(hops[i].peer)
@@ -292,13 +312,16 @@ async def _shows_signed_input(conv, i: int, position: int, seq: int) -> bool:
                                   start=position, stop=position + 1, signed=seq)
         signed = f.get("signed", dict, None)
         if signed is None:
-            return False
+            return None
         start, digests, sig = signed.get("start"), signed.get("digests"), signed.get("sig")
         if type(start) is not int or not isinstance(digests, bytes) or not isinstance(sig, bytes) \
                 or signed.get("seq") != seq or len(digests) % DIGEST_BYTES:
-            return False
+            return None
     except MeshError as exc:
         log.info("hop %s shows no input for position %d: %s", hops[i].peer_id[:12], position, exc)
-        return False
-    return start <= position < start + len(digests) // DIGEST_BYTES and discovery.check_step(
-        hops[i - 1].peer.public_key, sig, conv.conv_id, seq, start, digests)
+        return None
+    k = position - start
+    if not 0 <= k < len(digests) // DIGEST_BYTES or not discovery.check_step(
+            hops[i - 1].peer.public_key, sig, conv.conv_id, seq, start, digests):
+        return None
+    return digests[k * DIGEST_BYTES:(k + 1) * DIGEST_BYTES]

@@ -34,11 +34,6 @@ log = logging.getLogger("meshinfer.peer.node.conversations")
 
 
 
-#: Signed steps of the previous hop a conversation keeps: the client asks for the step it just
-#: sent (a position count it doubts), and a few more cover steps still queued behind it.
-SIGNED_STEPS_KEPT = 8
-
-
 @dataclass
 class Conv:
     """One conversation on this peer."""
@@ -60,15 +55,18 @@ class Conv:
     next_relays: tuple[str, ...] | None = None  # the next hop's relays from ``open`` (None: from its advert)
     next_link: Link | None = None  # the link the last step went to the next hop on, until it closes
     forwarded_seq: int | None = None  # the seq of that step
-    #: the previous hop's signed statements of its last steps: seq -> (start, digests, sig), the
-    #: newest :data:`SIGNED_STEPS_KEPT` (``get_log`` shows one; docs/security.md, "Signed steps")
+    #: the previous hop's signed statements of the steps that last sent each position this hop
+    #: holds: seq -> (start, digests, sig), starts increasing (``get_log`` shows one;
+    #: docs/security.md, "Signed steps"). At most one per position: about 100 bytes each.
     signed: dict = field(default_factory=dict)
 
     def keep_signed(self, seq: int, start: int, digests: bytes, sig: bytes) -> None:
-        """Keep the previous hop's signature of step ``seq`` (and the newest few before it)."""
+        """Keep the previous hop's signature of step ``seq`` from position ``start``; the
+        statements of steps from ``start`` on before it are superseded (their positions were
+        sent again) and dropped."""
+        while self.signed and self.signed[last := next(reversed(self.signed))][0] >= start:
+            del self.signed[last]
         self.signed[seq] = (start, digests, sig)
-        while len(self.signed) > SIGNED_STEPS_KEPT:
-            del self.signed[next(iter(self.signed))]
 
 
 class Conversations:

@@ -225,6 +225,7 @@ class Steps:
             if conv.run.start > 0:  # a new previous hop's log must match what it sent now
                 d = tensors.DIGEST_BYTES
                 conv.received[d * start:d * (start + x.shape[1])] = digests
+                conv.keep_signed(seq, start, digests, f.get("sig", bytes, b""))
             return
         rollback = f.get("rollback", bool, False)
         check_positions(conv, seq, start, x.shape[1], rollback)
@@ -236,17 +237,18 @@ class Steps:
         if conv.run.start > 0:  # what the previous hop sent, for spot-checks of its log
             del conv.received[tensors.DIGEST_BYTES * start:]
             conv.received += digests
+            conv.keep_signed(seq, start, digests, f.get("sig", bytes, b""))  # checked above
 
     def signed_by_previous_hop(self, link: Link, conv: Conv, f, seq: int, start: int, digests: bytes) -> bool:
         """Whether the previous hop signed the hidden states of step ``seq`` (``sig``: the
         :func:`meshinfer.wire.discovery.sign_step` of their ``digests`` by the key that link
-        proved in its handshake); the signature is kept (``Conv.keep_signed``) as evidence of
-        what that hop sent. Otherwise the conversation's client is told, naming the sender as
-        ``suspect`` (as for hidden states that fail their checks), and False."""
+        proved in its handshake). The caller keeps it (``Conv.keep_signed``) once the step is
+        queued, as evidence of what that hop sent: a step refused for its positions must not
+        displace the statements of steps taken. Otherwise the conversation's client is told,
+        naming the sender as ``suspect`` (as for hidden states that fail their checks), and False."""
         sig = f.get("sig", bytes, b"")
         key = link.info.get("public_key")
         if key is not None and discovery.check_step(key, sig, conv.conv_id, seq, start, digests):
-            conv.keep_signed(seq, start, digests, sig)
             return True
         exc = LyingPeer(f"previous hop {(conv.prev_id or '?')[:12]} sent step {seq} without a valid signature of "
                         f"its hidden states", suspect=conv.prev_id)
