@@ -290,10 +290,10 @@ def blocks_from_file(raw: np.ndarray, type_name: str, in_features: int) -> Quant
     """The file's bytes ``raw`` ``(N, row_bytes)`` uint8 as :class:`QuantBlocks`, or None when
     ``type_name`` is not a type of :data:`KERNEL_TYPES`.
 
-    ``raw`` must be the caller's own copy (``GGUFFile`` copies the blocks out of its memory map),
-    used as it is when contiguous and writable; a read-only array (a view of a memory map) is
-    copied, so that a model file written over or truncated later (SIGBUS on a mapped page)
-    cannot reach the weights."""
+    A contiguous, writable ``raw`` is taken as the caller's own copy and used as it is
+    (``GGUFFile`` copies the blocks out of its memory map); anything else, a read-only view of a
+    memory map included, is copied first, so that a model file written over or truncated later
+    (SIGBUS on a mapped page) cannot reach the weights."""
     qtype = KERNEL_TYPES.get(type_name)
     if qtype is None:
         return None

@@ -382,7 +382,8 @@ class GGUFFile:
         return t
 
     def dequantize(self, name: str) -> np.ndarray:
-        """Dequantize tensor ``name`` to float32, shaped like a torch weight ``(out, in)``.
+        """Dequantize tensor ``name`` to float32, shaped like a torch weight ``(out, in)``: a new
+        array, each chunk's mapped pages released once read (:meth:`_release`).
 
         Raises:
             WeightsError: when the tensor is missing.
@@ -396,6 +397,8 @@ class GGUFFile:
                 out[r:r + DEQUANT_ROWS] = chunk.view(np.float64)
             else:
                 out[r:r + DEQUANT_ROWS] = quants.dequantize(chunk, t.qtype)
+            first = t.start + r * t.row_bytes
+            self._release(first, first + chunk.shape[0] * t.row_bytes)
         return out.reshape(tuple(reversed(t.dims)))  # GGUF lists ne0 (innermost) first
 
     def iter_shard_tensors(self, layers: LayerRange, *, blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
