@@ -325,6 +325,22 @@ async def test_a_reply_with_every_hop_checked_reports_nothing_unverified(tiny):
             await p.close()
 
 
+async def generate_over(peers, route_peers, ids, **conv_options) -> tuple:
+    """Plan a route through ``route_peers`` (the other ``peers`` excluded), generate N_TOKENS
+    over it and close every peer; (result, conversation, backed-off peer ids)."""
+    try:
+        async with MeshClient(list(peers[0].addrs)) as client:
+            route = await client.plan(exclude=frozenset(p.peer_id for p in peers if p not in route_peers))
+            assert route.peer_ids == tuple(p.peer_id for p in route_peers)
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, **conv_options)
+            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            await conv.close()
+            return out, conv, client.backed_off()
+    finally:
+        for p in peers:
+            await p.close()
+
+
 @pytest.mark.parametrize("lies", [("token",), ("token", "probed"), ("token", "probed", "log")],
                          ids=["in_its_token_reply", "in_probes_too", "forging_its_log_too"])
 async def test_a_last_hop_that_over_reports_its_positions_is_the_one_excluded(tiny, monkeypatch, lies):
@@ -353,17 +369,7 @@ async def test_a_last_hop_that_over_reports_its_positions_is_the_one_excluded(ti
         return await real_send(link, msg_type, **fields)
 
     monkeypatch.setattr(Link, "send", send)
-    try:
-        async with MeshClient(list(first.addrs)) as client:
-            route = await client.plan(exclude=frozenset({twin.peer_id}))
-            assert route.peer_ids == (first.peer_id, middle.peer_id, liar.peer_id)
-            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS)
-            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
-            await conv.close()
-            banned = client.backed_off()
-    finally:
-        for p in peers:
-            await p.close()
+    out, conv, banned = await generate_over(peers, (first, middle, liar), ids)
     assert out.token_ids == expected
     assert liar.peer_id in banned and not {first.peer_id, middle.peer_id} & banned
     assert [d["peer"] for d in out.detections] == [liar.peer_id]
@@ -379,17 +385,7 @@ async def test_a_hop_that_does_not_sign_its_steps_is_refused_by_the_next_and_rep
     peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (1, 3), (3, 4)])
     first, unsigned, twin, last = peers
     unsigned.steps.sign = lambda conv, seq, start, hidden: bytes(64)
-    try:
-        async with MeshClient(list(first.addrs)) as client:
-            route = await client.plan(exclude=frozenset({twin.peer_id}))
-            assert route.peer_ids == (first.peer_id, unsigned.peer_id, last.peer_id)
-            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS)
-            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
-            await conv.close()
-            banned = client.backed_off()
-    finally:
-        for p in peers:
-            await p.close()
+    out, conv, banned = await generate_over(peers, (first, unsigned, last), ids)
     assert out.token_ids == expected
     assert [d["peer"] for d in out.detections] == [unsigned.peer_id]
     assert "without a valid signature" in out.detections[0]["reason"]
@@ -415,18 +411,8 @@ async def test_a_next_hop_showing_false_digests_cannot_frame_the_hop_before_it(t
         return await real_send(link, msg_type, **fields)
 
     monkeypatch.setattr(Link, "send", send)
-    try:
-        async with MeshClient(list(first.addrs)) as client:
-            route = await client.plan(exclude=frozenset({middle_twin.peer_id, liar_twin.peer_id}))
-            assert route.peer_ids == (first.peer_id, middle.peer_id, liar.peer_id)
-            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, spot_check_rate=1.0,
-                                       spot_check_seed=0)
-            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
-            await conv.close()
-            banned = client.backed_off()
-    finally:
-        for p in peers:
-            await p.close()
+    out, conv, banned = await generate_over(peers, (first, middle, liar), ids, spot_check_rate=1.0,
+                                            spot_check_seed=0)
     assert out.token_ids == expected
     assert [d["peer"] for d in out.detections] == [liar.peer_id]
     assert "neither logged nor signed" in out.detections[0]["reason"]
