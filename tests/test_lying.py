@@ -17,8 +17,7 @@ import torch
 from helpers.meshkit import start_peer, wait_for_tables
 from helpers.lying import LyingShard, noise
 from meshinfer.client import spotcheck
-from meshinfer.peer import verify
-from meshinfer.wire import tensors
+from meshinfer.wire import plausible, tensors
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import LyingPeer
 from meshinfer.engine.generate import greedy_generate, load_shard
@@ -145,13 +144,13 @@ async def test_honest_mesh_with_spot_checks_detects_nothing(tiny, temperature):
 def test_cheap_checks_name_the_sender():
     C = 8
     ok = torch.ones(1, 3, C)
-    verify.check_hidden(ok, width=C, sender="abc")
+    plausible.check_hidden(ok, width=C, sender="abc")
     cases = [(ok.double(), "dtype torch.float64"), (ok[0], "shape (3, 8)"), (torch.ones(1, 3, C + 1), "not (1, T, 8)"),
              (torch.full((1, 3, C), math.nan), "NaN or inf"), (torch.zeros(1, 3, C), "RMS 0"),
              (torch.full((1, 3, C), 1e6), "RMS 1e+06")]
     for x, text in cases:
         with pytest.raises(LyingPeer, match="previous hop abc") as err:
-            verify.check_hidden(x, width=C, sender="abc")
+            plausible.check_hidden(x, width=C, sender="abc")
         assert text in str(err.value) and err.value.suspect == "abc"
 
 
@@ -420,6 +419,34 @@ async def test_a_next_hop_showing_false_digests_cannot_frame_the_hop_before_it(t
     assert conv.route.peer_ids[-1] == liar_twin.peer_id  # (the failover may take either middle peer)
 
 
+async def test_a_hop_cannot_frame_the_hop_before_it_with_plausible_evidence(tiny):
+    """A hop reports that its previous hop sent implausible hidden states, and shows as evidence
+    what that hop really signed and sent, whose values pass the checks. The client used to take a
+    cheap check's accusation on the reporter's word; it repeats the check on signed evidence
+    (``hops.weigh_evidence``), and the accuser is the one excluded. (Hidden states that really
+    fail the checks are still blamed on their sender: ``test_garbage_norms_are_caught_by_the_next_hop``.)"""
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (3, 4), (3, 4)])
+    first, middle, liar, twin = peers
+    real = liar.steps.accept_from_previous_hop
+
+    def accuse(link, conv, f, seq, start, x, digests):
+        if real(link, conv, f, seq, start, x, digests):
+            exc = LyingPeer(f"previous hop {conv.prev_id[:12]} sent hidden states with RMS 1e+09, outside the "
+                            f"plausible band", suspect=conv.prev_id)
+            conv.owner.post("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc), suspect=exc.suspect,
+                            evidence={"start": start, "sig": f.get("sig", bytes), "hidden": f.get("hidden", dict)})
+        return False
+
+    liar.steps.accept_from_previous_hop = accuse
+    out, conv, banned = await generate_over(peers, (first, middle, liar), ids)
+    assert out.token_ids == expected
+    assert [d["peer"] for d in out.detections] == [liar.peer_id]
+    assert "the signed hidden states it shows pass the checks" in out.detections[0]["reason"]
+    assert liar.peer_id in banned and middle.peer_id not in banned
+    assert conv.route.peer_ids == (first.peer_id, middle.peer_id, twin.peer_id)
+
+
 async def two_hops_and_a_stranger(tiny):
     """Peers a (layers 0-1) and b (2-3) of the tiny model, and c: a peer of another model (another
     weights hash, half of it) linked to them, never on their conversations' routes. Tables synced."""
@@ -680,3 +707,30 @@ async def test_frames_naming_an_idle_conversation_do_not_pile_up(tiny):
     finally:
         for p in (a, b, c):
             await p.close()
+
+
+def test_evidence_holds_only_when_the_accused_signed_values_that_fail_the_checks():
+    """``hops.weigh_evidence``: the accusation stands only for hidden states the accused signed
+    (for this conversation and step) that fail ``plausible.check_values``."""
+    from types import SimpleNamespace
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from meshinfer.client.hops import weigh_evidence
+    from meshinfer.wire import discovery
+
+    key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    accused = SimpleNamespace(peer_id="a" * 32, peer=SimpleNamespace(public_key=discovery.public_key_hex(key)))
+    accusation = LyingPeer("previous hop sent blown-up states", suspect=accused.peer_id)
+
+    def weigh(x, *, signer=key, seq=5, start=3, hidden=None, sign_seq=None):
+        sig = discovery.sign_step(signer, "conv", seq if sign_seq is None else sign_seq, start, tensors.row_digests(x))
+        ev = {"start": start, "sig": sig, "hidden": tensors.tensor_to_wire(x) if hidden is None else hidden}
+        return weigh_evidence(accusation, "conv", seq, accused, "r" * 32, ev)
+
+    blown, fine = torch.full((1, 2, 8), 1e7), torch.ones(1, 2, 8)
+    assert weigh(blown) is accusation
+    for got, reason in ((weigh(fine), "pass the checks"), (weigh(blown, signer=other), "did not sign"),
+                        (weigh(blown, sign_seq=4), "did not sign"), (weigh(blown, hidden=[1, 2]), "does not read"),
+                        (weigh(blown, seq=-1, sign_seq=0), "does not read")):
+        assert got is not accusation and got.suspect == "r" * 32 and reason in str(got), (reason, got)

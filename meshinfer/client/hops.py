@@ -8,8 +8,13 @@ import time
 from typing import Sequence
 
 from meshinfer.core.errors import LyingPeer, MeshError, PeerUnavailable, ProtocolError
+from meshinfer.wire import discovery, plausible, tensors
 from meshinfer.wire.protocol import MAX_VERIFY_TOKENS
 from meshinfer.wire.transport import Link, remote_error
+
+#: Most floats of a hop's evidence the client decodes (``weigh_evidence``): a 512-position step
+#: of a model 8,192 wide; larger evidence is refused as unreadable.
+MAX_EVIDENCE_ELEMENTS = 512 * 8192
 
 #: A step's deadline: this floor plus DEADLINE_FACTOR x the route's estimated time for the
 #: step's tokens (decode estimate x tokens), so a 3,000-token prefill gets proportionally longer.
@@ -110,7 +115,7 @@ class HopSteps:
             if msg_seq is not None and msg_seq < self._min_seq:
                 continue  # a late reply from before a failover
             if msg_type == "error":
-                raise self._credible(remote_error(f), link)
+                raise self._credible(remote_error(f), link, f)
             if msg_seq != seq:
                 continue
             if link.remote_id != self.route.hops[-1].peer_id:
@@ -123,12 +128,14 @@ class HopSteps:
                 raise ProtocolError(f"step {seq} carried {n_tokens} tokens; the last hop chose {len(ids)}")
             return ids, f.get("trace", list, [])
 
-    def _credible(self, exc: MeshError, link: Link) -> MeshError:
-        """``exc`` as far as the reporting hop (``link``'s peer) can know it.
+    def _credible(self, exc: MeshError, link: Link, f=None) -> MeshError:
+        """``exc`` as far as the reporting hop (``link``'s peer) can know it (``f``: the error frame).
 
         A :class:`LyingPeer` stands when its ``suspect`` is the hop just before the reporter (the
-        only hop whose hidden states the reporter checks); otherwise it becomes a :class:`LyingPeer`
-        naming the reporter, which accused a hop it cannot have checked. A :class:`PeerUnavailable`
+        only hop whose hidden states the reporter checks), and, when the frame carries
+        ``evidence`` of implausible values, when that evidence holds (:func:`weigh_evidence`);
+        otherwise it becomes a :class:`LyingPeer` naming the reporter, which accused a hop it
+        cannot have checked, or showed what the accused did not sign or what passes the checks. A :class:`PeerUnavailable`
         naming a ``peer`` (the reporter's link to its next hop closed) keeps that name only when
         it is the hop just after the reporter, and its ``relay`` only when that hop lists it; every
         :class:`PeerUnavailable` from a hop carries the reporter's id as ``reporter``.
@@ -144,8 +151,12 @@ class HopSteps:
             return exc
         if not isinstance(exc, LyingPeer) or exc.suspect is None:
             return exc
-        if any(a.peer_id == exc.suspect and b.peer_id == link.remote_id for a, b in zip(hops, hops[1:])):
-            return exc
+        accused = next((a for a, b in zip(hops, hops[1:]) if a.peer_id == exc.suspect and b.peer_id == link.remote_id),
+                       None)
+        if accused is not None:
+            evidence = None if f is None else f.get("evidence", dict, None)
+            return exc if evidence is None else weigh_evidence(exc, self.conv_id, f.get("seq", int, -1), accused,
+                                                                link.remote_id, evidence)
         return LyingPeer(f"peer {(link.remote_id or '?')[:12]} blamed peer {exc.suspect[:12]}, whose output it "
                          f"does not receive: {exc}", suspect=link.remote_id)
 
@@ -177,4 +188,30 @@ class HopSteps:
                     raise
                 await self._failover(exc, in_flight=start + len(tokens))
         raise AssertionError("unreachable")
+
+
+def weigh_evidence(exc: LyingPeer, conv_id: str, seq: int, accused, reporter: str, evidence: dict) -> LyingPeer:
+    """``exc`` (a hop's report that its previous hop, ``accused``, sent implausible hidden states
+    in step ``seq``) when its ``evidence`` holds: hidden states (``hidden``, a tensor frame) the
+    accused signed (``sig`` over ``conv_id``, ``seq``, ``start`` and their row digests,
+    :func:`meshinfer.wire.discovery.check_step`) that fail
+    :func:`meshinfer.wire.plausible.check_values`. Otherwise a :class:`LyingPeer` naming the
+    ``reporter``: it showed what the accused never signed, or values that pass the checks."""
+    who = f"peer {(reporter or '?')[:12]} accused peer {accused.peer_id[:12]} of implausible hidden states"
+    start, sig = evidence.get("start"), evidence.get("sig")
+    try:
+        x = tensors.tensor_from_wire(evidence.get("hidden"), max_elements=MAX_EVIDENCE_ELEMENTS)
+        if type(start) is not int or not 0 <= start < 1 << 62 or not 0 <= seq < 1 << 62 \
+                or not isinstance(sig, bytes) or x.dim() != 3 or x.shape[0] != 1:
+            raise ProtocolError("malformed evidence")
+        signed = discovery.check_step(accused.peer.public_key, sig, conv_id, seq, start, tensors.row_digests(x))
+    except (ProtocolError, TypeError, ValueError) as err:
+        return LyingPeer(f"{who}, with evidence that does not read: {err}", suspect=reporter)
+    if not signed:
+        return LyingPeer(f"{who}, with hidden states it did not sign", suspect=reporter)
+    try:
+        plausible.check_values(x, sender=accused.peer_id)
+    except LyingPeer:
+        return exc
+    return LyingPeer(f"{who}, but the signed hidden states it shows pass the checks", suspect=reporter)
 

@@ -21,9 +21,9 @@ from meshinfer.core.errors import (CacheFull, InvalidInput, LyingPeer, MeshError
 from meshinfer.core.logs import context
 from meshinfer.engine.kv_cache import KVCache
 from meshinfer.engine.sampling import pick_token
-from meshinfer.peer import limits, verify
+from meshinfer.peer import limits
 from meshinfer.peer.conversations import Conv
-from meshinfer.wire import discovery, protocol, tensors
+from meshinfer.wire import discovery, plausible, protocol, tensors
 from meshinfer.wire.transport import Link
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -217,7 +217,7 @@ class Steps:
         if x is None:
             return
         digests = tensors.row_digests(x) if conv.run.start > 0 else b""
-        if link is not conv.owner and not self.signed_by_previous_hop(link, conv, f, seq, start, digests):
+        if link is not conv.owner and not self.accept_from_previous_hop(link, conv, f, seq, start, x, digests):
             return
         if f.get("replay", bool, False) and start + x.shape[1] <= conv.cache.length <= conv.expected_start:
             # failover replay of positions this hop kept: pass its logged output on, compute nothing
@@ -239,22 +239,35 @@ class Steps:
             conv.received += digests
             conv.keep_signed(seq, start, digests, f.get("sig", bytes, b""))  # checked above
 
-    def signed_by_previous_hop(self, link: Link, conv: Conv, f, seq: int, start: int, digests: bytes) -> bool:
-        """Whether the previous hop signed the hidden states of step ``seq`` (``sig``: the
-        :func:`meshinfer.wire.discovery.sign_step` of their ``digests`` by the key that link
-        proved in its handshake). The caller keeps it (``Conv.keep_signed``) once the step is
-        queued, as evidence of what that hop sent: a step refused for its positions must not
-        displace the statements of steps taken. Otherwise the conversation's client is told,
-        naming the sender as ``suspect`` (as for hidden states that fail their checks), and False."""
+    def accept_from_previous_hop(self, link: Link, conv: Conv, f, seq: int, start: int, x: torch.Tensor,
+                                 digests: bytes) -> bool:
+        """Whether to take the hidden states ``x`` ``(1, T, C)`` of step ``seq`` from the previous
+        hop: signed by it (``sig``: :func:`meshinfer.wire.discovery.sign_step` of their
+        ``digests`` by the key that link proved in its handshake), then plausible
+        (:func:`meshinfer.wire.plausible.check_values`; the shape was checked when decoding). The caller keeps the signature
+        (``Conv.keep_signed``) once the step is queued, as evidence of what that hop sent: a step
+        refused for its positions must not displace the statements of steps taken.
+
+        Otherwise the conversation's client is told, naming the sender as ``suspect``, and False.
+        Implausible values of a signed step go with ``evidence`` (``start``, ``sig``, the
+        ``hidden`` frame as received): the client repeats the check and blames this hop instead
+        when the evidence does not hold, so a hop cannot frame its previous hop on its word."""
         sig = f.get("sig", bytes, b"")
         key = link.info.get("public_key")
-        if key is not None and discovery.check_step(key, sig, conv.conv_id, seq, start, digests):
+        evidence = None
+        try:
+            if key is None or not discovery.check_step(key, sig, conv.conv_id, seq, start, digests):
+                raise LyingPeer(f"previous hop {(conv.prev_id or '?')[:12]} sent step {seq} without a valid "
+                                f"signature of its hidden states", suspect=conv.prev_id)
+            evidence = {"start": start, "sig": sig, "hidden": f.get("hidden", dict)}
+            plausible.check_values(x, sender=conv.prev_id)
             return True
-        exc = LyingPeer(f"previous hop {(conv.prev_id or '?')[:12]} sent step {seq} without a valid signature of "
-                        f"its hidden states", suspect=conv.prev_id)
-        log.warning("conversation %s, step %d: %s", conv.conv_id[:12], seq, exc)
-        conv.owner.post("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc), suspect=exc.suspect)
-        return False
+        except LyingPeer as exc:
+            log.warning("conversation %s, step %d: %s", conv.conv_id[:12], seq, exc)
+            # the previous hop's read loop must not wait on this client: post, never send
+            conv.owner.post("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc), suspect=exc.suspect,
+                            **({"evidence": evidence} if evidence is not None else {}))
+            return False
 
     async def step_input(self, link: Link, conv: Conv, f, seq: int) -> torch.Tensor | None:
         """The input of a step: token ids ``(1, T)`` int64 on hop 0, else hidden states ``(1, T, C)``;
@@ -280,9 +293,11 @@ class Steps:
         return await self.incoming_hidden(conv, f, seq)
 
     async def incoming_hidden(self, conv: Conv, f, seq: int) -> torch.Tensor | None:
-        """Hidden states ``(1, T, C)`` float32 of a step from the previous hop, or None when they fail
-        :func:`meshinfer.peer.verify.check_hidden`: then the conversation's client is told, naming the
-        sender as ``suspect``, and the step is dropped."""
+        """Hidden states ``(1, T, C)`` float32 of a step from the previous hop (their values and
+        signature are checked by :meth:`accept_from_previous_hop`), or None when they do not
+        decode or have another dtype or shape (:func:`meshinfer.wire.plausible.check_shape`):
+        then the conversation's client is told, naming the sender as ``suspect``, and the step
+        is dropped."""
         try:
             try:
                 x = tensors.tensor_from_wire(f.get("hidden", dict),
@@ -290,7 +305,7 @@ class Steps:
             except ProtocolError as exc:
                 raise LyingPeer(f"previous hop {(conv.prev_id or '?')[:12]} sent an unreadable tensor: {exc}",
                                 suspect=conv.prev_id) from exc
-            verify.check_hidden(x, width=self.peer.cfg.hidden_size, sender=conv.prev_id)
+            plausible.check_shape(x, width=self.peer.cfg.hidden_size, sender=conv.prev_id)
             return x
         except LyingPeer as exc:
             log.warning("conversation %s, step %d: %s", conv.conv_id[:12], seq, exc)
