@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create a virtual environment and install meshinfer (CPU torch) into it. Used by the README,
+# Create a virtual environment and install meshinfer and torch into it. Used by the README,
 # CI, `deploy/local-mesh.sh --setup` and deploy/Dockerfile (the same commands everywhere).
 #
 # Environment:
@@ -15,8 +15,9 @@ VENV=${MESHINFER_VENV:-.venv}
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
-# torch first and pinned when none is installed: an unpinned torch pulls a multi-GB CUDA build
-# on Linux.
+# torch first and pinned when none is installed (pinned so every machine runs the same kernels).
+# From pip's default index on Linux this is the multi-GB CUDA build; MESHINFER_TORCH_INDEX picks
+# a CPU-only index instead.
 INDEX=()
 [ -n "${MESHINFER_TORCH_INDEX:-}" ] && INDEX=(--index-url "$MESHINFER_TORCH_INDEX")
 python -c "import torch" 2>/dev/null || python -m pip install -q ${INDEX[@]+"${INDEX[@]}"} "${MESHINFER_TORCH:-torch==2.13.0}"

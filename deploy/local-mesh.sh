@@ -34,7 +34,7 @@ while [ $# -gt 0 ]; do
     --metrics-port) METRICS_PORT=$2; shift ;;
     -p|--prompt) PROMPT=$2; shift ;;
     --) shift; CHAT_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -96,8 +96,9 @@ done
 meshinfer status --peers "ws://127.0.0.1:$BASE_PORT" >&2 || true
 
 if [ "$KEEP" = 1 ]; then
-  echo "peers are running; chat with: meshinfer chat --peers ws://127.0.0.1:$BASE_PORT" >&2
-  echo "or serve the API and its page: meshinfer serve --peers ws://127.0.0.1:$BASE_PORT, then open http://127.0.0.1:8000/" >&2
+  echo "peers are running; chat with: $VENV/bin/meshinfer chat --peers ws://127.0.0.1:$BASE_PORT" >&2
+  echo "(or '. $VENV/bin/activate' first, then plain 'meshinfer')" >&2
+  echo "or serve the API and its page: $VENV/bin/meshinfer serve --peers ws://127.0.0.1:$BASE_PORT, then open http://127.0.0.1:8000/" >&2
   echo "stop them with: kill ${PIDS[*]}" >&2
   exit 0
 fi

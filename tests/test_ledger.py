@@ -73,18 +73,22 @@ def test_an_old_peer_refusing_want_tokens_is_a_typed_error():
 
 
 def test_a_hop_keeps_the_signed_statement_of_the_step_that_last_sent_each_position():
-    """``Conv.keep_signed``: a step from ``start`` supersedes the statements of earlier steps
-    from ``start`` on; those before ``start`` stay (they still cover positions held)."""
+    """``Conv.keep_signed`` follows ``received``: a step drops every position from its ``start``
+    first; a failover replay replaces its own positions only."""
     from meshinfer.core.config import LayerRange
     from meshinfer.peer.conversations import Conv
 
     conv = Conv("c", LayerRange(1, 2), owner=None, prev_id="p", next_id=None, next_addrs=(),
                 reserved_tokens=64, cache=None)
+
+    def seqs() -> list[int]:
+        return [s[0] for s in conv.signed_at]
+
     conv.keep_signed(1, 0, b"a" * 64, b"s1")  # a 4-position prefill
     conv.keep_signed(2, 4, b"b" * 48, b"s2")  # a verification step of 3 positions
-    conv.keep_signed(3, 5, b"c" * 16, b"s3")  # rolls back to 5: step 2 still covers position 4
-    assert list(conv.signed) == [1, 2, 3]
-    conv.keep_signed(4, 4, b"d" * 16, b"s4")  # from 4 again: steps 2 and 3 are superseded
-    assert list(conv.signed) == [1, 4] and conv.signed[4] == (4, b"d" * 16, b"s4")
-    conv.keep_signed(5, 0, b"e" * 80, b"s5")  # a failover's replay from 0
-    assert list(conv.signed) == [5]
+    conv.keep_signed(3, 5, b"c" * 16, b"s3")  # rolls back to 5: step 2 still holds position 4
+    assert seqs() == [1, 1, 1, 1, 2, 3]
+    conv.keep_signed(4, 4, b"d" * 16, b"s4")  # from 4 again
+    assert seqs() == [1, 1, 1, 1, 4] and conv.signed_at[4] == (4, 4, b"d" * 16, b"s4")
+    conv.keep_signed(5, 0, b"e" * 32, b"s5", replay=True)  # a replay of positions 0-1 only
+    assert seqs() == [5, 5, 1, 1, 4]

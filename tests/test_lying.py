@@ -17,7 +17,7 @@ import torch
 from helpers.meshkit import start_peer, wait_for_tables
 from helpers.lying import LyingShard, noise
 from meshinfer.client import spotcheck
-from meshinfer.wire import plausible, tensors
+from meshinfer.wire import discovery, plausible, tensors
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import LyingPeer
 from meshinfer.engine.generate import greedy_generate, load_shard
@@ -100,7 +100,7 @@ async def test_a_peer_that_logs_honestly_but_sends_noise_is_caught_by_the_next_h
     def send_noise(out):  # the hop's log (for spot-checks) keeps the honest output
         return out + 1e-2 * out.pow(2).mean(-1, keepdim=True).sqrt() * torch.randn(out.shape)
     out, conv, liar, twins = await run_with_liar(tiny, lie_compute=send_noise)
-    assert_caught(out, conv, liar, twins, tiny[4], "differs from what it signed and sent peer")
+    assert_caught(out, conv, liar, twins, tiny[4], "signed and sent what peer")
 
 
 async def test_garbage_norms_are_caught_by_the_next_hop(tiny):
@@ -414,7 +414,7 @@ async def test_a_next_hop_showing_false_digests_cannot_frame_the_hop_before_it(t
                                             spot_check_seed=0)
     assert out.token_ids == expected
     assert [d["peer"] for d in out.detections] == [liar.peer_id]
-    assert "neither logged nor signed" in out.detections[0]["reason"]
+    assert "shows a digest that peer" in out.detections[0]["reason"]
     assert liar.peer_id in banned and middle.peer_id not in banned
     assert conv.route.peer_ids[-1] == liar_twin.peer_id  # (the failover may take either middle peer)
 
@@ -445,6 +445,120 @@ async def test_a_hop_cannot_frame_the_hop_before_it_with_plausible_evidence(tiny
     assert "the signed hidden states it shows pass the checks" in out.detections[0]["reason"]
     assert liar.peer_id in banned and middle.peer_id not in banned
     assert conv.route.peer_ids == (first.peer_id, middle.peer_id, twin.peer_id)
+
+
+def made_up_steps(liar, when, frames):
+    """Make ``liar`` run its steps honestly and, after each step ``when(conv, step)`` accepts,
+    send its next hop the steps ``frames(conv, step)`` lists (``(seq, start, hidden, fields)``),
+    each validly signed with the liar's own key: steps the client never sent."""
+    real_run = liar.steps.run
+
+    async def run(conv, step):
+        await real_run(conv, step)
+        if conv.next_id is not None and when(conv, step):
+            nxt = await liar.conns.link_to(conv.next_id, conv.next_addrs, conv.next_relays)
+            for seq, start, hidden, fields in frames(conv, step):
+                await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want="none", trace=[],
+                               hidden=tensors.tensor_to_wire(hidden), **fields,
+                               sig=discovery.sign_step(liar.key, conv.conv_id, seq, start, tensors.row_digests(hidden)))
+
+    liar.steps.run = run
+
+
+@pytest.mark.parametrize("made_up", ["replay", "rollback"])
+async def test_a_hop_cannot_frame_its_next_hop_with_steps_the_client_never_sent(tiny, made_up):
+    """A hop computes, logs and signs honestly, but once sends its next hop a step of its own,
+    signed, under a seq the client never used: a failover ``replay`` of position 0, or a
+    ``rollback`` of the last position, with the row slightly changed. The next hop takes it (it
+    cannot know the client's steps), so the spot-check finds the hop's log and the next hop's
+    digests differing. The next hop used to be blamed: the statement the client asked for (its
+    own step's) had been replaced. Now the next hop shows the newest statement it holds, the
+    made-up step, which convicts its signer (found by an attack run)."""
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (1, 3), (3, 4), (3, 4)])
+    first, liar, liar_twin, victim, victim_twin = peers
+    done = []
+
+    def when(conv, step):
+        if done or step.start < (1 if made_up == "replay" else len(ids) + 1):
+            return False
+        done.append(step.start)
+        return True
+
+    def frames(conv, step):
+        p = 0 if made_up == "replay" else step.start
+        row = conv.sent.slice(p, p + 1).clone() * (1 + 1e-3)
+        return [(10**9, p, row, {"replay": True} if made_up == "replay" else {"rollback": True})]
+
+    made_up_steps(liar, when, frames)
+    out, conv, banned = await generate_over(peers, (first, liar, victim), ids, spot_check_rate=1.0, spot_check_seed=0)
+    assert done and out.token_ids == expected
+    assert [d["peer"] for d in out.detections] == [liar.peer_id]
+    assert "that the client never sent" in out.detections[0]["reason"]
+    assert liar.peer_id in banned and victim.peer_id not in banned
+
+
+async def test_a_hop_cannot_frame_its_next_hop_by_making_up_positions(tiny):
+    """On one decode step a hop sends its next hop two positions under a made-up seq, then the
+    step itself two positions on: the last hop truthfully holds two positions more than the
+    conversation. The client asked the last hop for the signed statement of its own step, which
+    does not cover the extra positions, and blamed it; now it asks for the newest statement
+    covering the first extra position: the made-up step, signed by the hop before (found by an
+    attack run)."""
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (1, 3), (3, 4), (3, 4)])
+    first, liar, liar_twin, victim, victim_twin = peers
+    real_run, done = liar.steps.run, []
+
+    async def run(conv, step):
+        if done or step.x is None or step.start < len(ids) + 2 or step.x.shape[1] != 1:
+            return await real_run(conv, step)
+        done.append(step.seq)
+        out = await liar.scheduler.submit(conv, step.x, step.start, step.want, step.sampling, timing={})
+        nxt = await liar.conns.link_to(conv.next_id, conv.next_addrs, conv.next_relays)
+        for seq, start, hidden, want in ((10**9, step.start, torch.cat([out, out], 1), "none"),
+                                         (step.seq, step.start + 2, out, step.want)):
+            await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, trace=step.trace,
+                           hidden=tensors.tensor_to_wire(hidden),
+                           sig=discovery.sign_step(liar.key, conv.conv_id, seq, start, tensors.row_digests(hidden)))
+        conv.next_link, conv.forwarded_seq = nxt, step.seq
+
+    liar.steps.run = run
+    out, conv, banned = await generate_over(peers, (first, liar, victim), ids, spot_check_rate=0.0)
+    assert done and out.token_ids == expected
+    assert [d["peer"] for d in out.detections] == [liar.peer_id]
+    assert liar.peer_id in banned and victim.peer_id not in banned
+
+
+@pytest.mark.parametrize("probe", ["fewer", "silent"])
+async def test_a_last_hop_that_contradicts_its_own_reply_is_the_one_excluded(tiny, monkeypatch, probe):
+    """The last hop reports one position more than the conversation in its ``token`` reply, then
+    answers the client's probe with one fewer (or not at all). "Fewer, or no answer" blamed the
+    hop before it; the last hop's probe contradicting the reply it just sent now blames itself
+    (found by an attack run)."""
+    from meshinfer.wire.transport import Link
+
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (1, 3), (3, 4), (3, 4)])
+    first, middle, middle_twin, liar, liar_twin = peers
+    real_send, lied = Link.send, []
+
+    async def send(link, msg_type, **fields):
+        if any(c.owner is link for c in liar.convs.values()):
+            if msg_type == "token" and not lied and fields.get("length", 0) > len(ids) + 2:
+                lied.append(True)
+                fields["length"] += 1
+            elif msg_type == "probed" and lied:
+                if probe == "silent":
+                    return None
+                fields["length"] -= 1
+        return await real_send(link, msg_type, **fields)
+
+    monkeypatch.setattr(Link, "send", send)
+    out, conv, banned = await generate_over(peers, (first, middle, liar), ids, spot_check_rate=0.0)
+    assert lied and out.token_ids == expected
+    assert [d["peer"] for d in out.detections] == [liar.peer_id]
+    assert liar.peer_id in banned and middle.peer_id not in banned
 
 
 async def two_hops_and_a_stranger(tiny):

@@ -61,3 +61,23 @@ async def test_a_model_file_changed_while_a_peer_loads_it_is_refused(tmp_path, m
     with pytest.raises(WeightsError, match="the model file changed while this peer loaded it"):
         await launch_peer(str(model), None, dtype="f32", key_path=str(tmp_path / "k.pem"), home=str(tmp_path),
                           warmup=False)
+
+
+@pytest.mark.parametrize("blocks", [True, False], ids=["gguf_blocks", "dequantized"])
+def test_a_model_file_cut_short_during_a_load_is_a_clear_error(tmp_path, blocks):
+    """Tensors are read with os.pread, not through the file's memory map: a file truncated
+    after it was opened (the header read, the tensors not yet) gives a WeightsError naming the
+    tensor, not SIGBUS on a mapped page past the new end (found by an attack run)."""
+    from meshinfer.core.config import LayerRange
+    from meshinfer.core.errors import WeightsError
+    from meshinfer.engine.weights.gguf_file import GGUFFile
+
+    model = tmp_path / "model.gguf"
+    cfg = tiny_config("qwen2", context=256)
+    write_gguf(model, cfg, random_weights(cfg, seed=7),
+               quantize=lambda name: gguf.GGMLQuantizationType.Q8_0 if name.endswith("proj.weight") else None)
+    src = GGUFFile(model)
+    with open(model, "r+b") as f:
+        f.truncate(model.stat().st_size // 2)
+    with pytest.raises(WeightsError, match="it was changed while being read"):
+        list(src.iter_shard_tensors(LayerRange(0, cfg.num_hidden_layers), blocks=blocks))

@@ -126,6 +126,9 @@ async def plan_for(client: MeshClient, *, weights_hash: str | None = None,
         except NoRoute as exc:
             if precision is None:
                 raise
+            if not any(ad.precision == precision for ad in client.table.values()):
+                # no peer of it at all: the planner's list of the others as "excluded" says nothing
+                raise NoRoute(f"no route at precision {precision}: {_precisions_note(client, precision)}") from exc
             raise NoRoute(f"{exc}; {_precisions_note(client, precision)}") from exc
         if ((weights_hash is None or route.compat_key[0] == weights_hash)
                 and (precision is None or route.compat_key[1] == precision)):

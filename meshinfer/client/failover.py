@@ -181,7 +181,7 @@ class Failover:
             self.audit.emitted[n - len(ids) + i] = token
         length, self._reply_length = self._reply_length, None
         if length is not None and length != held:
-            suspect = await spotcheck.find_length_liar(self, held, self._seq)
+            suspect = await spotcheck.find_length_liar(self, held, length)
             raise LyingPeer(f"the last hop holds {length} positions after the step; the conversation has {held}",
                             suspect=suspect)
         for i in self.audit.hops_to_check(self.route.hops, after_prefill=prefill):

@@ -22,6 +22,8 @@ class PositionLedger:
             which the next step rolls back.
         seq_at: the ``seq`` of the last step that sent each position the hops may hold: the
             step whose signature a hop shows for what it received there (docs/security.md).
+        issued: every step this client sent: seq -> (start, positions). A hop's signature of a
+            step not in it is proof that the hop made that step up.
     """
 
     def __init__(self) -> None:
@@ -29,6 +31,7 @@ class PositionLedger:
         self.confirmed = 0
         self.held = 0
         self.seq_at: list[int] = []
+        self.issued: dict[int, tuple[int, int]] = {}
 
     def send(self, tokens: Sequence[int]) -> None:
         """A step's ``tokens`` went to the route: append them to ``cached``."""
@@ -40,6 +43,7 @@ class PositionLedger:
         self.held = stop
         del self.seq_at[start:]
         self.seq_at += [seq] * (stop - start)
+        self.issued[seq] = (start, stop - start)
 
     def rolls_back(self, start: int) -> bool:
         """Whether a step starting at ``start`` must tell the hops to drop positions from

@@ -237,26 +237,54 @@ def _compare(audit, route, hop, checker, a: int, b: int, got, claimed) -> None:
 
 async def _same_rows(conv, j: int, sent: torch.Tensor, received: bytes, start: int) -> None:
     """Raise :class:`LyingPeer` when hop ``j - 1``'s log ``sent`` ``(1, n, C)`` (from position
-    ``start``) differs from the digests hop ``j`` shows it ``received``. Either could be lying,
-    so hop ``j`` must show hop ``j - 1``'s signed statement of the step that last sent the first
-    differing position (``conv.ledger.seq_at``): with it, and the same digest as it showed, hop
-    ``j - 1`` logged other rows than it signed and sent (the suspect); without, hop ``j`` claims
-    an input it cannot prove (the suspect): a lying next hop can no longer frame an honest
-    sender by showing false digests (docs/security.md)."""
+    ``start``) differs from the digests hop ``j`` shows it ``received``. Either could be lying:
+    :func:`_judge` weighs hop ``j``'s signed statement of the first differing position against
+    the digest it showed (docs/security.md, "Signed steps")."""
     ours = row_digests(sent)
     if ours == received:
         return
     n = next(k for k in range(len(ours) // DIGEST_BYTES)
              if ours[k * DIGEST_BYTES:(k + 1) * DIGEST_BYTES] != received[k * DIGEST_BYTES:(k + 1) * DIGEST_BYTES])
-    position, hops, seq_at = start + n, conv.route.hops, conv.ledger.seq_at
-    sender, receiver = hops[j - 1], hops[j]
     shown = received[n * DIGEST_BYTES:(n + 1) * DIGEST_BYTES]
-    if position < len(seq_at) and len(shown) == DIGEST_BYTES and \
-            await _signed_digest(conv, j, position, seq_at[position]) == shown:
-        raise LyingPeer(f"spot-check: peer {sender.peer_id[:12]}'s log of position {position} differs from what it "
-                        f"signed and sent peer {receiver.peer_id[:12]}", suspect=sender.peer_id)
-    raise LyingPeer(f"spot-check: peer {receiver.peer_id[:12]} shows, for position {position}, an input that peer "
-                    f"{sender.peer_id[:12]} neither logged nor signed", suspect=receiver.peer_id)
+    raise await _judge(conv, j, start + n, shown if len(shown) == DIGEST_BYTES else b"",
+                       f"peer {conv.route.hops[j - 1].peer_id[:12]}'s log of position {start + n} differs from what "
+                       f"peer {conv.route.hops[j].peer_id[:12]} shows it received")
+
+
+async def _judge(conv, j: int, position: int, shown: bytes | None, what: str) -> LyingPeer:
+    """Who lied, hop ``j - 1`` (the sender) or hop ``j`` (the receiver), about ``position``:
+    ``what`` happened there, and ``shown`` is the digest hop ``j`` showed for it (None: it
+    claims to hold a position the client never sent). Hop ``j`` shows hop ``j - 1``'s signed
+    statement of the newest step that sent ``position`` (``get_log`` with ``signed_at``):
+
+    - none that hop ``j - 1`` signed, or not covering ``position``: the receiver;
+    - a step the client never sent (``PositionLedger.issued``; another seq, start or length):
+      the sender, which made it up (a replay or a rollback of its own, say);
+    - a step the client sent but not the one that last sent ``position``
+      (``PositionLedger.seq_at``): the receiver, which shows a statement it holds no longer;
+    - the client's step, with a digest other than ``shown``: the receiver; with ``shown``: the
+      sender, whose log differs from what it signed and sent.
+    """
+    hops, ledger = conv.route.hops, conv.ledger
+    sender, receiver = hops[j - 1].peer_id, hops[j].peer_id
+    statement = await _statement_at(conv, j, position)
+
+    def blame(suspect: str, why: str) -> LyingPeer:
+        return LyingPeer(f"spot-check: {what}; {why}", suspect=suspect)
+
+    if statement is None:
+        return blame(receiver, f"peer {receiver[:12]} shows no statement signed by peer {sender[:12]} for it")
+    seq, start, digests = statement
+    if ledger.issued.get(seq) != (start, len(digests) // DIGEST_BYTES):
+        return blame(sender, f"peer {sender[:12]} signed a step (seq {seq}, positions from {start}) that the "
+                             f"client never sent")
+    if position >= len(ledger.seq_at) or ledger.seq_at[position] != seq:
+        return blame(receiver, f"peer {receiver[:12]} shows the statement of step {seq}, which no longer holds "
+                               f"position {position}")
+    k = position - start
+    if shown is None or digests[k * DIGEST_BYTES:(k + 1) * DIGEST_BYTES] != shown:
+        return blame(receiver, f"peer {receiver[:12]} shows a digest that peer {sender[:12]} did not sign")
+    return blame(sender, f"peer {sender[:12]} signed and sent what peer {receiver[:12]} shows")
 
 
 async def _log_of(conv, j: int, start: int, stop: int) -> tuple[torch.Tensor | None, bytes | None]:
@@ -270,58 +298,56 @@ async def _log_of(conv, j: int, start: int, stop: int) -> tuple[torch.Tensor | N
                                   digest_bytes=DIGEST_BYTES)
 
 
-async def find_length_liar(conv, expected: int, seq: int) -> str:
-    """The hop to blame when the last hop reports, after step ``seq``, a position count other
-    than ``expected``.
+async def find_length_liar(conv, expected: int, reported: int) -> str:
+    """The hop to blame when the last hop reports (in its ``token`` reply) holding ``reported``
+    positions after a step, not ``expected``.
 
     Probes every hop up to the first that holds another count (or does not answer). Hop 0, or
     every hop holding ``expected`` (the last hop misreported in its ``token`` reply): that hop.
-    A later hop ``i`` that claims more positions must show its previous hop's signature of step
-    ``seq`` covering position ``expected`` (``get_log`` with ``signed``; every hop signs the
-    hidden states it sends, :func:`meshinfer.wire.discovery.sign_step`, and its next hop keeps
-    the signature): a hop whose previous hop sent an extra position holds one, and the previous
-    hop is blamed; a hop that over-reports (in its ``token`` replies and its probes alike)
-    cannot forge one, and is blamed itself, whatever digests it shows. A hop that holds fewer
-    positions, or does not answer, blames its previous hop.
+    The last hop that now says another count than it just reported, or does not answer: itself.
+    A later hop ``i`` that claims more positions must show its previous hop's signed statement
+    of the newest step that sent position ``expected``, which the client never sent:
+    :func:`_judge` blames the previous hop when it signed a step the client never sent (it made
+    up positions), else hop ``i`` (it over-reports, whatever digests it shows). A hop that holds
+    fewer positions, or does not answer, blames its previous hop.
     """
     hops = conv.route.hops
     for i, hop in enumerate(hops):
         held = await conv.probe(hop)
         if held == expected:
             continue
-        if i == 0 or (held is not None and held > expected and not await _shows_signed_input(conv, i, expected, seq)):
+        if i == len(hops) - 1 and held != reported:
+            return hop.peer_id  # its probe contradicts the reply it just sent
+        if i == 0:
             return hop.peer_id
+        if held is not None and held > expected:
+            return (await _judge(conv, i, expected, None, f"peer {hop.peer_id[:12]} holds {held} positions, the "
+                                                          f"conversation {expected}")).suspect
         return hops[i - 1].peer_id
     return hops[-1].peer_id
 
 
-async def _shows_signed_input(conv, i: int, position: int, seq: int) -> bool:
-    """Whether hop ``i`` (not the first) shows hop ``i - 1``'s valid signature of step ``seq``
-    with hidden states at ``position``; False when it fails or refuses to."""
-    return await _signed_digest(conv, i, position, seq) is not None
-
-
-async def _signed_digest(conv, i: int, position: int, seq: int) -> bytes | None:
-    """The digest of ``position`` in hop ``i - 1``'s signed statement of step ``seq`` as hop ``i``
-    shows it (``get_log`` with ``signed``), when the signature verifies against hop ``i - 1``'s
-    key and the step covers ``position``; else None (also when hop ``i`` fails or refuses)."""
+async def _statement_at(conv, i: int, position: int) -> tuple[int, int, bytes] | None:
+    """Hop ``i - 1``'s signed statement ``(seq, start, digests)`` of the newest step that sent
+    ``position`` to hop ``i``, as hop ``i`` shows it (``get_log`` with ``signed_at``), when the
+    signature verifies against hop ``i - 1``'s key and the step covers ``position``; else None
+    (also when hop ``i`` fails or refuses)."""
     hops = conv.route.hops
     try:
         link = await conv.client.link(hops[i].peer)
         _, f = await link.request("get_log", timeout_s=conv.client.request_timeout_s, conv=conv.conv_id,
-                                  start=position, stop=position + 1, signed=seq)
+                                  start=position, stop=position + 1, signed_at=position)
         signed = f.get("signed", dict, None)
         if signed is None:
             return None
-        start, digests, sig = signed.get("start"), signed.get("digests"), signed.get("sig")
-        if type(start) is not int or not isinstance(digests, bytes) or not isinstance(sig, bytes) \
-                or signed.get("seq") != seq or len(digests) % DIGEST_BYTES:
+        seq, start, digests, sig = (signed.get(k) for k in ("seq", "start", "digests", "sig"))
+        if type(seq) is not int or type(start) is not int or not 0 <= seq < 1 << 62 or not 0 <= start < 1 << 62 \
+                or not isinstance(digests, bytes) or not isinstance(sig, bytes) or len(digests) % DIGEST_BYTES:
             return None
     except MeshError as exc:
         log.info("hop %s shows no input for position %d: %s", hops[i].peer_id[:12], position, exc)
         return None
-    k = position - start
-    if not 0 <= k < len(digests) // DIGEST_BYTES or not discovery.check_step(
+    if not 0 <= position - start < len(digests) // DIGEST_BYTES or not discovery.check_step(
             hops[i - 1].peer.public_key, sig, conv.conv_id, seq, start, digests):
         return None
-    return digests[k * DIGEST_BYTES:(k + 1) * DIGEST_BYTES]
+    return seq, start, digests

@@ -146,14 +146,16 @@ class Cursor:
         return np.frombuffer(self.take(count * dtype.itemsize, what), dtype=dtype)
 
 
-def map_gguf(path: Path) -> mmap.mmap:
-    """Memory-map ``path`` read-only after checking its magic. Raises OSError as is."""
-    with open(path, "rb") as f:
-        magic = f.read(4)
-        if magic != GGUF_MAGIC:
-            raise WeightsError(f"{path}: wrong magic {magic!r}, expected {GGUF_MAGIC!r}: "
-                               "not a GGUF file")
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+def map_gguf(path: Path, file=None) -> mmap.mmap:
+    """Memory-map ``path`` (or its open binary ``file``, left open) read-only after checking its
+    magic. Raises OSError as is."""
+    if file is None:
+        with open(path, "rb") as f:
+            return map_gguf(path, f)
+    magic = os.pread(file.fileno(), 4, 0)
+    if magic != GGUF_MAGIC:
+        raise WeightsError(f"{path}: wrong magic {magic!r}, expected {GGUF_MAGIC!r}: not a GGUF file")
+    return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 def read_header(cur: Cursor) -> tuple[int, dict[str, Any]]:

@@ -35,8 +35,9 @@ class Audits:
     async def on_get_log(self, link: Link, f) -> None:
         """Spot-check: the hidden states this hop sent for positions ``[start, stop)`` (``hidden``,
         not on the last hop) and the digests of those it received (``received``, not on hop 0);
-        with ``signed`` (a step's seq), the previous hop's signed statement of that step as this
-        hop received it (``signed``: seq, start, digests, sig; absent when it holds none)."""
+        with ``signed_at`` (a position), the previous hop's signed statement of the step that last
+        sent that position, as this hop received it (``signed``: seq, start, digests, sig; absent
+        when it holds none)."""
         conv = self.peer.convs.get(f.str("conv"))
         if conv is None or conv.owner is not link:
             raise InvalidInput("get_log: no such conversation on this connection")
@@ -48,9 +49,9 @@ class Audits:
             reply["hidden"] = tensors.tensor_to_wire(conv.sent.slice(start, stop))
         if conv.run.start > 0:
             reply["received"] = bytes(conv.received[tensors.DIGEST_BYTES * start:tensors.DIGEST_BYTES * stop])
-        seq = f.get("signed", int, None)
-        if seq is not None and seq in conv.signed:
-            first, digests, sig = conv.signed[seq]
+        at = f.get("signed_at", int, None)
+        if at is not None and 0 <= at < len(conv.signed_at) and conv.signed_at[at] is not None:
+            seq, first, digests, sig = conv.signed_at[at]
             reply["signed"] = {"seq": seq, "start": first, "digests": digests, "sig": sig}
         await link.send("log", re=f.get("id", int, None), conv=conv.conv_id, **reply)
 

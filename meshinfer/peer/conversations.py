@@ -55,18 +55,22 @@ class Conv:
     next_relays: tuple[str, ...] | None = None  # the next hop's relays from ``open`` (None: from its advert)
     next_link: Link | None = None  # the link the last step went to the next hop on, until it closes
     forwarded_seq: int | None = None  # the seq of that step
-    #: the previous hop's signed statements of the steps that last sent each position this hop
-    #: holds: seq -> (start, digests, sig), starts increasing (``get_log`` shows one;
-    #: docs/security.md, "Signed steps"). At most one per position: about 100 bytes each.
-    signed: dict = field(default_factory=dict)
+    #: per position this hop holds, the previous hop's signed statement of the step that last
+    #: sent it: ``(seq, start, digests, sig)``, shared by the positions of one step (``get_log``
+    #: shows one; docs/security.md, "Signed steps"). It follows ``received`` exactly.
+    signed_at: list = field(default_factory=list)
 
-    def keep_signed(self, seq: int, start: int, digests: bytes, sig: bytes) -> None:
-        """Keep the previous hop's signature of step ``seq`` from position ``start``; the
-        statements of steps from ``start`` on before it are superseded (their positions were
-        sent again) and dropped."""
-        while self.signed and self.signed[last := next(reversed(self.signed))][0] >= start:
-            del self.signed[last]
-        self.signed[seq] = (start, digests, sig)
+    def keep_signed(self, seq: int, start: int, digests: bytes, sig: bytes, *, replay: bool = False) -> None:
+        """Keep the previous hop's signed statement of step ``seq``, positions ``[start, start +
+        len(digests) / DIGEST_BYTES)``, as ``received`` keeps their digests: a step drops every
+        position from ``start`` on first, a failover ``replay`` of positions this hop kept
+        replaces those positions only."""
+        statement = (seq, start, digests, sig)
+        n = len(digests) // tensors.DIGEST_BYTES
+        if not replay:
+            del self.signed_at[start:]
+        self.signed_at += [None] * (start - len(self.signed_at))  # positions nobody signed (none, in a route)
+        self.signed_at[start:start + n] = [statement] * n
 
 
 class Conversations:
@@ -195,6 +199,7 @@ class Conversations:
         if conv.sent is not None:
             conv.sent.truncate(length)
         del conv.received[tensors.DIGEST_BYTES * length:]
+        del conv.signed_at[length:]
         conv.expected_start = length
         await link.send("truncated", re=f.get("id", int, None), conv=conv.conv_id, length=length)
 

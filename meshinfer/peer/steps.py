@@ -225,7 +225,7 @@ class Steps:
             if conv.run.start > 0:  # a new previous hop's log must match what it sent now
                 d = tensors.DIGEST_BYTES
                 conv.received[d * start:d * (start + x.shape[1])] = digests
-                conv.keep_signed(seq, start, digests, f.get("sig", bytes, b""))
+                conv.keep_signed(seq, start, digests, f.get("sig", bytes, b""), replay=True)
             return
         rollback = f.get("rollback", bool, False)
         check_positions(conv, seq, start, x.shape[1], rollback)

@@ -14,10 +14,10 @@ and only the tensors of one layer range are dequantized.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import struct
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -45,9 +45,6 @@ MAX_DIMS = 4
 #: concatenating them, so one call on a 519 MiB embedding peaks at twice that; 4096 rows of
 #: 896 floats are 14 MiB of temporaries.
 DEQUANT_ROWS = 4096
-
-#: Bytes of a tensor's blocks copied out of the memory map at a time (``GGUFFile._blocks``).
-COPY_CHUNK_BYTES = 8 << 20
 
 #: Tensor types meshinfer dequantizes: F64 by numpy, the rest by ``gguf.quants.dequantize``.
 SUPPORTED_TYPES = frozenset({
@@ -250,7 +247,11 @@ class GGUFFile:
         self.path = Path(path)
         t0 = time.perf_counter()
         try:
-            self._buf = map_gguf(self.path)
+            # tensors are read from this file (os.pread), never through the map: a file cut
+            # short under a load is then a WeightsError, not SIGBUS on a page past its new end
+            self._file = open(self.path, "rb")
+            weakref.finalize(self, self._file.close)
+            self._buf = map_gguf(self.path, self._file)  # the header and metadata
         except OSError as exc:
             raise WeightsError(f"{self.path}: cannot read: {exc}") from exc
         self.file_size = len(self._buf)
@@ -262,7 +263,6 @@ class GGUFFile:
         tensors = [_check_tensor(i, data_start, alignment, self.file_size, self.path) for i in infos]
         _check_overlaps(tensors, self.path)
         self._tensors = {t.name: t for t in tensors}
-        self._bytes = np.frombuffer(self._buf, dtype=np.uint8)  # (file_size,) read-only view
         self.config = self._read_config()
         log.debug("opened %s: %d tensors, %d metadata fields, %.2f s", self.path, len(tensors),
                   len(self.metadata), time.perf_counter() - t0)
@@ -383,22 +383,21 @@ class GGUFFile:
 
     def dequantize(self, name: str) -> np.ndarray:
         """Dequantize tensor ``name`` to float32, shaped like a torch weight ``(out, in)``: a new
-        array, each chunk's mapped pages released once read (:meth:`_release`).
+        array, read :data:`DEQUANT_ROWS` rows at a time (:meth:`_read`).
 
         Raises:
-            WeightsError: when the tensor is missing.
+            WeightsError: when the tensor is missing, or the file no longer holds it whole.
         """
         t = self._tensor(name)
-        raw = self._bytes[t.start:t.start + t.n_bytes].reshape(-1, t.row_bytes)  # (rows, row bytes) uint8
-        out = np.empty((raw.shape[0], t.dims[0]), dtype=np.float32)  # (rows, ne0)
-        for r in range(0, raw.shape[0], DEQUANT_ROWS):
-            chunk = raw[r:r + DEQUANT_ROWS]
+        rows = t.n_bytes // t.row_bytes
+        out = np.empty((rows, t.dims[0]), dtype=np.float32)  # (rows, ne0)
+        for r in range(0, rows, DEQUANT_ROWS):
+            n = min(DEQUANT_ROWS, rows - r)
+            chunk = self._read(t, t.start + r * t.row_bytes, n * t.row_bytes).reshape(n, t.row_bytes)
             if t.qtype == GGMLQuantizationType.F64:
-                out[r:r + DEQUANT_ROWS] = chunk.view(np.float64)
+                out[r:r + n] = chunk.view(np.float64)
             else:
-                out[r:r + DEQUANT_ROWS] = quants.dequantize(chunk, t.qtype)
-            first = t.start + r * t.row_bytes
-            self._release(first, first + chunk.shape[0] * t.row_bytes)
+                out[r:r + n] = quants.dequantize(chunk, t.qtype)
         return out.reshape(tuple(reversed(t.dims)))  # GGUF lists ne0 (innermost) first
 
     def iter_shard_tensors(self, layers: LayerRange, *, blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -415,10 +414,10 @@ class GGUFFile:
         tensor named twice (a head tied to the token embedding) comes as one object.
 
         Every tensor is a copy in this process's memory, never a view of the file's memory map:
-        nothing written to the file later (in place, or truncating it, which would raise SIGBUS
-        on the next read of a mapped page) reaches a loaded shard. The blocks' mapped pages are
-        dropped from this process as they are copied (:meth:`_blocks`), so loading peaks near the
-        copies' size, not twice it.
+        nothing written to the file later (in place, or truncating it) reaches a loaded shard.
+        Tensors are read with ``os.pread`` (:meth:`_read`), not through the map, so a file cut
+        short during the load is a :class:`WeightsError`, and no page of the file is held in
+        this process's memory besides the copies.
         """
         import torch
 
@@ -460,34 +459,42 @@ class GGUFFile:
             if cfg.is_moe and module.endswith(".mlp.gate.weight"):  # the experts follow their router
                 yield from self._iter_experts(gname.rsplit(".", 2)[0], module.rsplit(".", 3)[0])
 
-    def _release(self, start: int, stop: int) -> None:
-        """Drop this process's mapped pages of file bytes ``[start, stop)`` (``madvise(MADV_DONTNEED)``
-        on the whole pages inside) once they have been copied: read-only file pages, so a later
-        read maps them again from the page cache, and nothing is lost. Without ``madvise`` (not
-        every platform's ``mmap`` has it) the pages stay until the file is closed."""
-        advice = getattr(mmap, "MADV_DONTNEED", None)
-        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-        last = stop // mmap.PAGESIZE * mmap.PAGESIZE
-        if advice is not None and hasattr(self._buf, "madvise") and last > first:
-            self._buf.madvise(advice, first, last - first)
+    def _read(self, t: _Tensor, start: int, n: int) -> np.ndarray:
+        """``n`` bytes of the file from byte ``start`` (within tensor ``t``), as a new uint8
+        array, read with ``os.preadv`` (``os.pread`` where it is missing) from the file opened
+        with the map, never through the map.
+
+        Raises:
+            WeightsError: the file ends before them (it was cut short after it was opened).
+        """
+        out = np.empty(n, dtype=np.uint8)
+        got = 0
+        while got < n:
+            if hasattr(os, "preadv"):
+                k = os.preadv(self._file.fileno(), [memoryview(out)[got:]], start + got)
+            else:
+                chunk = os.pread(self._file.fileno(), n - got, start + got)
+                out[got:got + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+                k = len(chunk)
+            if k == 0:
+                raise WeightsError(f"{self.path}: tensor {t.name!r} ends at byte {t.start + t.n_bytes}, but the file "
+                                   f"now ends at byte {start + got}: it was changed while being read")
+            got += k
+        return out
 
     def _blocks(self, name: str) -> np.ndarray | None:
-        """A copy of tensor ``name``'s bytes ``(rows, row_bytes)`` uint8 when it is 2-D and stored
-        in a type the gguf kernels compute from; else None. Copied :data:`COPY_CHUNK_BYTES` at a
-        time, each chunk's mapped pages released once copied (:meth:`_release`): a load holds at
-        most one chunk of the file's pages on top of the copies (a 145 MB head copied whole held
-        both, and raised the default model's load peak from 790 to 957 MiB)."""
+        """A copy of tensor ``name``'s bytes ``(rows, row_bytes)`` uint8 (:meth:`_read`) when it
+        is 2-D and stored in a type the gguf kernels compute from; else None.
+
+        Raises:
+            WeightsError: the file no longer holds the tensor whole.
+        """
         from meshinfer.engine.kernels.blocks import KERNEL_TYPES
 
         t = self._tensor(name)
         if len(t.dims) != 2 or t.qtype.name not in KERNEL_TYPES or t.qtype.name == "F32":
             return None
-        out = np.empty(t.n_bytes, dtype=np.uint8)
-        for i in range(0, t.n_bytes, COPY_CHUNK_BYTES):
-            j = min(i + COPY_CHUNK_BYTES, t.n_bytes)
-            out[i:j] = self._bytes[t.start + i:t.start + j]
-            self._release(t.start + i, t.start + j)
-        return out.reshape(-1, t.row_bytes)
+        return self._read(t, t.start, t.n_bytes).reshape(-1, t.row_bytes)
 
     def _iter_experts(self, block: str, layer: str) -> Iterator[tuple[str, torch.Tensor]]:
         """Split block ``blk.N``'s merged ``ffn_*_exps`` tensors ``(E, out, in)`` into per-expert
