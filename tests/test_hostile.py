@@ -332,7 +332,7 @@ def step_cases():
         (dict(conv=5), "protocol_error", "step: field 'conv' has type int"),
         (dict(conv="nope"), "invalid_input", "step 1: conversation 'nope' is not open on this peer"),
         (dict(seq="1"), "protocol_error", "step: field 'seq' has type str"),
-        (dict(seq=-1), "protocol_error", "step: field 'seq' = -1 is outside [0, 4611686018427387904]"),
+        (dict(seq=-1), "protocol_error", "step: field 'seq' = -1 is outside [0, 4611686018427387903]"),
         (dict(start=-1), "protocol_error", "step: field 'start' = -1 is outside [0, 256]"),
         (dict(start=1 << 40), "protocol_error", "step: field 'start' = 1099511627776 is outside [0, 256]"),
         (dict(start="0"), "protocol_error", "step: field 'start' has type str"),

@@ -498,6 +498,40 @@ async def test_a_hop_cannot_frame_its_next_hop_with_steps_the_client_never_sent(
     assert liar.peer_id in banned and victim.peer_id not in banned
 
 
+async def test_a_hop_cannot_frame_its_next_hop_with_an_old_step_of_the_client(tiny):
+    """A hop re-sends its next hop the client's own first step (its seq, start and length, the
+    first row changed, newly signed) as a failover replay, after later steps. Every field was
+    one the client issued, so the statement passed the client's check, and the next hop, which
+    took it, was blamed for showing a statement older than the client's last step there. The
+    client's seqs only grow and hops pass them on in order: a hop now refuses a step from its
+    previous hop whose seq is not above the last it took, naming that hop (found by an attack
+    run)."""
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (1, 3), (3, 4), (3, 4)])
+    first, liar, liar_twin, victim, victim_twin = peers
+    prefill, done = [], []
+
+    def when(conv, step):
+        if step.start == 0:
+            prefill.append((step.seq, step.x.shape[1]))
+        if done or step.start < len(ids) + 1:
+            return False
+        done.append(step.seq)
+        return True
+
+    def frames(conv, step):
+        seq, n = prefill[0]
+        rows = conv.sent.slice(0, n).clone()
+        rows[:, 0] *= 1 + 1e-3
+        return [(seq, 0, rows, {"replay": True})]
+
+    made_up_steps(liar, when, frames)
+    out, conv, banned = await generate_over(peers, (first, liar, victim), ids, spot_check_rate=1.0, spot_check_seed=0)
+    assert done and out.token_ids == expected
+    assert [d["peer"] for d in out.detections] == [liar.peer_id] and "after step" in out.detections[0]["reason"]
+    assert liar.peer_id in banned and victim.peer_id not in banned
+
+
 async def test_a_hop_cannot_frame_its_next_hop_by_making_up_positions(tiny):
     """On one decode step a hop sends its next hop two positions under a made-up seq, then the
     step itself two positions on: the last hop truthfully holds two positions more than the

@@ -341,7 +341,7 @@ async def _statement_at(conv, i: int, position: int) -> tuple[int, int, bytes] |
         if signed is None:
             return None
         seq, start, digests, sig = (signed.get(k) for k in ("seq", "start", "digests", "sig"))
-        if type(seq) is not int or type(start) is not int or not 0 <= seq < 1 << 62 or not 0 <= start < 1 << 62 \
+        if type(seq) is not int or type(start) is not int or not 0 <= seq < 1 << 64 or not 0 <= start < 1 << 64 \
                 or not isinstance(digests, bytes) or not isinstance(sig, bytes) or len(digests) % DIGEST_BYTES:
             return None
     except MeshError as exc:

@@ -59,6 +59,7 @@ class Conv:
     #: sent it: ``(seq, start, digests, sig)``, shared by the positions of one step (``get_log``
     #: shows one; docs/security.md, "Signed steps"). It follows ``received`` exactly.
     signed_at: list = field(default_factory=list)
+    last_seq: int = -1  # the seq of the last step taken (a previous hop's may only grow)
 
     def keep_signed(self, seq: int, start: int, digests: bytes, sig: bytes, *, replay: bool = False) -> None:
         """Keep the previous hop's signed statement of step ``seq``, positions ``[start, start +
@@ -211,6 +212,8 @@ class Conversations:
         if f.layer_range("layers") != conv.run:
             raise LayerRangeError(f"reroute: conversation {conv.conv_id} runs layers {conv.run.cli()} here")
         prev_id, next_id, next_addrs, next_relays = self.neighbours(f, conv.run)
+        if prev_id != conv.prev_id:  # a new previous hop's seqs are compared with its own only
+            conv.last_seq = -1
         conv.prev_id, conv.next_id, conv.next_addrs, conv.next_relays = prev_id, next_id, next_addrs, next_relays
         conv.next_link = None  # a link to the old next hop closing is no news for this conversation
         log.info("conversation %s rerouted (failover): previous hop %s, next hop %s", conv.conv_id,

@@ -161,6 +161,21 @@ def step_wants(f, seq: int, tokens: int) -> tuple[str, Any]:
     return want, sampling
 
 
+def out_of_order(conv: Conv, seq: int) -> bool:
+    """Whether step ``seq`` from ``conv``'s previous hop is not above the last it took from that
+    hop (``Conv.last_seq``): the client's seqs only grow and hops pass them on in order, so such
+    a step is one of its own, which would put a stale statement back (docs/security.md, "Signed
+    steps"). Then the client is told, naming that hop (with no ``seq``: the client skips errors
+    of steps before the one it awaits, and this one is about no step it sent)."""
+    if seq > conv.last_seq:
+        return False
+    exc = LyingPeer(f"previous hop {(conv.prev_id or '?')[:12]} sent step {seq} after step {conv.last_seq}",
+                    suspect=conv.prev_id)
+    log.warning("conversation %s: %s; dropped", conv.conv_id[:12], exc)
+    conv.owner.post("error", conv=conv.conv_id, code=exc.code, message=str(exc), suspect=exc.suspect)
+    return True
+
+
 class Steps:
     """The step data path of ``peer``.
 
@@ -204,7 +219,7 @@ class Steps:
 
     async def on_step(self, link: Link, f) -> None:
         conv = self.peer.convs.get(f.str("conv"))
-        seq = f.int("seq", lo=0, hi=1 << 62)
+        seq = f.int("seq", lo=0, hi=protocol.MAX_SEQ)
         if conv is None:
             raise InvalidInput(f"step {seq}: conversation {f.str('conv')[:40]!r} is not open on this peer")
         allowed = link is conv.owner if conv.run.start == 0 else link.remote_id == conv.prev_id
@@ -216,6 +231,8 @@ class Steps:
         x = await self.step_input(link, conv, f, seq)
         if x is None:
             return
+        if link is not conv.owner and out_of_order(conv, seq):
+            return
         digests = tensors.row_digests(x) if conv.run.start > 0 else b""
         if link is not conv.owner and not self.accept_from_previous_hop(link, conv, f, seq, start, x, digests):
             return
@@ -226,6 +243,7 @@ class Steps:
                 d = tensors.DIGEST_BYTES
                 conv.received[d * start:d * (start + x.shape[1])] = digests
                 conv.keep_signed(seq, start, digests, f.get("sig", bytes, b""), replay=True)
+            conv.last_seq = seq
             return
         rollback = f.get("rollback", bool, False)
         check_positions(conv, seq, start, x.shape[1], rollback)
@@ -233,7 +251,7 @@ class Steps:
         want, sampling = step_wants(f, seq, x.shape[1])
         self.enqueue(conv, QueuedStep(seq, start, want, trace, time.perf_counter(), f.get("replay", bool, False),
                                       x=x, sampling=sampling, rollback=rollback))
-        conv.expected_start = start + x.shape[1]
+        conv.expected_start, conv.last_seq = start + x.shape[1], seq
         if conv.run.start > 0:  # what the previous hop sent, for spot-checks of its log
             del conv.received[tensors.DIGEST_BYTES * start:]
             conv.received += digests
@@ -242,11 +260,10 @@ class Steps:
     def accept_from_previous_hop(self, link: Link, conv: Conv, f, seq: int, start: int, x: torch.Tensor,
                                  digests: bytes) -> bool:
         """Whether to take the hidden states ``x`` ``(1, T, C)`` of step ``seq`` from the previous
-        hop: signed by it (``sig``: :func:`meshinfer.wire.discovery.sign_step` of their
-        ``digests`` by the key that link proved in its handshake), then plausible
-        (:func:`meshinfer.wire.plausible.check_values`; the shape was checked when decoding). The caller keeps the signature
-        (``Conv.keep_signed``) once the step is queued, as evidence of what that hop sent: a step
-        refused for its positions must not displace the statements of steps taken.
+        hop: signed by it (``sig``: :func:`meshinfer.wire.discovery.sign_step` of ``digests`` by
+        the key its link proved), then plausible (:func:`meshinfer.wire.plausible.check_values`).
+        The caller keeps the signature (``Conv.keep_signed``) once the step is queued, as
+        evidence of what that hop sent: a refused step must not displace those of steps taken.
 
         Otherwise the conversation's client is told, naming the sender as ``suspect``, and False.
         Implausible values of a signed step go with ``evidence`` (``start``, ``sig``, the

@@ -25,6 +25,9 @@ from meshinfer.core.sampling_params import SamplingParams
 #: a hop's hidden states to its next hop carry its signature (``sig``), required.
 PROTOCOL_VERSION = 2
 
+#: Largest ``seq`` of a step (a client counts from 1; hops sign it as 8 bytes).
+MAX_SEQ = (1 << 62) - 1
+
 #: Peer states as advertised.
 JOINING, READY, DRAINING = "joining", "ready", "draining"
 PEER_STATES = (JOINING, READY, DRAINING)
