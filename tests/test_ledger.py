@@ -73,7 +73,7 @@ def test_an_old_peer_refusing_want_tokens_is_a_typed_error():
 
 
 def test_a_hop_keeps_the_signed_statement_of_the_step_that_last_sent_each_position():
-    """``Conv.keep_signed`` follows ``received``: a step drops every position from its ``start``
+    """``Conv.keep_signed``: a step drops every position from its ``start``
     first; a failover replay replaces its own positions only."""
     from meshinfer.core.config import LayerRange
     from meshinfer.peer.conversations import Conv

@@ -213,3 +213,16 @@ def test_a_signed_step_verifies_only_for_its_own_fields_and_key():
     assert not discovery.check_step(discovery.public_key_hex(other), sig, "conv-1", 7, 40, digests)
     assert not discovery.check_step(public, bytes(64), "conv-1", 7, 40, digests)
     assert not discovery.check_step(public, b"", "conv-1", 7, 40, digests)
+
+
+def test_a_hop_signs_the_digests_of_the_bytes_it_sends():
+    """``wire_row_digests`` (what a hop signs, from the wire bytes) equals ``row_digests`` of the
+    decoded tensor (what the next hop checks)."""
+    import torch
+
+    from meshinfer.wire import tensors
+
+    x = torch.randn(1, 5, 24)
+    wire = tensors.tensor_to_wire(x)
+    assert tensors.wire_row_digests(wire) == tensors.row_digests(tensors.tensor_from_wire(wire, max_elements=x.numel()))
+    assert len(tensors.wire_row_digests(wire)) == 5 * tensors.DIGEST_BYTES

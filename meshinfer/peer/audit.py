@@ -48,7 +48,7 @@ class Audits:
         if conv.sent is not None:
             reply["hidden"] = tensors.tensor_to_wire(conv.sent.slice(start, stop))
         if conv.run.start > 0:
-            reply["received"] = bytes(conv.received[tensors.DIGEST_BYTES * start:tensors.DIGEST_BYTES * stop])
+            reply["received"] = conv.received_digests(start, stop)
         at = f.get("signed_at", int, None)
         if at is not None and 0 <= at < len(conv.signed_at) and conv.signed_at[at] is not None:
             seq, first, digests, sig = conv.signed_at[at]

@@ -47,7 +47,6 @@ class Conv:
     reserved_tokens: int
     cache: KVCache
     sent: HiddenLog | None = None  # hidden states sent to the next hop, for replay
-    received: bytearray = field(default_factory=bytearray)  # digests of received rows, tensors.DIGEST_BYTES each
     queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(limits.MAX_QUEUED_STEPS))
     task: asyncio.Task | None = None
     last_active: float = field(default_factory=time.monotonic)
@@ -56,22 +55,32 @@ class Conv:
     next_link: Link | None = None  # the link the last step went to the next hop on, until it closes
     forwarded_seq: int | None = None  # the seq of that step
     #: per position this hop holds, the previous hop's signed statement of the step that last
-    #: sent it: ``(seq, start, digests, sig)``, shared by the positions of one step (``get_log``
-    #: shows one; docs/security.md, "Signed steps"). It follows ``received`` exactly.
+    #: sent it: ``(seq, start, digests, sig)``, shared by the positions of one step; the digests
+    #: of what this hop received (``received_digests``; docs/security.md, "Signed steps").
     signed_at: list = field(default_factory=list)
     last_seq: int = -1  # the seq of the last step taken (a previous hop's may only grow)
 
     def keep_signed(self, seq: int, start: int, digests: bytes, sig: bytes, *, replay: bool = False) -> None:
         """Keep the previous hop's signed statement of step ``seq``, positions ``[start, start +
-        len(digests) / DIGEST_BYTES)``, as ``received`` keeps their digests: a step drops every
-        position from ``start`` on first, a failover ``replay`` of positions this hop kept
-        replaces those positions only."""
+        len(digests) / DIGEST_BYTES)``: a step drops every position from ``start`` on first, a
+        failover ``replay`` of positions this hop kept replaces those positions only."""
         statement = (seq, start, digests, sig)
         n = len(digests) // tensors.DIGEST_BYTES
         if not replay:
             del self.signed_at[start:]
         self.signed_at += [None] * (start - len(self.signed_at))  # positions nobody signed (none, in a route)
         self.signed_at[start:start + n] = [statement] * n
+
+    def received_digests(self, start: int, stop: int) -> bytes:
+        """The digests (:data:`~meshinfer.wire.tensors.DIGEST_BYTES` each) of the rows this hop
+        received for positions ``[start, stop)``, up to the first it holds none for."""
+        d, out = tensors.DIGEST_BYTES, []
+        for statement in self.signed_at[start:stop]:
+            if statement is None:
+                break
+            k = len(out) + start - statement[1]
+            out.append(statement[2][k * d:(k + 1) * d])
+        return b"".join(out)
 
 
 class Conversations:
@@ -199,7 +208,6 @@ class Conversations:
         await self.peer.executor.run(conv.cache.truncate, length)
         if conv.sent is not None:
             conv.sent.truncate(length)
-        del conv.received[tensors.DIGEST_BYTES * length:]
         del conv.signed_at[length:]
         conv.expected_start = length
         await link.send("truncated", re=f.get("id", int, None), conv=conv.conv_id, length=length)

@@ -240,8 +240,6 @@ class Steps:
             # failover replay of positions this hop kept: pass its logged output on, compute nothing
             self.enqueue(conv, QueuedStep(seq, start, "none", [], time.perf_counter(), True, kept_tokens=x.shape[1]))
             if conv.run.start > 0:  # a new previous hop's log must match what it sent now
-                d = tensors.DIGEST_BYTES
-                conv.received[d * start:d * (start + x.shape[1])] = digests
                 conv.keep_signed(seq, start, digests, f.get("sig", bytes, b""), replay=True)
             conv.last_seq = seq
             return
@@ -253,8 +251,6 @@ class Steps:
                                       x=x, sampling=sampling, rollback=rollback))
         conv.expected_start, conv.last_seq = start + x.shape[1], seq
         if conv.run.start > 0:  # what the previous hop sent, for spot-checks of its log
-            del conv.received[tensors.DIGEST_BYTES * start:]
-            conv.received += digests
             conv.keep_signed(seq, start, digests, f.get("sig", bytes, b""))  # checked above
 
     def accept_from_previous_hop(self, link: Link, conv: Conv, f, seq: int, start: int, x: torch.Tensor,
@@ -381,10 +377,9 @@ class Steps:
         """A failover replay of positions this hop kept: send the next hop what this hop sent then."""
         if conv.next_id is not None:
             nxt = await self.peer.conns.link_to(conv.next_id, conv.next_addrs, conv.next_relays)
-            hidden = conv.sent.slice(step.start, step.start + step.kept_tokens)
+            hidden = tensors.tensor_to_wire(conv.sent.slice(step.start, step.start + step.kept_tokens))
             await nxt.send("step", conv=conv.conv_id, seq=step.seq, start=step.start, want=step.want, replay=True,
-                           hidden=tensors.tensor_to_wire(hidden), trace=[],
-                           sig=self.sign(conv, step.seq, step.start, hidden))
+                           hidden=hidden, trace=[], sig=self.sign(conv, step.seq, step.start, hidden))
             conv.next_link, conv.forwarded_seq = nxt, step.seq  # its closing is reported (Conversations.next_hop_lost)
 
     async def run(self, conv: Conv, step: QueuedStep) -> None:
@@ -409,18 +404,18 @@ class Steps:
                                       length=conv.cache.length, **last_hop_reply(out, want))
         else:
             nxt = await self.peer.conns.link_to(conv.next_id, conv.next_addrs, conv.next_relays)
+            hidden = tensors.tensor_to_wire(out)
             await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, replay=step.replay,
-                           hidden=tensors.tensor_to_wire(out), trace=step.trace + [hop],
-                           sig=self.sign(conv, seq, start, out),
+                           hidden=hidden, trace=step.trace + [hop], sig=self.sign(conv, seq, start, hidden),
                            **({"sampling": sampling.to_wire()} if sampling else {}),
                            **({"rollback": True} if step.rollback else {}))
             conv.next_link, conv.forwarded_seq = nxt, seq  # its closing is reported (Conversations.next_hop_lost)
 
-    def sign(self, conv: Conv, seq: int, start: int, hidden: torch.Tensor) -> bytes:
+    def sign(self, conv: Conv, seq: int, start: int, hidden: dict) -> bytes:
         """This peer's signature of the hidden states ``(1, T, C)`` float32 it sends the next hop
-        for step ``seq`` (:func:`meshinfer.wire.discovery.sign_step`; about 0.1 ms, and 1-2 ms
-        of hashing for a 512-position prefill chunk)."""
-        return discovery.sign_step(self.peer.key, conv.conv_id, seq, start, tensors.row_digests(hidden))
+        for step ``seq``, as encoded for the wire (``hidden``; :func:`meshinfer.wire.discovery.sign_step`;
+        about 0.1 ms, and 1-2 ms of hashing for a 512-position prefill chunk)."""
+        return discovery.sign_step(self.peer.key, conv.conv_id, seq, start, tensors.wire_row_digests(hidden))
 
     @staticmethod
     def logits_mode(want: str) -> str:

@@ -114,6 +114,14 @@ def verified_from_wire(f: "Fields", *, count: int, width: int | None) -> torch.T
 DIGEST_BYTES = 16
 
 
+def wire_row_digests(wire: dict) -> bytes:
+    """:func:`row_digests` of the float32 ``(1, T, C)`` tensor that ``wire`` (a
+    :func:`tensor_to_wire` dict of dtype ``"f32"``) encodes, from its bytes: no second copy of
+    the tensor off its device."""
+    data, row = wire["data"], 4 * wire["shape"][-1]
+    return b"".join(hashlib.sha256(data[i:i + row]).digest()[:DIGEST_BYTES] for i in range(0, len(data), row))
+
+
 def row_digests(x: torch.Tensor) -> bytes:
     """SHA-256 (first :data:`DIGEST_BYTES`) of each position's float32 row of ``x`` ``(1, T, C)``,
     concatenated: ``T x DIGEST_BYTES`` bytes. Rows hash their exact wire bytes."""
