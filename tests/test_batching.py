@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers.convauth import conv_id, name_of
 from helpers.meshkit import file_hash, mesh, split
 from meshinfer.core.config import LayerRange
 from meshinfer.engine.generate import load_shard
@@ -379,7 +380,7 @@ async def steps_in_one_batch(peer, raw, hidden: dict[str, torch.Tensor]) -> dict
     replies = {}
     while len(replies) < len(hidden):
         reply = await raw.recv(10)
-        replies[reply["conv"]] = reply
+        replies[name_of(reply["conv"])] = reply
     return replies
 
 
@@ -414,7 +415,7 @@ async def test_a_bad_step_in_a_batch_fails_only_its_conversation(tiny):
                     assert r["message"] == f"layers 2-3 produced NaN or inf at positions 0..{len(x) - 1}"
                 else:
                     assert (r["t"], r["token"]) == ("token", last_token(tiny, x)), i
-            assert peer.convs["c5"].cache.length == 0 and peer.convs["c0"].cache.length == len(ids[0])
+            assert peer.convs[conv_id("c5")].cache.length == 0 and peer.convs[conv_id("c0")].cache.length == len(ids[0])
             await raw.send("step", conv="c5", seq=2, start=0, hidden=f32(hidden_after(tiny, ids[5], 2)), want="token")
             r = await raw.recv()
             assert (r["t"], r["seq"], r["token"]) == ("token", 2, last_token(tiny, ids[5]))
@@ -441,6 +442,6 @@ async def test_a_failing_batched_pass_reruns_its_steps_one_by_one(tiny, monkeypa
             replies = await steps_in_one_batch(peer, raw, hidden)
             assert [replies[f"c{i}"].get("token") for i in range(5)] == [last_token(tiny, x) for x in ids]
             assert peer.batch_stats.fallbacks == 1
-            assert [peer.convs[f"c{i}"].cache.length for i in range(5)] == [len(x) for x in ids]
+            assert [peer.convs[conv_id(f"c{i}")].cache.length for i in range(5)] == [len(x) for x in ids]
         finally:
             await raw.close()

@@ -6,8 +6,10 @@ import asyncio
 
 import pytest
 
+from helpers.convauth import authorize
 from helpers.meshkit import mesh, start_peer, wait_for_tables
 from meshinfer.core.config import LayerRange
+from meshinfer.peer.conversations import STATEMENT_BYTES_PER_TOKEN as STATEMENT
 from meshinfer.core.errors import CacheFull, ContextOverflow
 from meshinfer.peer.node import ClientLimits
 from meshinfer.engine.generate import greedy_generate, load_shard
@@ -23,10 +25,10 @@ def expected(tiny, ids, n):
 
 async def test_full_budget_is_refused_and_the_next_conversation_goes_elsewhere(tiny):
     path, digest, tok, _ = tiny
-    per_token = 2 * 2 * 2 * 8 * 4 + 4 * 32  # K+V of layers 2-3 is on the last hop; hop 1 also logs C floats
+    per_token = 2 * 2 * 2 * 8 * 4 + 4 * 32 + STATEMENT  # K+V of layers 2-3 is on the last hop; hop 1 also logs C floats
     first = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=tok.to_bundle())
     small = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=first.addrs,
-                             kv_budget_bytes=150 * 2 * 2 * 2 * 8 * 4,  # 150 tokens, all for one host
+                             kv_budget_bytes=150 * (2 * 2 * 2 * 8 * 4 + STATEMENT),  # 150 tokens, all for one host
                              client_limits=ClientLimits(kv_share=1.0))
     big = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=first.addrs,
                            kv_budget_bytes=10_000 * per_token)
@@ -47,8 +49,8 @@ async def test_full_budget_is_refused_and_the_next_conversation_goes_elsewhere(t
             assert second.route.peer_ids[1] == big.peer_id  # refused by small, planned around it
             assert out2.token_ids == out.token_ids
             with pytest.raises(CacheFull, match="needs 140 tokens of KV cache; this peer has 10 free of 150"):
-                await client._links[small.peer_id].request(
-                    "open", timeout_s=5, conv="x", layers=[2, 4], max_tokens=140, prev=first.peer_id)
+                await client._links[small.peer_id].request("open", timeout_s=5, **authorize(
+                    "open", dict(conv="x", layers=[2, 4], max_tokens=140, prev=first.peer_id), small.peer_id))
             await conv.close()
             await second.close()
     finally:
@@ -62,7 +64,7 @@ async def test_a_full_peer_with_no_other_route_is_reported_as_full(tiny):
     path, digest, tok, _ = tiny
     first = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=tok.to_bundle())
     small = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=first.addrs,
-                             kv_budget_bytes=150 * 2 * 2 * 2 * 8 * 4,  # 150 tokens, all for one host
+                             kv_budget_bytes=150 * (2 * 2 * 2 * 8 * 4 + STATEMENT),  # 150 tokens, all for one host
                              client_limits=ClientLimits(kv_share=1.0))
     try:
         await wait_for_tables([first, small])
@@ -83,6 +85,26 @@ async def test_a_full_peer_with_no_other_route_is_reported_as_full(tiny):
     finally:
         for p in (small, first):
             await p.close()
+
+
+async def test_the_statements_a_hop_keeps_count_in_its_kv_budget_and_usage(tiny):
+    """A hop past layer 0 keeps, per position, its previous hop's signed statement (about 282
+    bytes for a one-token step): each reserved token costs ``STATEMENT_BYTES_PER_TOKEN`` more
+    of the budget, and the bytes a conversation holds count one per position it holds."""
+    path, digest, tok, _ = tiny
+    async with mesh([load_shard(path, LayerRange(0, 2)), load_shard(path, LayerRange(2, 4))],
+                    weights_hash=digest, bundle=tok.to_bundle(), kv_budget_bytes=1 << 20) as peers:
+        second = peers[1]
+        assert second.capacity_tokens == (1 << 20) // (2 * 2 * 2 * 8 * 4 + STATEMENT)
+        async with MeshClient(list(peers[0].addrs)) as client:
+            conv = client.conversation(await client.plan(), max_tokens_total=64)
+            out = await conv.generate([65, 66, 67], max_tokens=5, eos_ids=())
+            held = second.convs[conv.conv_id]
+            assert len(held.signed_at) == held.cache.length == 3 + len(out.token_ids) - 1
+            assert second.kv_bytes_used == held.cache.nbytes + held.cache.length * STATEMENT
+            await conv.close()
+        await asyncio.sleep(0.1)
+        assert second.kv_bytes_used == 0
 
 
 async def test_prompt_beyond_context_is_refused_before_any_allocation(tiny):

@@ -26,16 +26,18 @@ import torch
 import websockets
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from helpers.convauth import authorize, conv_id, key_for
 from helpers.hostile import (CONTEXT, MAX_STEP, NONCE, ROGUE_KEY, TASK_SLACK, VOCAB, WIDTH, Raw, assert_healthy,
                              converse, f32, hidden_after, last_token, new_key, pack, plant, raw_conversation,
-                             rogue_advert, serving, settle, shrink_send_buffer, small_socket)
+                             rogue_advert, serving, settle, shrink_send_buffer, signed, small_socket)
 from meshinfer.peer import limits as peer_module
-from meshinfer.wire import protocol, transport, tensors
+from meshinfer.wire import convkeys, protocol, transport, tensors
 from meshinfer.core.config import LayerRange
 from meshinfer.wire.discovery import (HELLO_LABEL, host_key, MAX_TTL_S, NONCE_BYTES, peer_id_of,
     verify_advert)
 from meshinfer.core.errors import ProtocolError
 from meshinfer.engine.generate import load_shard
+from meshinfer.peer.conversations import STATEMENT_BYTES_PER_TOKEN
 from meshinfer.peer.node import ClientLimits
 from meshinfer.peer.steps import ComputeCost
 
@@ -282,6 +284,19 @@ OPEN_CASES = [
     (dict(prev=7), "protocol_error", "open: field 'prev' has type int"),
     (dict(prev="someone"), "protocol_error", "open: 'prev' must name the previous hop unless this hop runs layer 0"),
     (dict(layers=[2, 4]), "protocol_error", "open: 'prev' must name the previous hop unless this hop runs layer 0"),
+    # conversation keys (protocol 3): the id is the key's, and the key signs the open
+    (dict(client_key=b"\0" * 31, n=1, client_sig=bytes(64)), "protocol_error",
+     "open: field 'client_key' must be a 32-byte Ed25519 public key"),
+    (dict(conv=conv_id("c"), client_key=key_for("c").public, client_sig=bytes(64)), "protocol_error",
+     "open: field 'n' is missing"),
+    (dict(conv=conv_id("c"), client_key=key_for("c").public, n=-1, client_sig=bytes(64)), "protocol_error",
+     f"open: field 'n' = -1 is outside [0, {protocol.MAX_SEQ}]"),
+    (dict(conv=conv_id("c"), client_key=key_for("another").public, n=1, client_sig=bytes(64)), "unauthenticated",
+     f"open: conversation id {conv_id('c')!r} is not the id of its client_key"),
+    (dict(conv=conv_id("c"), client_key=key_for("c").public, n=1), "unauthenticated",
+     "open: client_sig is not the conversation key's signature of the open"),
+    (dict(conv=conv_id("c"), client_key=key_for("c").public, n=1, client_sig=bytes(64)), "unauthenticated",
+     "open: client_sig is not the conversation key's signature of the open"),
 ]
 
 
@@ -297,19 +312,19 @@ async def test_open_with_bad_fields_is_refused_and_allocates_nothing(tiny):
             "protocol_error", "open: field 'id' has type str")
         assert (await raw.request("open", conv="dup", layers=[0, 4], max_tokens=8))["t"] == "opened"
         assert await raw.error("open", conv="dup", layers=[0, 4], max_tokens=8) == (
-            "protocol_error", "open: conversation 'dup' is already open")
+            "protocol_error", f"open: conversation {conv_id('dup')!r} is already open")
         other = await Raw.connect(peer)
         try:
             assert await other.error("open", conv="dup", layers=[0, 4], max_tokens=8) == (
-                "protocol_error", "open: conversation 'dup' is already open")
+                "protocol_error", f"open: conversation {conv_id('dup')!r} is already open")
         finally:
             await other.close()
-        assert peer.convs["dup"].reserved_tokens == 8 and peer.kv_bytes_used == 0  # nothing allocated yet
+        assert peer.convs[conv_id("dup")].reserved_tokens == 8 and peer.kv_bytes_used == 0  # nothing allocated yet
 
 
 async def test_open_beyond_the_kv_budget_is_refused(tiny):
     # one host may take it all here (kv_share=1.0): the per-host share has its own test
-    async with serving(tiny, kv_budget_bytes=100 * 512, client_limits=ClientLimits(kv_share=1.0)) as peers:
+    async with serving(tiny, kv_budget_bytes=100 * (512 + STATEMENT_BYTES_PER_TOKEN), client_limits=ClientLimits(kv_share=1.0)) as peers:
         peer = peers[0]
         raw = await Raw.connect(peer)
         try:
@@ -363,8 +378,14 @@ def step_cases():
         (dict(trace=[{"peer": "x", "compute_ms": math.nan, "queue_ms": 1}]), "protocol_error",
          "step.trace: field 'compute_ms' = nan is not a finite number in [0.0, inf]"),
         (dict(hidden=f32(torch.zeros(1, 1, WIDTH)), tokens=None), "protocol_error", "step: field 'tokens' is missing"),
-        (dict(start=3), "bad_positions", "step 1 starts at position 3; conversation s expects position 0"),
-        (dict(start=3, rollback=True), "bad_positions", "step 1 starts at position 3; conversation s expects position 0"),
+        (dict(start=3), "bad_positions", f"step 1 starts at position 3; conversation {conv_id('s')} expects position 0"),
+        (dict(start=3, rollback=True), "bad_positions",
+         f"step 1 starts at position 3; conversation {conv_id('s')} expects position 0"),
+        (dict(conv=conv_id("s"), csig=bytes(64)), "unauthenticated",
+         "step 1: 'csig' is not the conversation key's signature of this step"),
+        (dict(conv=conv_id("s"), csig=b"short"), "unauthenticated",
+         "step 1: 'csig' is not the conversation key's signature of this step"),
+        (dict(conv=conv_id("s"), csig="text"), "protocol_error", "step: field 'csig' has type str"),
         (dict(rollback="yes"), "protocol_error", "step: field 'rollback' has type str"),
         (dict(tokens=[1] * 17), "cache_full", "step 1 would grow the conversation to 17 tokens; it reserved 16"),
     ]
@@ -378,16 +399,73 @@ async def test_step_with_bad_fields_is_refused_and_the_conversation_continues(ti
             fields = {"conv": "s", "seq": 1, "start": 0, "tokens": [1, 2, 3], "want": "token"} | changes
             fields = {k: v for k, v in fields.items() if v is not None}
             assert await raw.error("step", **fields) == (code, message), changes
-        assert peer.convs["s"].expected_start == 0 and peer.convs["s"].cache.length == 0
+        assert peer.convs[conv_id("s")].expected_start == 0 and peer.convs[conv_id("s")].cache.length == 0
         await raw.send("step", conv="s", seq=2, start=0, tokens=[5, 6, 7])
         assert await raw.error("step", conv="s", seq=3, start=1, tokens=[8]) == (
-            "bad_positions", "step 3 starts at position 1; conversation s expects position 3")
+            "bad_positions", f"step 3 starts at position 1; conversation {conv_id('s')} expects position 3")
         assert await raw.error("step", conv="s", seq=4, start=4, tokens=[8]) == (
-            "bad_positions", "step 4 starts at position 4; conversation s expects position 3")
+            "bad_positions", f"step 4 starts at position 4; conversation {conv_id('s')} expects position 3")
         await raw.send("step", conv="s", seq=5, start=3, tokens=[8, 9], want="token")
         reply = await raw.recv()
         assert (reply["t"], reply["seq"], reply["token"]) == ("token", 5, last_token(tiny, [5, 6, 7, 8, 9]))
         assert [h["peer"] for h in reply["trace"]] == [peer.peer_id]
+
+
+def signed_step(key: convkeys.ConversationKey, seq: int, start: int, tokens: list[int], want: str = "token") -> dict:
+    """The fields of a step of ``tokens`` signed by the conversation's ``key`` (its client)."""
+    header = convkeys.StepHeader(key.conv_id, seq, start, len(tokens), want, None, False, False,
+                                 convkeys.tokens_digest(tokens))
+    return dict(conv=key.conv_id, seq=seq, start=start, tokens=tokens, want=want, **key.step_fields(header))
+
+
+async def test_a_conversation_id_can_be_opened_only_by_its_client(tiny):
+    """A hop (or a relay) that learns a conversation's id, and even the client's signed open,
+    used to be able to open that id first on another peer, blocking the client's failover to it
+    (a second open of an id is refused), and to collect that peer's signed output. Since
+    protocol 3 the id is derived from a key only the client holds and every open is signed for
+    the peer it goes to, with a number that grows (``n``): the stranger's own key gives another
+    id, the client's open does not verify on another peer, a replay on the same peer is "already
+    open", and an old open replayed after the client closed there holds the id only until the
+    client opens it again (its ``n`` is higher); the stranger's steps are then refused."""
+    async with serving(tiny) as [peer], serving(tiny) as [spare]:
+        client, thief, near = await Raw.connect(peer), await Raw.connect(spare), await Raw.connect(peer)
+        key = convkeys.ConversationKey()
+        fields = dict(conv=key.conv_id, layers=[0, 4], max_tokens=16, prev=None, next=None)
+        to_peer = fields | key.open_fields("open", peer.peer_id, [0, 4], 16, None, None)
+        try:
+            assert (await client.request("open", **to_peer))["t"] == "opened"
+            own = convkeys.ConversationKey()
+            assert await thief.error("open", **fields | own.open_fields("open", spare.peer_id, [0, 4], 16, None,
+                                                                        None)) == (
+                "unauthenticated", f"open: conversation id {key.conv_id!r} is not the id of its client_key")
+            assert await thief.error("open", **to_peer) == (
+                "unauthenticated", "open: client_sig is not the conversation key's signature of the open")
+            assert await near.error("open", **to_peer) == (
+                "protocol_error", f"open: conversation {key.conv_id!r} is already open")
+            assert not spare.convs and key.conv_id in peer.convs
+            # failover to the spare is not blocked
+            to_spare = fields | key.open_fields("open", spare.peer_id, [0, 4], 16, None, None)
+            assert (await thief.request("open", **to_spare))["t"] == "opened"
+            await thief.send("close", conv=key.conv_id)
+            # an old open replayed after the client closed: held until the client opens again
+            await client.send("close", conv=key.conv_id)
+            assert (await client.request("ping"))["t"] == "pong"
+            assert (await near.request("open", **to_peer))["t"] == "opened"
+            again = fields | key.open_fields("open", peer.peer_id, [0, 4], 16, None, None)
+            assert (await client.request("open", **again))["t"] == "opened"
+            assert await near.error("step", **signed_step(key, 1, 0, [5, 6])) == (
+                "protocol_error", f"step 1: this connection may not send steps for conversation {key.conv_id}")
+            await client.send("step", **signed_step(key, 2, 0, [5, 6]))
+            reply = await client.recv()
+            assert (reply["t"], reply["seq"], reply["token"]) == ("token", 2, last_token(tiny, [5, 6]))
+            key.opens = 0  # a reroute signed with an old n (a replay): refused, the conversation stays
+            assert await client.error("reroute", **fields | key.open_fields("reroute", peer.peer_id, [0, 4], 16,
+                                                                            None, None)) == (
+                "unauthenticated", "reroute: n = 1 is not above 3, the last open or reroute's")
+        finally:
+            for raw in (client, thief, near):
+                await raw.close()
+        await assert_healthy(tiny, [peer])
 
 
 async def test_other_connections_cannot_touch_a_conversation(tiny):
@@ -398,12 +476,12 @@ async def test_other_connections_cannot_touch_a_conversation(tiny):
             await owner.request("open", conv="mine", layers=[0, 4], max_tokens=32)
             await owner.send("step", conv="mine", seq=1, start=0, tokens=[10, 11])
             assert await thief.error("step", conv="mine", seq=2, start=2, tokens=[12]) == (
-                "protocol_error", "step 2: this connection may not send steps for conversation mine")
+                "protocol_error", f"step 2: this connection may not send steps for conversation {conv_id('mine')}")
             assert await thief.error("truncate", conv="mine", length=0) == (
                 "invalid_input", "truncate: no such conversation on this connection")
             await thief.send("close", conv="mine")
             assert (await thief.request("ping"))["t"] == "pong"  # the close has been handled
-            assert "mine" in peer.convs
+            assert conv_id("mine") in peer.convs
             await owner.send("step", conv="mine", seq=3, start=2, tokens=[12], want="token")
             reply = await owner.recv()
             assert (reply["t"], reply["seq"], reply["token"]) == ("token", 3, last_token(tiny, [10, 11, 12]))
@@ -476,7 +554,7 @@ async def test_malformed_hidden_states_are_refused_before_allocation(tiny):
             "protocol_error", "step: field 'hidden' has type list")
         assert await raw.error("step", conv="h", seq=1, start=0, tokens=[1]) == (
             "protocol_error", "step: field 'hidden' is missing")
-        assert peer.kv_bytes_used == 0 and peer.convs["h"].expected_start == 0
+        assert peer.kv_bytes_used == 0 and peer.convs[conv_id("h")].expected_start == 0
         ids = [3, 1, 4, 1, 5]
         await raw.send("step", conv="h", seq=2, start=0, hidden=f32(hidden_after(tiny, ids, 2)), want="token")
         reply = await raw.recv()
@@ -496,7 +574,7 @@ async def test_non_finite_hidden_states_are_an_error_never_a_token(tiny, dtype, 
         reply = await raw.recv()
         assert (reply["t"], reply["code"], reply["seq"]) == ("error", "invalid_input", 1)
         assert reply["message"] == "layers 2-3 produced NaN or inf at positions 0..2"
-        assert peer.convs["n"].cache.length == 0 and peer.convs["n"].expected_start == 0
+        assert peer.convs[conv_id("n")].cache.length == 0 and peer.convs[conv_id("n")].expected_start == 0
         await raw.send("step", conv="n", seq=2, start=0, hidden=f32(hidden_after(tiny, [7, 8, 9], 2)),
                        want="token")
         reply = await raw.recv()
@@ -646,12 +724,12 @@ async def test_client_that_never_reads_replies_does_not_stall_others(tiny):
         try:
             await ws.send(pack("hello", role="client"))
             for c in range(4):
-                await ws.send(pack("open", conv=f"x{c}", layers=[0, 4], max_tokens=CONTEXT))
+                await ws.send(signed("open", peer.peer_id, conv=f"x{c}", layers=[0, 4], max_tokens=CONTEXT))
             with contextlib.suppress(asyncio.TimeoutError):  # the peer stops reading it: fine
                 for i in range(CONTEXT):
                     for c in range(4):
-                        await asyncio.wait_for(ws.send(pack("step", conv=f"x{c}", seq=i, start=i,
-                                                            tokens=[i % VOCAB], want="token")), 2)
+                        await asyncio.wait_for(ws.send(signed("step", peer.peer_id, conv=f"x{c}", seq=i, start=i,
+                                                              tokens=[i % VOCAB], want="token")), 2)
             assert len(peer.convs) == 4
             t0 = time.perf_counter()
             await converse(tiny, peers)
@@ -702,8 +780,8 @@ async def test_later_hop_takes_steps_only_from_the_named_previous_peer(tiny):
                 "protocol_error", "open: 'prev' must name the previous hop unless this hop runs layer 0")
             await client.request("open", conv="p", layers=[2, 4], max_tokens=8, prev=first.peer_id)
             assert await client.error("step", conv="p", seq=1, start=0, hidden=f32(torch.zeros(1, 1, WIDTH))) == (
-                "protocol_error", "step 1: this connection may not send steps for conversation p")
-            assert second.convs["p"].cache.length == 0
+                "protocol_error", f"step 1: this connection may not send steps for conversation {conv_id('p')}")
+            assert second.convs[conv_id("p")].cache.length == 0
         finally:
             await client.close()
         await assert_healthy(tiny, peers)
@@ -795,7 +873,7 @@ async def test_a_dialer_that_cannot_prove_its_key_is_refused(tiny):
             "unauthenticated", "gossip: this peer has not proven its key; send auth after welcome")
         await raw.request("open", conv="u", layers=[2, 4], max_tokens=8, prev=ad["peer_id"])
         assert await raw.error("step", conv="u", seq=1, start=0, hidden=f32(torch.zeros(1, 1, WIDTH))) == (
-            "protocol_error", "step 1: this connection may not send steps for conversation u")
+            "protocol_error", f"step 1: this connection may not send steps for conversation {conv_id('u')}")
         assert ad["peer_id"] not in peer.links and peer.table.get(ad["peer_id"]) is None
 
 
@@ -809,15 +887,15 @@ async def test_unread_client_does_not_block_the_link_between_hops(tiny):
         try:
             await ws.send(pack("hello", role="client"))
             for c in range(8):
-                await ws.send(pack("open", conv=f"x{c}", layers=[0, 2], max_tokens=CONTEXT,
-                                   next={"peer_id": second.peer_id, "addrs": list(second.addrs)}))
+                await ws.send(signed("open", first.peer_id, conv=f"x{c}", layers=[0, 2], max_tokens=CONTEXT,
+                                     next={"peer_id": second.peer_id, "addrs": list(second.addrs)}))
                 await b.request("open", conv=f"x{c}", layers=[2, 4], max_tokens=CONTEXT, prev=first.peer_id)
             b.reader.cancel()  # b never reads its tokens either: the last hop's workers block on it
             with contextlib.suppress(asyncio.TimeoutError):
                 for i in range(CONTEXT):
                     for c in range(8):
-                        await asyncio.wait_for(ws.send(pack("step", conv=f"x{c}", seq=i, start=i,
-                                                            tokens=[i % VOCAB], want="token")), 2)
+                        await asyncio.wait_for(ws.send(signed("step", first.peer_id, conv=f"x{c}", seq=i, start=i,
+                                                              tokens=[i % VOCAB], want="token")), 2)
             t0 = time.perf_counter()
             await asyncio.wait_for(link.request("ping", timeout_s=5), 6)
             assert time.perf_counter() - t0 < 2
@@ -840,19 +918,21 @@ WEIRD = [None, True, False, 0, -1, 1, 7, 255, 1 << 31, (1 << 63) - 1, -(1 << 63)
          [0, 2, 4], [1] * 600, [[[[[]]]]], {}, {"a": 1}, {"peer_id": "p", "addrs": []}]
 
 
-def fuzz_templates(digest: str) -> list[dict]:
-    """Valid frames of every type a peer accepts, as maps to mutate."""
+def fuzz_templates(digest: str, to: str) -> list[dict]:
+    """Valid frames of every type a peer accepts (opens and steps signed for the peer ``to``),
+    as maps to mutate."""
     ad = rogue_advert(digest, key=Ed25519PrivateKey.from_private_bytes(b"f" * 32), ttl_s=0.5)
     hidden = f32(torch.zeros(1, 2, WIDTH))
     return [{"t": "hello", "role": "client"}, {"t": "hello", "role": "peer", "advert": ad, "nonce": NONCE},
             {"t": "auth", "id": 10, "proof": bytes(64)},
             {"t": "ping", "id": 1}, {"t": "pong", "re": 1}, {"t": "get_peers", "id": 2},
             {"t": "get_tokenizer", "id": 3},
-            {"t": "open", "id": 4, "conv": "f1", "layers": [0, 4], "max_tokens": 8},
-            {"t": "open", "id": 5, "conv": "f2", "layers": [2, 4], "max_tokens": 8, "prev": ad["peer_id"]},
-            {"t": "step", "id": 6, "conv": "f1", "seq": 1, "start": 0, "tokens": [1, 2], "want": "token", "trace": []},
-            {"t": "step", "id": 7, "conv": "f2", "seq": 1, "start": 0, "hidden": hidden, "want": "token"},
-            {"t": "step", "id": 9, "conv": "f1", "seq": 2, "start": 0, "tokens": [1], "replay": True},
+            *[{"t": t} | authorize(t, fields, to) for t, fields in [
+                ("open", {"id": 4, "conv": "f1", "layers": [0, 4], "max_tokens": 8}),
+                ("open", {"id": 5, "conv": "f2", "layers": [2, 4], "max_tokens": 8, "prev": ad["peer_id"]}),
+                ("step", {"id": 6, "conv": "f1", "seq": 1, "start": 0, "tokens": [1, 2], "want": "token", "trace": []}),
+                ("step", {"id": 7, "conv": "f2", "seq": 1, "start": 0, "hidden": hidden, "want": "token"}),
+                ("step", {"id": 9, "conv": "f1", "seq": 2, "start": 0, "tokens": [1], "replay": True})]],
             {"t": "truncate", "id": 8, "conv": "f1", "length": 0}, {"t": "close", "conv": "f1"},
             {"t": "gossip", "adverts": [ad]}, {"t": "error", "code": "cache_full", "message": "m", "conv": "f1"}]
 
@@ -941,7 +1021,7 @@ async def test_seeded_fuzzer_leaves_the_peer_serving_at_baseline(tiny):
     no_limits = ClientLimits(conversations=10_000, steps_per_s=1e6, bytes_per_s=1e12, frames_per_s=1e9)
     async with serving(tiny, client_limits=no_limits) as peers:  # robustness, not rate limits
         peer = peers[0]
-        templates = fuzz_templates(peer.weights_hash)
+        templates = fuzz_templates(peer.weights_hash, peer.peer_id)
         frames = [fuzz_frame(rng, templates) for _ in range(FUZZ_FRAMES)]
         stats = {"handled": 0, "replies": 0, "connections": 0, "bad_replies": [], "close_codes": set()}
         t0 = time.perf_counter()
@@ -991,7 +1071,7 @@ async def test_per_client_limits_refuse_clearly_and_others_go_on(tiny):
 async def test_one_host_cannot_reserve_more_than_its_share_of_the_kv_cache(tiny):
     """54 conversations of the whole context, no steps: the host gets half the capacity, and
     another host still opens conversations."""
-    async with raw_conversation(tiny, kv_budget_bytes=1000 * 512) as (peers, raw):  # 1,000 tokens; 500 for one host
+    async with raw_conversation(tiny, kv_budget_bytes=1000 * (512 + STATEMENT_BYTES_PER_TOKEN)) as (peers, raw):  # 1,000 tokens; 500 for one host
         peer = peers[0]
         replies = [await raw.request("open", conv=f"c{i}", layers=[0, 4], max_tokens=200) for i in range(3)]
         assert [r["t"] for r in replies] == ["opened", "opened", "error"]
@@ -1061,13 +1141,13 @@ async def test_unread_client_of_relayed_errors_does_not_freeze_the_link_between_
             await ws.send(pack("hello", role="client"))
             shrink_send_buffer(first, ws.local_address[1])
             for conv in convs:
-                await ws.send(pack("open", conv=conv, layers=[0, 2], max_tokens=CONTEXT,
-                                   next={"peer_id": second.peer_id, "addrs": list(second.addrs)}))
+                await ws.send(signed("open", first.peer_id, conv=conv, layers=[0, 2], max_tokens=CONTEXT,
+                                     next={"peer_id": second.peer_id, "addrs": list(second.addrs)}))
             with contextlib.suppress(asyncio.TimeoutError, websockets.ConnectionClosed):  # stalled or cut off
                 for i in range(CONTEXT):
                     for conv in convs:
-                        await asyncio.wait_for(ws.send(pack("step", conv=conv, seq=i, start=i, tokens=[i % VOCAB],
-                                                            want="token")), 2)
+                        await asyncio.wait_for(ws.send(signed("step", first.peer_id, conv=conv, seq=i, start=i,
+                                                              tokens=[i % VOCAB], want="token")), 2)
             t0 = time.perf_counter()
             await asyncio.wait_for(link.request("ping", timeout_s=5), 6)
             assert time.perf_counter() - t0 < 2
@@ -1294,7 +1374,7 @@ async def test_an_idle_connection_that_holds_nothing_is_closed(tiny, monkeypatch
             assert await idle.closed_code(timeout_s=10.0) == 1000
             assert idle.ws.close_reason == "idle"
             await asyncio.sleep(2 * peer_module.IDLE_LINK_TIMEOUT_S)  # longer only makes this stricter
-            assert not holder.reader.done() and "kept" in peer.convs  # it holds a conversation: kept open
+            assert not holder.reader.done() and conv_id("kept") in peer.convs  # it holds a conversation: kept open
         finally:
             await idle.close()
             await holder.close()

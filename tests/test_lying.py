@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from meshinfer.client import spotcheck
 from meshinfer.wire import discovery, plausible, tensors
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import LyingPeer
+from meshinfer.core.sampling_params import SamplingParams
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.client.mesh import MeshClient
 
@@ -108,9 +110,12 @@ async def test_garbage_norms_are_caught_by_the_next_hop(tiny):
     assert_caught(out, conv, liar, twins, tiny[4], "outside the plausible band")
 
 
-async def test_an_extra_position_is_caught_by_the_position_count(tiny):
+async def test_an_extra_position_is_caught_by_the_next_hop(tiny):
+    """A hop that sends one position more than the step has: the count is part of what the
+    client signed (protocol 3), so the next hop refuses the step at once and names it (before,
+    the last hop's position count caught it after the step)."""
     out, conv, liar, twins = await run_with_liar(tiny, lie_compute=lambda out: torch.cat([out, out[:, -1:]], 1))
-    assert_caught(out, conv, liar, twins, tiny[4], "positions after the step")
+    assert_caught(out, conv, liar, twins, tiny[4], "with fields the client did not sign")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
@@ -392,6 +397,39 @@ async def test_a_hop_that_does_not_sign_its_steps_is_refused_by_the_next_and_rep
     assert conv.route.peer_ids == (first.peer_id, twin.peer_id, last.peer_id)
 
 
+@pytest.mark.parametrize("change", ["sampling", "want", "drop_csig"])
+async def test_a_hop_cannot_change_what_the_client_asked_of_the_hops_after_it(tiny, change):
+    """A middle hop passes on the client's step with a field changed: ``sampling`` added (the
+    honest last hop would sample, and the spot-check would then blame it for a token that is
+    not the argmax), ``want`` set to "none" (the last hop would answer nothing and the step
+    fail blaming nobody), or the client's signature left out. Every step carries the client's
+    signature of those fields (protocol 3, ``convkeys.StepHeader``), so the next hop refuses it
+    and names the hop that changed it; the reply equals plain greedy generation."""
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (1, 3), (3, 4)])
+    first, liar, twin, last = peers
+    real_run, changed = liar.steps.run, []
+
+    async def run(conv, step):
+        if step.x is not None and step.x.shape[1] == 1:  # decode steps
+            changed.append(step.seq)
+            if change == "sampling":
+                step = replace(step, header=replace(step.header, sampling=SamplingParams(temperature=1.5, seed=3)))
+            elif change == "want":
+                step = replace(step, want="none")
+            else:
+                step = replace(step, csig=b"")
+        await real_run(conv, step)
+
+    liar.steps.run = run
+    out, conv, banned = await generate_over(peers, (first, liar, last), ids)
+    assert changed and out.token_ids == expected
+    assert [d["peer"] for d in out.detections] == [liar.peer_id]
+    assert "with fields the client did not sign" in out.detections[0]["reason"]
+    assert liar.peer_id in banned and not {first.peer_id, last.peer_id} & banned
+    assert conv.route.peer_ids == (first.peer_id, twin.peer_id, last.peer_id)
+
+
 async def test_a_next_hop_showing_false_digests_cannot_frame_the_hop_before_it(tiny, monkeypatch):
     """The last hop shows the client digests of inputs it never received (its ``log`` replies).
     The spot-check found the middle hop's log and those digests differing and excluded the log's
@@ -430,8 +468,8 @@ async def test_a_hop_cannot_frame_the_hop_before_it_with_plausible_evidence(tiny
     first, middle, liar, twin = peers
     real = liar.steps.accept_from_previous_hop
 
-    def accuse(link, conv, f, seq, start, x, digests):
-        if real(link, conv, f, seq, start, x, digests):
+    def accuse(link, conv, f, seq, start, x, digests, header):
+        if real(link, conv, f, seq, start, x, digests, header):
             exc = LyingPeer(f"previous hop {conv.prev_id[:12]} sent hidden states with RMS 1e+09, outside the "
                             f"plausible band", suspect=conv.prev_id)
             conv.owner.post("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc), suspect=exc.suspect,
@@ -469,11 +507,12 @@ def made_up_steps(liar, when, frames):
 async def test_a_hop_cannot_frame_its_next_hop_with_steps_the_client_never_sent(tiny, made_up):
     """A hop computes, logs and signs honestly, but once sends its next hop a step of its own,
     signed, under a seq the client never used: a failover ``replay`` of position 0, or a
-    ``rollback`` of the last position, with the row slightly changed. The next hop takes it (it
-    cannot know the client's steps), so the spot-check finds the hop's log and the next hop's
-    digests differing. The next hop used to be blamed: the statement the client asked for (its
-    own step's) had been replaced. Now the next hop shows the newest statement it holds, the
-    made-up step, which convicts its signer (found by an attack run)."""
+    ``rollback`` of the last position, with the row slightly changed. Before protocol 3 the next
+    hop took it (it could not know the client's steps), and the spot-check found the hop's log
+    and the next hop's digests differing; the next hop used to be blamed (found by an attack
+    run), and then the made-up step's statement convicted its signer. Since protocol 3 every
+    step carries the client's signature of its seq, positions and flags, so the next hop refuses
+    the made-up step at once, naming the hop that sent it."""
     ids, expected = tiny[3], tiny[4]
     peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (1, 3), (3, 4), (3, 4)])
     first, liar, liar_twin, victim, victim_twin = peers
@@ -494,7 +533,7 @@ async def test_a_hop_cannot_frame_its_next_hop_with_steps_the_client_never_sent(
     out, conv, banned = await generate_over(peers, (first, liar, victim), ids, spot_check_rate=1.0, spot_check_seed=0)
     assert done and out.token_ids == expected
     assert [d["peer"] for d in out.detections] == [liar.peer_id]
-    assert "that the client never sent" in out.detections[0]["reason"]
+    assert "with fields the client did not sign" in out.detections[0]["reason"]
     assert liar.peer_id in banned and victim.peer_id not in banned
 
 

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from helpers.convauth import authorize, conv_id
 from helpers.meshkit import file_hash, mesh, split, start_peer, wait_for_tables
 from meshinfer.wire import protocol
 from meshinfer.core.config import LayerRange
@@ -16,6 +17,7 @@ from meshinfer.core.errors import (CacheFull, ContextOverflow, LayerRangeError, 
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.peer.launch import launch_peer
 from meshinfer.peer import steps
+from meshinfer.peer.conversations import STATEMENT_BYTES_PER_TOKEN
 from meshinfer.peer.node import PeerSettings
 from meshinfer.client.mesh import MeshClient
 from meshinfer.text.tokenizer import Tokenizer
@@ -229,20 +231,26 @@ async def test_dead_peer_expires_from_tables_within_ttl(tiny):
 async def test_position_gap_layer_range_and_budget_errors(tiny):
     path, digest, tok, _ = tiny
     async with mesh([load_shard(path, LayerRange(0, 4))], weights_hash=digest, bundle=tok.to_bundle(),
-                    kv_budget_bytes=100 * 4 * 2 * 2 * 8 * 4) as peers:
+                    kv_budget_bytes=100 * (4 * 2 * 2 * 8 * 4 + STATEMENT_BYTES_PER_TOKEN)) as peers:
         peer = peers[0]
         link = await dial(peer.addrs[0], max_bytes=1 << 20, on_message=lambda *a: asyncio.sleep(0))
         try:
             await link.request("hello", timeout_s=5, role="client")
             with pytest.raises(LayerRangeError, match="serves layers 0-3, asked for 0-4"):
-                await link.request("open", timeout_s=5, conv="a", layers=[0, 5], max_tokens=10)
+                await link.request("open", timeout_s=5,
+                                   **authorize("open", dict(conv="a", layers=[0, 5], max_tokens=10), peer.peer_id))
             with pytest.raises(CacheFull, match="needs 101 tokens of KV cache; this peer has 100 free"):
-                await link.request("open", timeout_s=5, conv="a", layers=[0, 4], max_tokens=101)
+                await link.request("open", timeout_s=5,
+                                   **authorize("open", dict(conv="a", layers=[0, 4], max_tokens=101), peer.peer_id))
             with pytest.raises(ContextOverflow, match="context is 256 tokens"):
-                await link.request("open", timeout_s=5, conv="a", layers=[0, 4], max_tokens=300)
-            await link.request("open", timeout_s=5, conv="a", layers=[0, 4], max_tokens=50)
-            with pytest.raises(PositionError, match="starts at position 3; conversation a expects position 0"):
-                await link.request("step", timeout_s=5, conv="a", seq=1, start=3, tokens=[1, 2])
+                await link.request("open", timeout_s=5,
+                                   **authorize("open", dict(conv="a", layers=[0, 4], max_tokens=300), peer.peer_id))
+            await link.request("open", timeout_s=5,
+                                   **authorize("open", dict(conv="a", layers=[0, 4], max_tokens=50), peer.peer_id))
+            with pytest.raises(PositionError,
+                               match=f"starts at position 3; conversation {conv_id('a')} expects position 0"):
+                await link.request("step", timeout_s=5,
+                                   **authorize("step", dict(conv="a", seq=1, start=3, tokens=[1, 2]), peer.peer_id))
         finally:
             await link.close()
 

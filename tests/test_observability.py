@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers.convauth import authorize
 from helpers.meshkit import mesh, split, start_peer
 from meshinfer.wire import discovery
 from meshinfer.core.errors import InvalidInput, PositionError
@@ -91,10 +92,12 @@ async def test_metrics_count_steps_tokens_conversations_and_errors(tiny):
             await link.request("hello", timeout_s=5, role="client", nonce=discovery.new_nonce())
             with pytest.raises(InvalidInput):
                 await link.request("step", timeout_s=5, conv="nope", seq=1, start=0, tokens=[1])
-            await link.request("open", timeout_s=5, conv="c", layers=[0, 2], max_tokens=16,
-                               next={"peer_id": peers[1].peer_id, "addrs": list(peers[1].addrs)})
+            await link.request("open", timeout_s=5, **authorize("open", dict(
+                conv="c", layers=[0, 2], max_tokens=16,
+                next={"peer_id": peers[1].peer_id, "addrs": list(peers[1].addrs)}), peers[0].peer_id))
             with pytest.raises(PositionError):
-                await link.request("step", timeout_s=5, conv="c", seq=1, start=3, tokens=[1])
+                await link.request("step", timeout_s=5, **authorize("step", dict(conv="c", seq=1, start=3, tokens=[1]),
+                                                                   peers[0].peer_id))
         finally:
             await link.close()
         errors = await scrape(ports[0])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.convauth import conv_id
 from helpers.meshkit import AlwaysDraft, generate_through_a_middle_crash, mesh, split
 from helpers.hostile import Raw, last_token, serving
 from meshinfer.wire import protocol
@@ -261,8 +262,7 @@ async def test_a_hop_that_predates_speculation_makes_the_client_decode_plainly(t
                     bundle=tok.to_bundle()) as peers:
         old, refused = peers[1]._on_step, []
 
-        async def old_on_step(link, f):  # protocol 1 before speculative decoding
-            f.d.pop("rollback", None)
+        async def old_on_step(link, f):  # a hop that does not verify drafts (protocol 1 before speculation)
             if f.d.get("want") == "tokens":
                 refused.append(f.d["seq"])
                 raise ProtocolError(f"step {f.d['seq']}: want 'tokens' is not token or none")
@@ -287,11 +287,11 @@ async def test_verification_returns_every_position_and_rollback_drops_rejected_p
             want = [last_token(tiny, [1, 2, 3, 4][:i + 1]) for i in range(4)]
             assert (reply["t"], reply["seq"], reply["tokens"], reply["token"]) == ("token", 1, want, want[-1])
             assert await raw.error("step", conv="c", seq=2, start=2, tokens=[7, 8], want="tokens") == (
-                "bad_positions", "step 2 starts at position 2; conversation c expects position 4")
+                "bad_positions", f"step 2 starts at position 2; conversation {conv_id('c')} expects position 4")
             await raw.send("step", conv="c", seq=3, start=2, tokens=[7, 8], want="tokens", rollback=True)
             reply = await raw.recv()
             assert reply["tokens"] == [last_token(tiny, [1, 2, 7]), last_token(tiny, [1, 2, 7, 8])]
-            assert peer.convs["c"].cache.length == 4
+            assert peer.convs[conv_id("c")].cache.length == 4
             assert await raw.error("step", conv="c", seq=4, start=4, tokens=[5] * 33, want="tokens") == (
                 "invalid_input", "step 4: want=tokens allows at most 32 tokens per step, got 33")
             await raw.send("step", conv="c", seq=5, start=4, tokens=[9], want="token")

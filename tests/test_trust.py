@@ -11,8 +11,9 @@ import pytest
 import websockets
 
 from helpers.meshkit import generate_through, mesh, split, start_peer
-from meshinfer.wire import discovery, protocol
+from meshinfer.wire import convkeys, discovery, protocol
 from meshinfer.core.errors import Unauthenticated
+from meshinfer.core.sampling_params import SamplingParams
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.peer.node import PRIVATE_MESH
 from meshinfer.client.mesh import MeshClient
@@ -226,3 +227,37 @@ def test_a_hop_signs_the_digests_of_the_bytes_it_sends():
     wire = tensors.tensor_to_wire(x)
     assert tensors.wire_row_digests(wire) == tensors.row_digests(tensors.tensor_from_wire(wire, max_elements=x.numel()))
     assert len(tensors.wire_row_digests(wire)) == 5 * tensors.DIGEST_BYTES
+
+
+def test_a_client_step_signature_covers_every_field_of_the_step_and_only_its_key():
+    """``convkeys.StepHeader``: the client's signature of a step verifies for that header only:
+    each field changed (a hop adding sampling, dropping ``want``, moving a position, claiming a
+    rollback or replay, changing the tokens) makes it fail, and so does another key."""
+    key, other = convkeys.ConversationKey(), convkeys.ConversationKey()
+    header = convkeys.StepHeader(key.conv_id, 7, 40, 3, "token", None, False, False, convkeys.tokens_digest([1, 2, 3]))
+    fields = key.step_fields(header)
+    assert fields["pd"] == header.payload and header.check(convkeys.public_key(key.public), fields["csig"])
+    changes = [dict(conv_id=other.conv_id), dict(seq=8), dict(start=41), dict(count=4), dict(want="none"),
+               dict(want="tokens"), dict(sampling=SamplingParams(temperature=0.7)), dict(rollback=True),
+               dict(replay=True), dict(payload=convkeys.tokens_digest([1, 2, 4]))]
+    for change in changes:
+        assert not replace(header, **change).check(convkeys.public_key(key.public), fields["csig"]), change
+    assert not header.check(convkeys.public_key(other.public), fields["csig"])
+    assert not header.check(convkeys.public_key(key.public), b"")
+    assert convkeys.public_key(b"\0" * 31) is None and key.conv_id == convkeys.conv_id_of(key.public)
+
+
+def test_an_open_signature_is_for_one_peer_one_kind_and_one_n():
+    """``convkeys.open_message``: the client's signature of an open does not verify for another
+    peer, as a reroute, with another ``n`` or with any other field changed."""
+    key = convkeys.ConversationKey()
+    nxt = {"peer_id": "b" * 32, "addrs": ["ws://127.0.0.1:1"]}
+    sig = key.open_fields("open", "a" * 32, [0, 2], 64, None, nxt)["client_sig"]
+    args = dict(kind="open", to="a" * 32, conv_id=key.conv_id, n=1, layers=[0, 2], max_tokens=64, prev=None,
+                next_id=nxt["peer_id"], next_addrs=nxt["addrs"], next_relays=None)
+    public = convkeys.public_key(key.public)
+    assert convkeys.verifies(public, sig, convkeys.open_message(**args))
+    for change in [dict(kind="reroute"), dict(to="c" * 32), dict(n=2), dict(layers=[0, 3]), dict(max_tokens=65),
+                   dict(prev="p"), dict(next_id="c" * 32), dict(next_addrs=["ws://10.0.0.1:1"]),
+                   dict(next_relays=[])]:
+        assert not convkeys.verifies(public, sig, convkeys.open_message(**args | change)), change

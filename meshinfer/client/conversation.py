@@ -22,6 +22,7 @@ from meshinfer.client.speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS,
 from meshinfer.core.errors import CacheFull, InvalidInput, MeshError, NoRoute
 from meshinfer.core.generation import check_context
 from meshinfer.core.sampling_params import SamplingParams
+from meshinfer.wire import convkeys
 
 if TYPE_CHECKING:
     from meshinfer.client.mesh import MeshClient
@@ -83,8 +84,6 @@ class Conversation(HopSteps, Failover, DecodeSteps):
                  spot_check_seed: int | None = None, speculate: bool = True,
                  draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_model: DraftModel | None = None,
                  draft_ahead: bool | str = False) -> None:
-        import uuid
-
         if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise InvalidInput(f"draft_tokens must be 1-{MAX_DRAFT_TOKENS}, got {draft_tokens}")
         if draft_ahead not in (True, False, "auto"):
@@ -92,7 +91,8 @@ class Conversation(HopSteps, Failover, DecodeSteps):
         self.speculate, self.draft_tokens, self.draft_ahead = speculate, draft_tokens, draft_ahead
 
         self.client, self.route = client, route
-        self.conv_id = uuid.uuid4().hex
+        self.key = convkeys.ConversationKey()  # the conversation's id is its key's; it signs opens and steps
+        self.conv_id = self.key.conv_id
         self.max_tokens_total = max_tokens_total
         self.deadline_floor_s = deadline_floor_s
         self.inbox: asyncio.Queue = asyncio.Queue()  # (link, type, fields, frame bytes): see hear()

@@ -8,7 +8,7 @@ import time
 from typing import Sequence
 
 from meshinfer.core.errors import LyingPeer, MeshError, PeerUnavailable, ProtocolError
-from meshinfer.wire import discovery, plausible, tensors
+from meshinfer.wire import convkeys, discovery, plausible, tensors
 from meshinfer.wire.protocol import MAX_VERIFY_TOKENS
 from meshinfer.wire.transport import Link, remote_error
 
@@ -51,11 +51,12 @@ class HopSteps:
         nxt = hops[i + 1] if i + 1 < len(hops) else None
         if not reroute and hop.peer_id in self._opened:
             await link.send("close", conv=self.conv_id)  # frames of one link are handled in order
-        await link.request(
-            "reroute" if reroute else "open", timeout_s=self.client.request_timeout_s, conv=self.conv_id,
-            layers=[hop.layers.start, hop.layers.stop], max_tokens=self.max_tokens_total,
-            prev=hops[i - 1].peer_id if i else None,
-            next=_next_hop(nxt, self.client.backed_off()) if nxt else None)
+        kind, layers, prev = "reroute" if reroute else "open", [hop.layers.start, hop.layers.stop], \
+            hops[i - 1].peer_id if i else None
+        next_field = _next_hop(nxt, self.client.backed_off()) if nxt else None
+        await link.request(kind, timeout_s=self.client.request_timeout_s, conv=self.conv_id, layers=layers,
+                           max_tokens=self.max_tokens_total, prev=prev, next=next_field,
+                           **self.key.open_fields(kind, hop.peer_id, layers, self.max_tokens_total, prev, next_field))
         self._opened.add(hop.peer_id)
 
     async def _close_on(self, hops) -> None:
@@ -83,11 +84,15 @@ class HopSteps:
         """Send one step frame of ``tokens`` at position ``start`` to the first hop; return its seq."""
         self._seq += 1
         first = await self.client.link(self.route.hops[0].peer)
-        extra = {"sampling": self.sampling.to_wire()} if want == "token" and self.sampling else {}
-        if self.ledger.rolls_back(start) and not replay:
+        sampling = self.sampling if want == "token" and self.sampling else None
+        extra = {"sampling": sampling.to_wire()} if sampling else {}
+        rollback = self.ledger.rolls_back(start) and not replay
+        if rollback:
             extra["rollback"] = True  # hops drop the rejected drafts of the step before
+        header = convkeys.StepHeader(self.conv_id, self._seq, start, len(tokens), want, sampling, rollback, replay,
+                                     convkeys.tokens_digest(tokens))
         await first.send("step", conv=self.conv_id, seq=self._seq, start=start, tokens=list(tokens),
-                         want=want, replay=replay, **extra)
+                         want=want, replay=replay, **extra, **self.key.step_fields(header))
         self.ledger.hold(self._seq, start, start + len(tokens))
         return self._seq
 

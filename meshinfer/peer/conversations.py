@@ -18,12 +18,12 @@ import torch
 
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import (CacheFull, ContextOverflow, InvalidInput, LayerRangeError, PeerUnavailable,
-    ProtocolError, RateLimited)
+    ProtocolError, RateLimited, Unauthenticated)
 from meshinfer.core.logs import context
 from meshinfer.engine.kv_cache import HiddenLog, KVCache
 from meshinfer.peer import limits
 from meshinfer.peer.limits import client_host
-from meshinfer.wire import protocol, tensors
+from meshinfer.wire import convkeys, protocol, tensors
 from meshinfer.wire.transport import Link
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,6 +32,14 @@ if TYPE_CHECKING:  # pragma: no cover
 #: a child of the node's logger: configuring ``meshinfer.peer.node`` configures all of a peer
 log = logging.getLogger("meshinfer.peer.node.conversations")
 
+
+
+#: Bytes a position's signed statement (``Conv.signed_at``) holds at most: a one-token decode
+#: step's own statement, ``(seq, start, 16-byte digest, 64-byte signature)``, measured with
+#: ``sys.getsizeof`` on CPython 3.11-3.12 (282 bytes with its list slot), rounded up. Counted in
+#: every conversation's KV reservation (a conversation opened past layer 0 keeps them on any
+#: peer); a prefill chunk's positions share one statement and cost less.
+STATEMENT_BYTES_PER_TOKEN = 320
 
 
 @dataclass
@@ -59,6 +67,8 @@ class Conv:
     #: of what this hop received (``received_digests``; docs/security.md, "Signed steps").
     signed_at: list = field(default_factory=list)
     last_seq: int = -1  # the seq of the last step taken (a previous hop's may only grow)
+    client_key: object = None  # the Ed25519 public key the conversation id is derived from
+    open_n: int = 0  # the ``n`` of the open or reroute that set this hop up (only grows)
 
     def keep_signed(self, seq: int, start: int, digests: bytes, sig: bytes, *, replay: bool = False) -> None:
         """Keep the previous hop's signed statement of step ``seq``, positions ``[start, start +
@@ -100,11 +110,12 @@ class Conversations:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one token costs across the peer's layers: K and V, plus the float32 hidden
-        state logged for replay when the peer is not the last hop."""
+        state logged for replay when the peer is not the last hop, plus the previous hop's
+        signed statement kept per position (:data:`STATEMENT_BYTES_PER_TOKEN`)."""
         shard, cfg = self.peer.shard, self.peer.cfg
         elem = torch.empty((), dtype=shard.dtype).element_size()
         kv = 2 * len(shard.range) * cfg.num_key_value_heads * cfg.head_dim * elem
-        return kv + (0 if shard.is_last else 4 * cfg.hidden_size)
+        return kv + (0 if shard.is_last else 4 * cfg.hidden_size) + STATEMENT_BYTES_PER_TOKEN
 
     @property
     def capacity_tokens(self) -> int:
@@ -123,7 +134,8 @@ class Conversations:
         conversations, taken at once.
         """
         convs = list(self.by_id.values())  # one C-level copy: safe against the loop adding/removing
-        return len(convs), sum(c.cache.nbytes + (c.sent.nbytes if c.sent else 0) for c in convs)
+        return len(convs), sum(c.cache.nbytes + (c.sent.nbytes if c.sent else 0)
+                               + len(c.signed_at) * STATEMENT_BYTES_PER_TOKEN for c in convs)
 
     async def expire_idle(self, now: float) -> None:
         """Free conversations with no step for ``idle_timeout_s`` and nothing queued."""
@@ -135,19 +147,27 @@ class Conversations:
 
     # ------------------------------------------------------------------ control frames
     async def on_open(self, link: Link, f) -> None:
-        """Open a conversation: reserve its ``max_tokens`` of KV and start its step worker."""
+        """Open a conversation: reserve its ``max_tokens`` of KV and start its step worker.
+
+        The open must be signed by the conversation's key (:meth:`client_auth`). A conversation
+        of that id held on another connection is replaced when its connection has closed or
+        when this open's ``n`` is higher (the client opening again after a failover; an old
+        open replayed by whoever saw it has a lower or equal ``n`` and is refused)."""
         rid = f.get("id", int, None)
         conv_id = f.str("conv")
-        if conv_id in self.by_id and self.by_id[conv_id].owner.closed.is_set():
-            await self.drop(conv_id)  # its client's connection (a circuit) is gone; it reopens here
+        run = f.layer_range("layers")
+        tokens = f.int("max_tokens", lo=1, hi=1 << 40)
+        prev_id, next_id, next_addrs, next_relays = self.neighbours(f, run)
+        key, n = self.client_auth(f, conv_id, run, tokens, prev_id, next_id, next_addrs, next_relays)
+        held = self.by_id.get(conv_id)
+        if held is not None and (held.owner.closed.is_set() or n > held.open_n):
+            await self.drop(conv_id)  # its client's connection (a circuit) is gone, or its client opens anew
         if conv_id in self.by_id:
             raise ProtocolError(f"open: conversation {conv_id[:40]!r} is already open")
         if self.peer.state != protocol.READY:
             raise PeerUnavailable(f"peer {self.peer.peer_id[:12]} is {self.peer.state}")
-        run = f.layer_range("layers")
         if run.start < self.peer.shard.range.start or run.stop > self.peer.shard.range.stop:
             raise LayerRangeError(f"this peer serves layers {self.peer.shard.range.cli()}, asked for {run.cli()}")
-        tokens = f.int("max_tokens", lo=1, hi=1 << 40)
         if tokens > self.peer.cfg.max_position_embeddings:
             raise ContextOverflow(f"conversation asks for {tokens} tokens; the model's context is "
                                   f"{self.peer.cfg.max_position_embeddings} tokens")
@@ -160,18 +180,42 @@ class Conversations:
             raise CacheFull(f"conversation needs {tokens} tokens of KV cache; this peer has "
                             f"{self.free_kv_tokens} free of {self.capacity_tokens}")
         self.check_host_reservation(host, tokens)
-        prev_id, next_id, next_addrs, next_relays = self.neighbours(f, run)
         cache = KVCache(run, self.peer.cfg.num_key_value_heads, self.peer.cfg.head_dim, dtype=self.peer.shard.dtype,
                         device=self.peer.shard.device, max_tokens=tokens)
         conv = Conv(conv_id=conv_id, run=run, owner=link, prev_id=prev_id, next_id=next_id,
                     next_addrs=next_addrs, next_relays=next_relays, reserved_tokens=tokens, cache=cache,
-                    sent=HiddenLog(self.peer.cfg.hidden_size, max_tokens=tokens) if next_id else None)
+                    sent=HiddenLog(self.peer.cfg.hidden_size, max_tokens=tokens) if next_id else None,
+                    client_key=key, open_n=n)
         self.by_id[conv_id] = conv
         self.reserved_tokens += tokens
         conv.task = self.peer._spawn(self.peer.steps.worker(conv), f"conv {conv_id[:12]}")
         log.info("opened conversation %s: layers %s, %d tokens reserved", conv_id, run.cli(), tokens,
                  extra=context(conv=conv_id, peer=self.peer.peer_id))
         await link.send("opened", re=rid, conv=conv_id, free_kv_tokens=self.free_kv_tokens)
+
+    def client_auth(self, f, conv_id: str, run: LayerRange, tokens: int, prev_id: str | None, next_id: str | None,
+                    next_addrs: tuple[str, ...], next_relays: tuple[str, ...] | None) -> tuple[object, int]:
+        """The conversation's key and the ``n`` of an ``open``/``reroute`` frame ``f`` whose
+        other fields are parsed: ``client_key`` (32 bytes) must be the key ``conv_id`` is
+        derived from (:func:`meshinfer.wire.convkeys.conv_id_of`) and ``client_sig`` its
+        signature of the fields (:func:`meshinfer.wire.convkeys.open_message`).
+
+        Raises:
+            ProtocolError: a missing or malformed field.
+            Unauthenticated: the id is not the key's, or the signature does not verify.
+        """
+        raw = f.get("client_key", bytes)
+        n = f.int("n", lo=0, hi=protocol.MAX_SEQ)
+        key = convkeys.public_key(raw)
+        if key is None:
+            raise ProtocolError(f"{f.what}: field 'client_key' must be a {convkeys.KEY_BYTES}-byte Ed25519 public key")
+        if convkeys.conv_id_of(raw) != conv_id:
+            raise Unauthenticated(f"{f.what}: conversation id {conv_id[:40]!r} is not the id of its client_key")
+        message = convkeys.open_message(f.what, self.peer.peer_id, conv_id, n, [run.start, run.stop], tokens,
+                                        prev_id, next_id, next_addrs, next_relays)
+        if not convkeys.verifies(key, f.get("client_sig", bytes, b""), message):
+            raise Unauthenticated(f"{f.what}: client_sig is not the conversation key's signature of the {f.what}")
+        return key, n
 
     def check_host_reservation(self, host: str, tokens: int) -> None:
         """Raise :class:`RateLimited` when ``host``'s open conversations plus ``tokens`` would
@@ -220,6 +264,11 @@ class Conversations:
         if f.layer_range("layers") != conv.run:
             raise LayerRangeError(f"reroute: conversation {conv.conv_id} runs layers {conv.run.cli()} here")
         prev_id, next_id, next_addrs, next_relays = self.neighbours(f, conv.run)
+        _, n = self.client_auth(f, conv.conv_id, conv.run, f.int("max_tokens", lo=1, hi=1 << 40), prev_id, next_id,
+                                next_addrs, next_relays)
+        if n <= conv.open_n:
+            raise Unauthenticated(f"reroute: n = {n} is not above {conv.open_n}, the last open or reroute's")
+        conv.open_n = n
         if prev_id != conv.prev_id:  # a new previous hop's seqs are compared with its own only
             conv.last_seq = -1
         conv.prev_id, conv.next_id, conv.next_addrs, conv.next_relays = prev_id, next_id, next_addrs, next_relays

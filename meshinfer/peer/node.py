@@ -43,7 +43,7 @@ from meshinfer.peer.metrics import PeerMetrics, PeerUsage
 from meshinfer.peer.relay import Relay
 from meshinfer.peer.scheduler import BatchStats, StepScheduler
 from meshinfer.peer.settings import PeerSettings
-from meshinfer.peer.steps import ComputeCost, Steps
+from meshinfer.peer.steps import ComputeCost, Steps, warmup
 from meshinfer.text.bundle import bundle_sha256
 from meshinfer.wire import discovery, protocol, tls
 from meshinfer.wire.discovery import PeerTable, peer_id_of, sign_advert
@@ -222,8 +222,8 @@ class Peer(_Handlers):
 
     async def warmup(self, *, prompt_tokens: int = 16) -> float:
         """Run one prefill and one decode on dummy input; return decode ms per token
-        (:meth:`meshinfer.peer.steps.Steps.warmup`)."""
-        return await self.steps.warmup(prompt_tokens=prompt_tokens)
+        (:func:`meshinfer.peer.steps.warmup`)."""
+        return await warmup(self, prompt_tokens=prompt_tokens)
 
     async def start(self, *, warmup: bool = True) -> None:
         """Warm up, listen, start gossip and the idle janitor; then state is ``ready``.

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshinfer.core.errors import (CacheFull, InvalidInput, LyingPeer, MeshError, PositionError, ProtocolError,
-    RateLimited)
+    RateLimited, Unauthenticated)
 from meshinfer.core.logs import context
 from meshinfer.engine.kv_cache import KVCache
 from meshinfer.engine.sampling import pick_token
 from meshinfer.peer import limits
 from meshinfer.peer.conversations import Conv
-from meshinfer.wire import discovery, plausible, protocol, tensors
+from meshinfer.wire import convkeys, discovery, plausible, protocol, tensors
 from meshinfer.wire.transport import Link
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,6 +104,8 @@ class QueuedStep:
         kept_tokens: positions to resend from this hop's log, when ``x`` is None.
         sampling: the last hop's sampling settings, or None (greedy).
         rollback: the step starts below the hop's length (speculative decoding).
+        header: what the client signed for this step (passed on with ``csig``).
+        csig: the client's signature of ``header``.
     """
 
     seq: int
@@ -116,11 +118,43 @@ class QueuedStep:
     kept_tokens: int = 0
     sampling: Any = None
     rollback: bool = False
+    header: convkeys.StepHeader | None = None
+    csig: bytes = b""
 
     @property
     def nbytes(self) -> int:
         """Bytes of ``x`` this step holds while queued (0 for a resend)."""
         return 0 if self.x is None else self.x.nbytes
+
+
+async def warmup(peer: Peer, *, prompt_tokens: int = 16) -> float:
+    """Run one prefill and one decode on ``peer``'s shard, on dummy input; return decode ms per token.
+
+    A cold GPU compiles kernels on its first request, so peers warm up before announcing.
+    """
+    def work() -> float:
+        cache = KVCache(peer.shard.range, peer.cfg.num_key_value_heads, peer.cfg.head_dim,
+                        dtype=peer.shard.dtype, device=peer.shard.device, max_tokens=prompt_tokens + 8)
+        if peer.shard.is_first:
+            x = torch.zeros(1, prompt_tokens, dtype=torch.int64)
+            step = torch.zeros(1, 1, dtype=torch.int64)
+        else:
+            x = torch.zeros(1, prompt_tokens, peer.cfg.hidden_size)
+            step = torch.zeros(1, 1, peer.cfg.hidden_size)
+        peer.shard(x, 0, cache)
+        times = []
+        for i in range(3):
+            t0 = time.perf_counter()
+            peer.shard(step, prompt_tokens + i, cache)
+            times.append(time.perf_counter() - t0)
+        cache.free()
+        return min(times) * 1e3
+
+    t0 = time.perf_counter()
+    peer.compute_ms_per_token = await peer.executor.run(work)
+    log.info("warm-up done in %.2f s: decode %.1f ms/token for layers %s",
+             time.perf_counter() - t0, peer.compute_ms_per_token, peer.shard.range.cli())
+    return peer.compute_ms_per_token
 
 
 def check_positions(conv: Conv, seq: int, start: int, tokens: int, rollback: bool) -> None:
@@ -188,35 +222,6 @@ class Steps:
         self.peer = peer
         self.queued_bytes = 0
 
-    async def warmup(self, *, prompt_tokens: int = 16) -> float:
-        """Run one prefill and one decode on dummy input; return decode ms per token.
-
-        A cold GPU compiles kernels on its first request, so peers warm up before announcing.
-        """
-        def work() -> float:
-            cache = KVCache(self.peer.shard.range, self.peer.cfg.num_key_value_heads, self.peer.cfg.head_dim,
-                            dtype=self.peer.shard.dtype, device=self.peer.shard.device, max_tokens=prompt_tokens + 8)
-            if self.peer.shard.is_first:
-                x = torch.zeros(1, prompt_tokens, dtype=torch.int64)
-                step = torch.zeros(1, 1, dtype=torch.int64)
-            else:
-                x = torch.zeros(1, prompt_tokens, self.peer.cfg.hidden_size)
-                step = torch.zeros(1, 1, self.peer.cfg.hidden_size)
-            self.peer.shard(x, 0, cache)
-            times = []
-            for i in range(3):
-                t0 = time.perf_counter()
-                self.peer.shard(step, prompt_tokens + i, cache)
-                times.append(time.perf_counter() - t0)
-            cache.free()
-            return min(times) * 1e3
-
-        t0 = time.perf_counter()
-        self.peer.compute_ms_per_token = await self.peer.executor.run(work)
-        log.info("warm-up done in %.2f s: decode %.1f ms/token for layers %s",
-                 time.perf_counter() - t0, self.peer.compute_ms_per_token, self.peer.shard.range.cli())
-        return self.peer.compute_ms_per_token
-
     async def on_step(self, link: Link, f) -> None:
         conv = self.peer.convs.get(f.str("conv"))
         seq = f.int("seq", lo=0, hi=protocol.MAX_SEQ)
@@ -233,31 +238,41 @@ class Steps:
             return
         if link is not conv.owner and out_of_order(conv, seq):
             return
+        want, sampling = step_wants(f, seq, x.shape[1])
+        rollback, replay = f.get("rollback", bool, False), f.get("replay", bool, False)
         digests = tensors.row_digests(x) if conv.run.start > 0 else b""
-        if link is not conv.owner and not self.accept_from_previous_hop(link, conv, f, seq, start, x, digests):
+        header = convkeys.StepHeader(conv.conv_id, seq, start, x.shape[1], want, sampling, rollback, replay,
+                                     payload_digest(link, conv, f, x, digests))
+        csig = f.get("csig", bytes, b"")
+        if link is conv.owner and not header.check(conv.client_key, csig):
+            raise Unauthenticated(f"step {seq}: 'csig' is not the conversation key's signature of this step")
+        if link is not conv.owner and not self.accept_from_previous_hop(link, conv, f, seq, start, x, digests,
+                                                                        header):
             return
-        if f.get("replay", bool, False) and start + x.shape[1] <= conv.cache.length <= conv.expected_start:
+        if replay and start + x.shape[1] <= conv.cache.length <= conv.expected_start:
             # failover replay of positions this hop kept: pass its logged output on, compute nothing
-            self.enqueue(conv, QueuedStep(seq, start, "none", [], time.perf_counter(), True, kept_tokens=x.shape[1]))
+            self.enqueue(conv, QueuedStep(seq, start, want, [], time.perf_counter(), True, kept_tokens=x.shape[1],
+                                          header=header, csig=csig))
             if conv.run.start > 0:  # a new previous hop's log must match what it sent now
                 conv.keep_signed(seq, start, digests, f.get("sig", bytes, b""), replay=True)
             conv.last_seq = seq
             return
-        rollback = f.get("rollback", bool, False)
         check_positions(conv, seq, start, x.shape[1], rollback)
         trace = protocol.trace_from_wire(f.get("trace", list, []), "step")
-        want, sampling = step_wants(f, seq, x.shape[1])
-        self.enqueue(conv, QueuedStep(seq, start, want, trace, time.perf_counter(), f.get("replay", bool, False),
-                                      x=x, sampling=sampling, rollback=rollback))
+        self.enqueue(conv, QueuedStep(seq, start, want, trace, time.perf_counter(), replay, x=x, sampling=sampling,
+                                      rollback=rollback, header=header, csig=csig))
         conv.expected_start, conv.last_seq = start + x.shape[1], seq
         if conv.run.start > 0:  # what the previous hop sent, for spot-checks of its log
             conv.keep_signed(seq, start, digests, f.get("sig", bytes, b""))  # checked above
 
     def accept_from_previous_hop(self, link: Link, conv: Conv, f, seq: int, start: int, x: torch.Tensor,
-                                 digests: bytes) -> bool:
+                                 digests: bytes, header: convkeys.StepHeader) -> bool:
         """Whether to take the hidden states ``x`` ``(1, T, C)`` of step ``seq`` from the previous
         hop: signed by it (``sig``: :func:`meshinfer.wire.discovery.sign_step` of ``digests`` by
-        the key its link proved), then plausible (:func:`meshinfer.wire.plausible.check_values`).
+        the key its link proved), asked for by the client (``csig``: the conversation key's
+        signature of ``header``, so the previous hop changed none of ``want``, ``sampling``,
+        ``rollback``, ``replay``, the count or the client's payload digest), then plausible
+        (:func:`meshinfer.wire.plausible.check_values`).
         The caller keeps the signature (``Conv.keep_signed``) once the step is queued, as
         evidence of what that hop sent: a refused step must not displace those of steps taken.
 
@@ -272,6 +287,9 @@ class Steps:
             if key is None or not discovery.check_step(key, sig, conv.conv_id, seq, start, digests):
                 raise LyingPeer(f"previous hop {(conv.prev_id or '?')[:12]} sent step {seq} without a valid "
                                 f"signature of its hidden states", suspect=conv.prev_id)
+            if not header.check(conv.client_key, f.get("csig", bytes, b"")):
+                raise LyingPeer(f"previous hop {(conv.prev_id or '?')[:12]} sent step {seq} with fields the client "
+                                f"did not sign (want, sampling, rollback, replay, positions)", suspect=conv.prev_id)
             evidence = {"start": start, "sig": sig, "hidden": f.get("hidden", dict)}
             plausible.check_values(x, sender=conv.prev_id)
             return True
@@ -379,7 +397,8 @@ class Steps:
             nxt = await self.peer.conns.link_to(conv.next_id, conv.next_addrs, conv.next_relays)
             hidden = tensors.tensor_to_wire(conv.sent.slice(step.start, step.start + step.kept_tokens))
             await nxt.send("step", conv=conv.conv_id, seq=step.seq, start=step.start, want=step.want, replay=True,
-                           hidden=hidden, trace=[], sig=self.sign(conv, step.seq, step.start, hidden))
+                           hidden=hidden, trace=[], sig=self.sign(conv, step.seq, step.start, hidden),
+                           **client_fields(step))
             conv.next_link, conv.forwarded_seq = nxt, step.seq  # its closing is reported (Conversations.next_hop_lost)
 
     async def run(self, conv: Conv, step: QueuedStep) -> None:
@@ -407,8 +426,7 @@ class Steps:
             hidden = tensors.tensor_to_wire(out)
             await nxt.send("step", conv=conv.conv_id, seq=seq, start=start, want=want, replay=step.replay,
                            hidden=hidden, trace=step.trace + [hop], sig=self.sign(conv, seq, start, hidden),
-                           **({"sampling": sampling.to_wire()} if sampling else {}),
-                           **({"rollback": True} if step.rollback else {}))
+                           **client_fields(step))
             conv.next_link, conv.forwarded_seq = nxt, seq  # its closing is reported (Conversations.next_hop_lost)
 
     def sign(self, conv: Conv, seq: int, start: int, hidden: dict) -> bytes:
@@ -473,6 +491,25 @@ class Steps:
             log.debug("error frame from %s: %s", link.name, f.str("message", ""))
 
 
+
+
+def payload_digest(link: Link, conv: Conv, f, x: torch.Tensor, digests: bytes) -> bytes:
+    """The digest of the client's payload of a step with input ``x``: computed from ``x`` when
+    the client sent it (``link`` is the conversation's owner: token ids ``(1, T)``, or hidden
+    states ``(1, T, C)`` whose row digests are ``digests``), else the ``pd`` the previous hop
+    passed on (b"" when it is missing or not 32 bytes: the client's signature then fails)."""
+    if link is conv.owner:
+        return convkeys.tokens_digest(x[0].tolist()) if conv.run.start == 0 else convkeys.hidden_digest(digests)
+    pd = f.get("pd", bytes, b"")
+    return pd if len(pd) == convkeys.PAYLOAD_DIGEST_BYTES else b""
+
+
+def client_fields(step: QueuedStep) -> dict:
+    """The fields of ``step`` a hop passes on to its next hop as the client signed them:
+    ``sampling`` and ``rollback`` (when set), ``pd`` and ``csig``."""
+    header = step.header
+    return {**({"sampling": header.sampling.to_wire()} if header.sampling else {}),
+            **({"rollback": True} if header.rollback else {}), "pd": header.payload, "csig": step.csig}
 
 
 def roll_back_to(conv: Conv, start: int) -> None:

@@ -22,8 +22,10 @@ from meshinfer.core.errors import ProtocolError, VersionMismatch
 from meshinfer.core.sampling_params import SamplingParams
 
 #: Version of the wire protocol. A handshake whose version differs is refused. 2 (2026-12-03):
-#: a hop's hidden states to its next hop carry its signature (``sig``), required.
-PROTOCOL_VERSION = 2
+#: a hop's hidden states to its next hop carry its signature (``sig``), required. 3 (2026-12-03):
+#: conversation keys (``meshinfer.wire.convkeys``): a conversation's id is derived from its
+#: client's key, and opens, reroutes and steps carry the client's signature, required.
+PROTOCOL_VERSION = 3
 
 #: Largest ``seq`` of a step (a client counts from 1; hops sign it as 8 bytes).
 MAX_SEQ = (1 << 62) - 1

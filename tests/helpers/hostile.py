@@ -14,6 +14,7 @@ import torch
 import websockets
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from helpers.convauth import authorize
 from helpers.meshkit import generate_through, mesh, split
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import LayerRangeError, ProtocolError
@@ -90,11 +91,18 @@ def pack(msg_type: str, **fields) -> bytes:
     return msgpack.packb({"v": protocol.PROTOCOL_VERSION, "t": msg_type, **fields}, use_bin_type=True)
 
 
+def signed(msg_type: str, to: str, **fields) -> bytes:
+    """:func:`pack` of a frame to the peer ``to`` (its id), signed for the conversation the test
+    names as its client would (:func:`helpers.convauth.authorize`)."""
+    return pack(msg_type, **authorize(msg_type, fields, to))
+
+
 class Raw:
     """A hand-driven connection: sends any frame, queues every reply, answers pings like a peer."""
 
-    def __init__(self, ws) -> None:
+    def __init__(self, ws, to: str | None = None) -> None:
         self.ws = ws
+        self.to = to  # the peer's id: opens are signed for it (helpers.convauth)
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.ids = itertools.count(1)
         self.reader = asyncio.get_running_loop().create_task(self._read())
@@ -104,7 +112,7 @@ class Raw:
                       **kw) -> "Raw":
         """Connect and say hello as ``role``; a peer also proves ``key`` (the key of ``advert``)."""
         ws = await websockets.connect(peer.addrs[0], max_size=None, compression=None, ping_interval=None, **kw)
-        raw = cls(ws)
+        raw = cls(ws, getattr(peer, "peer_id", None))
         if role is not None:
             reply = await raw.request("hello", role=role, nonce=NONCE, **({"advert": advert} if advert else {}))
             assert reply["t"] == "welcome", reply
@@ -123,7 +131,9 @@ class Raw:
                     self.inbox.put_nowait(msg)
 
     async def send(self, msg_type: str, **fields) -> None:
-        await self.ws.send(pack(msg_type, **fields))
+        """Send a frame; a conversation the test names is signed for as its client would
+        (:func:`helpers.convauth.authorize`)."""
+        await self.ws.send(pack(msg_type, **authorize(msg_type, fields, self.to)))
 
     async def recv(self, timeout_s: float = 5.0) -> dict:
         return await asyncio.wait_for(self.inbox.get(), timeout_s)
