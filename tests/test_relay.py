@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from helpers.meshkit import crash, file_hash, start_peer, wait_for_tables
 from meshinfer.wire import discovery, protocol
+from meshinfer.wire.circuit_seal import CircuitSeal
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import PeerUnavailable
 from meshinfer.engine.generate import greedy_generate, load_shard
@@ -159,14 +160,19 @@ async def test_a_relay_between_two_hidden_hops_killed_mid_generation_is_blamed_a
     path, digest, tok, ids, expected, other, other_digest = model
     deadline_floor_s = 60.0  # a failover that waited out the step deadline would take longer than this
     killed: list = []
+    relayed: list = []  # sizes of the steps the relay forwarded from A to B
 
     class Doomed(Peer):
         """A relay that dies, as a power cut would, while it forwards a decode step (which dies with it)."""
 
+        armed = False  # set once A's circuit to B is up: from then on A sends B only steps (and pings)
+
         async def _on_relay(self, link, f):
-            if f.str("to", None) is not None and not killed:
-                msg_type, inner = protocol.decode(f.get("data", bytes), max_bytes=1 << 24)
-                if msg_type == "step" and inner.d.get("start", 0) >= len(ids) + 8:
+            # the circuit is sealed (the relay cannot read it): a frame of more than 200 bytes
+            # from A is a step (a prefill chunk, then one per decode step); die at the ninth decode step
+            if self.armed and f.str("to", None) is not None and not killed and len(f.get("data", bytes)) > 200:
+                relayed.append(len(f.d["data"]))
+                if len(relayed) >= 10:
                     killed.append((time.monotonic(), asyncio.ensure_future(crash(self))))
                     return
             await super()._on_relay(link, f)
@@ -186,6 +192,7 @@ async def test_a_relay_between_two_hidden_hops_killed_mid_generation_is_blamed_a
                 await asyncio.sleep(0.05)
         hop_link = await first.conns.link_to(last.peer_id, (), (doomed.peer_id,))  # A -> B through R
         assert hop_link.relay_id == doomed.peer_id
+        doomed.armed = True
         async with MeshClient(list(survivor.addrs)) as client:
             route = await client.plan()
             assert route.peer_ids == (first.peer_id, last.peer_id)
@@ -218,17 +225,27 @@ async def test_a_relay_between_two_hidden_hops_killed_mid_generation_is_blamed_a
 
 
 async def test_a_relay_cannot_pose_as_the_peer_behind_it(model):
+    """A relay that answers the opener's key offer itself (signed with its own key) instead of
+    the hidden peer: the answer is not signed by the peer asked for, so the circuit ends before
+    any frame of the handshake is sent, and the client gets no link to the peer."""
     path, digest, tok, ids, *_ = model
+    answered: list = []
 
     class Impostor(Peer):
-        """A relay that swaps the hidden peer's welcome for one signed with its own key."""
+        """A relay that swaps the hidden peer's key answer for its own."""
+
+        offers: dict = {}
+
+        async def _on_relay(self, link, f):
+            if f.str("to", None) is not None:
+                self.offers.setdefault(f.d["circ"], f.get("data", bytes))
+            await super()._on_relay(link, f)
 
         async def _on_relay_back(self, link, f):
-            msg_type, inner = protocol.decode(f.get("data", bytes), max_bytes=1 << 24)
-            if msg_type == "welcome":
-                fields = {k: v for k, v in inner.d.items() if k not in ("v", "t")}
-                fields["proof"] = discovery.welcome_proof(self.key, b"\0" * 32, fields["nonce"])
-                f.d["data"] = protocol.encode("welcome", **fields)
+            src = self.relay.backwards.get((link, f.d["circ"]))
+            if src is not None and src[1] in self.offers and src[1] not in answered:
+                answered.append(src[1])
+                f.d["data"] = CircuitSeal(sign_key=self.key).answer(self.offers[src[1]])
             await super()._on_relay_back(link, f)
 
     relay = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest)
@@ -238,46 +255,66 @@ async def test_a_relay_cannot_pose_as_the_peer_behind_it(model):
         await wait_relayed([relay, home], [home])
         async with MeshClient(list(relay.addrs)) as client:
             await client.refresh()
-            with pytest.raises(PeerUnavailable, match="could not prove it holds its key"):
+            t0 = time.monotonic()
+            with pytest.raises(PeerUnavailable, match="closed"):
                 await client.link(client.table[home.peer_id])
+            assert answered and time.monotonic() - t0 < 4  # ended at the answer, not by a timeout
     finally:
         await home.close()
         await relay.close()
 
 
-async def test_a_relay_that_alters_tokens_is_caught_by_the_spot_checks(model):
+async def test_a_relay_cannot_read_or_alter_its_circuits_and_no_hop_is_blamed(model):
+    """Circuits are sealed end to end (``wire.circuit_seal``): the relay forwards ciphertext, so
+    nothing it carries shows the conversation id or a frame's fields, and a frame it changes
+    does not open: the circuit ends, the client fails over and reconnects, and nobody is taken
+    for a liar. (Before sealing the relay could change the tokens a hidden last hop sent back,
+    and the spot-checks then blamed that honest hop.)"""
     path, digest, tok, ids, expected, *_ = model
+    seen: list[bytes] = []
+    tampered: list = []
 
     class Tamperer(Peer):
-        """A relay that changes every token the hidden last hop sends back to the client."""
+        """A relay that keeps what it forwards and, once armed, flips one byte of the hidden
+        peer's third frame back."""
+
+        armed = 0
+
+        async def _on_relay(self, link, f):
+            seen.append(f.get("data", bytes))
+            await super()._on_relay(link, f)
 
         async def _on_relay_back(self, link, f):
-            msg_type, inner = protocol.decode(f.get("data", bytes), max_bytes=1 << 24)
-            if msg_type == "token":
-                fields = {k: v for k, v in inner.d.items() if k not in ("v", "t")}
-                fields["token"] = (fields["token"] + 1) % 256
-                if "tokens" in fields:
-                    fields["tokens"] = [(t + 1) % 256 for t in fields["tokens"]]
-                f.d["data"] = protocol.encode("token", **fields)
+            seen.append(f.get("data", bytes))
+            self.armed += bool(self.armed)
+            if self.armed > 3 and not tampered:
+                data = bytearray(f.d["data"])
+                data[-1] ^= 1
+                f.d["data"] = bytes(data)
+                tampered.append(len(seen))
             await super()._on_relay_back(link, f)
 
     relay = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=tok.to_bundle())
     relay.__class__ = Tamperer
     home = await hidden(path, digest, LayerRange(2, 4), relay.addrs)
-    # two slow peers of the same layers: the route takes the hidden peer, and they settle a dispute
-    checkers = [await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=relay.addrs)
-                for _ in range(2)]
-    for c in checkers:
-        c.compute_ms_per_token = 500.0
+    spare = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=relay.addrs)
     try:
-        await wait_relayed([relay, home, *checkers], [home])
-        route, out = await generate(relay.addrs, ids)
-        assert route.peer_ids == (relay.peer_id, home.peer_id)
-        assert out.token_ids == expected
-        assert [d["peer"] for d in out.detections] == [home.peer_id]  # the relayed hop is blamed and left
-        assert out.route[-1]["peer_id"] in {c.peer_id for c in checkers}
+        await wait_relayed([relay, home, spare], [home])
+        async with MeshClient(list(relay.addrs)) as client:
+            route = await client.plan(exclude=frozenset({spare.peer_id}))  # through the hidden peer first
+            assert route.peer_ids == (relay.peer_id, home.peer_id)
+            relay.armed = 1
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, deadline_floor_s=DEADLINE_FLOOR_S)
+            try:
+                out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            finally:
+                await conv.close()
+        assert out.token_ids == expected and tampered
+        assert out.detections == [] and len(out.failovers) >= 1
+        conv_id = conv.conv_id.encode()
+        assert seen and not any(conv_id in data or b"conv" in data or b"token" in data for data in seen)
     finally:
-        for p in (*checkers, home, relay):
+        for p in (spare, home, relay):
             await p.close()
 
 
@@ -294,7 +331,8 @@ async def test_a_relay_forwards_only_to_a_peer_that_lists_it(model):
         async with MeshClient(list(relay.addrs)) as client:
             await client.refresh()
             carrier = await client.link(client.table[relay.peer_id])
-            sock = carrier.open_circuit(other.peer_id, max_bytes=CLIENT_MAX_FRAME_BYTES)
+            sock = carrier.open_circuit(other.peer_id, public_key=client.table[other.peer_id].public_key,
+                                        max_bytes=CLIENT_MAX_FRAME_BYTES)
             with pytest.raises(PeerUnavailable, match="closed"):
                 await client._greet(circuit_link(sock, on_message=client._on_message, name="relay://x"), "relay://x")
             assert relay._forwards == {} and carrier.circuits == {}
@@ -458,6 +496,9 @@ def test_join_listen_none_from_the_command_line(model, tmp_path):
 def test_a_circuit_nobody_reads_ends_without_cutting_the_relays_link():
     from websockets.protocol import State
 
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from meshinfer.wire.circuit_seal import KX_BYTES, SIG_BYTES, CircuitSeal
     from meshinfer.wire.transport import OUTBOX_BYTES, CircuitSocket
 
     class Carrier:
@@ -473,7 +514,8 @@ def test_a_circuit_nobody_reads_ends_without_cutting_the_relays_link():
             return True
 
     carrier = Carrier()
-    sock = CircuitSocket(carrier, 7, side="in", max_bytes=64 * 1024)
+    sock = CircuitSocket(carrier, 7, side="in", seal=CircuitSeal(sign_key=Ed25519PrivateKey.generate()),
+                         max_bytes=64 * 1024)
     carrier.circuits[("in", 7)] = sock
     for _ in range(OUTBOX_BYTES // (64 * 1024) + 1):  # 4 MiB plus one frame may wait unread
         sock.feed(b"x" * 64 * 1024)
@@ -481,6 +523,47 @@ def test_a_circuit_nobody_reads_ends_without_cutting_the_relays_link():
     sock.feed(b"x" * 64 * 1024)
     assert sock.state is State.CLOSED and carrier.circuits == {}
     assert carrier.posted == [("relay_close", {"circ": 7, "back": True, "cut": False})]
-    big = CircuitSocket(carrier, 8, side="out", to="t" * 32, max_bytes=1024)
-    big.feed(b"x" * 1025)  # a frame over the circuit's limit ends it too
+    big = CircuitSocket(carrier, 8, side="out", to="t" * 32, seal=CircuitSeal(peer_public_key="00" * 32),
+                        max_bytes=1024)
+    big.feed(b"x" * (1024 + KX_BYTES + SIG_BYTES + 1))  # a frame over the circuit's limit (and a seal's) ends it too
     assert big.state is State.CLOSED
+
+
+def test_a_sealed_circuit_opens_only_the_other_ends_frames_in_order():
+    """``CircuitSeal``: the opener's offer, the hidden peer's signed answer, then frames that
+    open only at the other end, unchanged, once and in order; an answer signed by another key
+    is refused, and so are an offer or answer of the wrong size."""
+    from meshinfer.core.errors import ProtocolError
+
+    key = Ed25519PrivateKey.generate()
+    public = discovery.public_key_hex(key)
+    opener, hidden_end = CircuitSeal(peer_public_key=public), CircuitSeal(sign_key=key)
+    opener.accept(hidden_end.answer(opener.offer()))
+    assert opener.keyed and hidden_end.keyed
+    frames = [opener.seal(b"hello"), opener.seal(b"step" * 100)]
+    assert b"hello" not in frames[0] and len(frames[0]) == len(b"hello") + 16
+    assert hidden_end.open(frames[0]) == b"hello" and hidden_end.open(frames[1]) == b"step" * 100
+    back = hidden_end.seal(b"token")
+    assert opener.open(back) == b"token"
+    with pytest.raises(ProtocolError, match="does not open"):
+        opener.open(back)  # replayed
+    late = CircuitSeal(peer_public_key=public), CircuitSeal(sign_key=key)
+    late[0].accept(late[1].answer(late[0].offer()))
+    late[0].seal(b"a")  # sent, lost
+    second = late[0].seal(b"b")
+    with pytest.raises(ProtocolError, match="does not open"):
+        late[1].open(second)  # out of order
+    changed = CircuitSeal(peer_public_key=public), CircuitSeal(sign_key=key)
+    changed[0].accept(changed[1].answer(changed[0].offer()))
+    frame = bytearray(changed[0].seal(b"tokens"))
+    frame[0] ^= 1
+    with pytest.raises(ProtocolError, match="does not open"):
+        changed[1].open(bytes(frame))
+    impostor = CircuitSeal(sign_key=Ed25519PrivateKey.generate())
+    victim = CircuitSeal(peer_public_key=public)
+    with pytest.raises(ProtocolError, match="not signed by the peer asked for"):
+        victim.accept(impostor.answer(victim.offer()))
+    with pytest.raises(ProtocolError, match="key offer"):
+        CircuitSeal(sign_key=key).answer(b"short")
+    with pytest.raises(ProtocolError, match="signed key answer"):
+        CircuitSeal(peer_public_key=public).accept(b"x" * 95)

@@ -205,7 +205,7 @@ class MeshLinks:
                 if relay is None or relay_id in self.backed_off() or relay_id == peer.peer_id:
                     raise PeerUnavailable("unknown or backed off")
                 carrier = await self.link(relay, direct=True)
-                sock = carrier.open_circuit(peer.peer_id, max_bytes=CLIENT_MAX_FRAME_BYTES)
+                sock = carrier.open_circuit(peer.peer_id, public_key=peer.public_key, max_bytes=CLIENT_MAX_FRAME_BYTES)
                 link, advert, _ = await self._greet(circuit_link(sock, on_message=self._on_message,
                                                                  name=f"relay://{relay_id}"), f"relay://{relay_id}")
                 if advert.peer_id != peer.peer_id:

@@ -174,7 +174,10 @@ class Connections:
         Raises:
             PeerUnavailable: the relay refused, or the handshake failed.
         """
-        sock = carrier.open_circuit(peer_id, max_bytes=self.peer.max_frame_bytes)
+        advert = self.peer.table.get(peer_id)
+        if advert is None:
+            raise PeerUnavailable(f"no advert of peer {peer_id[:12]}: its key, which seals the circuit, is unknown")
+        sock = carrier.open_circuit(peer_id, public_key=advert.public_key, max_bytes=self.peer.max_frame_bytes)
         link = circuit_link(sock, on_message=self.peer._on_message, name=f"relay://{carrier.remote_id}")
         link = await self.shake(link, peer_id)
         self.peer.gossip.merge([link.info.pop("advert")], proven=True)

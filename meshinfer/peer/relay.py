@@ -17,6 +17,7 @@ from meshinfer.core.errors import MeshError, PeerUnavailable, ProtocolError, Rat
 from meshinfer.peer import limits
 from meshinfer.peer.limits import client_host
 from meshinfer.wire import protocol
+from meshinfer.wire.circuit_seal import CircuitSeal
 from meshinfer.wire.transport import RELAY_OVERHEAD_BYTES, CircuitSocket, Link, first_success
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -149,7 +150,8 @@ class Relay:
             carrier.post("relay_close", circ=circ, back=True, message="too many circuits", cut=False)
             raise RateLimited(f"relay {carrier.remote_id[:12]} already carries {limits.MAX_CIRCUITS_PER_PEER} circuits")
         limit = carrier.info.get("max_frame_bytes")
-        sock = CircuitSocket(carrier, circ, side="in", max_bytes=self.peer.max_frame_bytes,
+        sock = CircuitSocket(carrier, circ, side="in", seal=CircuitSeal(sign_key=self.peer.key),
+                             max_bytes=self.peer.max_frame_bytes,
                              max_send_bytes=None if limit is None else limit - RELAY_OVERHEAD_BYTES,
                              remote_address=(f"{host} via {carrier.remote_id[:12]}", 0))
         carrier.circuits[("in", circ)] = sock

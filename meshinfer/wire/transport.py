@@ -29,6 +29,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
 from meshinfer.wire import protocol, tls
+from meshinfer.wire.circuit_seal import KX_BYTES, SEAL_OVERHEAD_BYTES, SIG_BYTES, CircuitSeal
 from meshinfer.core.errors import MeshError, PeerUnavailable, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -333,11 +334,11 @@ class Link:
             sock.feed(f.get("data", bytes))
         return True
 
-    def open_circuit(self, to: str, *, max_bytes: int) -> "CircuitSocket":
-        """The opener's end of a new circuit through this link (to a relay) to peer ``to``."""
+    def open_circuit(self, to: str, *, public_key: str, max_bytes: int) -> "CircuitSocket":
+        """The opener's end of a circuit through this relay to peer ``to``, sealed for its ``public_key`` (hex)."""
         limit = self.info.get("max_frame_bytes")
-        sock = CircuitSocket(self, self.next_circuit_id(), side="out", to=to, max_bytes=max_bytes,
-                             max_send_bytes=None if limit is None else limit - RELAY_OVERHEAD_BYTES)
+        sock = CircuitSocket(self, self.next_circuit_id(), side="out", seal=CircuitSeal(peer_public_key=public_key),
+                             to=to, max_bytes=max_bytes, max_send_bytes=limit and limit - RELAY_OVERHEAD_BYTES)
         self.circuits[("out", sock.circ)] = sock
         return sock
 
@@ -389,14 +390,18 @@ class CircuitSocket:
     :meth:`feed`. At most :data:`OUTBOX_BYTES` plus one frame of ``max_bytes`` wait unread:
     beyond that, or for a frame over ``max_bytes``, the circuit ends.
 
+    Every frame is sealed end to end (``seal``, :class:`~meshinfer.wire.circuit_seal.CircuitSeal`):
+    the opener's first frame offers its key, the hidden peer's first answers it, and both are
+    consumed here; a frame that does not open ends the circuit.
+
     Attributes:
         relay_id: the relay's peer id (the carrier's remote).
         max_send_bytes: the largest frame the relay forwards, or None when unknown.
     """
 
-    def __init__(self, carrier: Link, circ: int, *, side: str, to: str | None = None, max_bytes: int,
-                 max_send_bytes: int | None = None, remote_address: tuple = ("relayed", 0)) -> None:
-        self.carrier, self.circ, self.side, self.to = carrier, circ, side, to
+    def __init__(self, carrier: Link, circ: int, *, side: str, seal: CircuitSeal, to: str | None = None,
+                 max_bytes: int, max_send_bytes: int | None = None, remote_address: tuple = ("relayed", 0)) -> None:
+        self.carrier, self.circ, self.side, self.to, self.seal = carrier, circ, side, to, seal
         self.max_bytes, self.max_send_bytes = max_bytes, max_send_bytes
         self.relay_id = carrier.remote_id
         self.remote_address, self.local_address = remote_address, ("relayed", 0)
@@ -405,12 +410,15 @@ class CircuitSocket:
         self._inbox: collections.deque[bytes | None] = collections.deque()
         self._inbox_bytes = 0
         self._ready = asyncio.Event()
+        self._keyed = asyncio.Event()  # set once the seal's keys are derived (or the circuit stopped)
+        self._offered = False
 
     def feed(self, data: bytes) -> None:
         """A frame of this circuit from the carrier; ends the circuit when too much waits unread."""
         if self.state is not State.OPEN:
             return
-        if len(data) > self.max_bytes or self._inbox_bytes + len(data) > OUTBOX_BYTES + self.max_bytes:
+        limit = self.max_bytes + max(SEAL_OVERHEAD_BYTES, KX_BYTES + SIG_BYTES)
+        if len(data) > limit or self._inbox_bytes + len(data) > OUTBOX_BYTES + limit:
             log.warning("circuit %d through %s: %d bytes waiting, %d more; ending it", self.circ,
                         (self.relay_id or "?")[:12], self._inbox_bytes, len(data))
             self.end()
@@ -434,10 +442,23 @@ class CircuitSocket:
             self.state = State.CLOSED
             self._inbox.append(None)
             self._ready.set()
+        self._keyed.set()  # a sender waiting for the keys gives up
         self.carrier.circuits.pop((self.side, self.circ), None)
 
     async def send(self, data: bytes) -> None:
-        """Queue ``data`` on the carrier (waiting while its outbox is full)."""
+        """Seal ``data`` and queue it on the carrier (waiting while its outbox is full). The
+        opener's first send offers its key first and waits for the answer (read by the link's
+        reader, :meth:`__anext__`)."""
+        if not self.seal.keyed:
+            if self.side == "out" and not self._offered:
+                self._offered = True
+                await self._send_raw(self.seal.offer())
+            await self._keyed.wait()
+            if not self.seal.keyed:
+                raise ConnectionClosed(None, None)
+        await self._send_raw(self.seal.seal(data))
+
+    async def _send_raw(self, data: bytes) -> None:
         if self.state is not State.OPEN:
             raise ConnectionClosed(None, None)
         try:
@@ -456,15 +477,30 @@ class CircuitSocket:
         return self
 
     async def __anext__(self) -> bytes:
-        while not self._inbox:
-            self._ready.clear()
-            await self._ready.wait()
-        data = self._inbox.popleft()
-        if data is None:
-            self._inbox.append(None)  # stays closed for any later reader
-            raise StopAsyncIteration
-        self._inbox_bytes -= len(data)
-        return data
+        """The next frame, opened; the first frame, the other end's key offer or answer, is
+        consumed. A frame that does not open ends the circuit."""
+        while True:
+            while not self._inbox:
+                self._ready.clear()
+                await self._ready.wait()
+            data = self._inbox.popleft()
+            if data is None:
+                self._inbox.append(None)  # stays closed for any later reader
+                raise StopAsyncIteration
+            self._inbox_bytes -= len(data)
+            try:
+                if self.seal.keyed:
+                    return self.seal.open(data)
+                if self.side == "in":  # the opener's key offer: answer it, then the frames are sealed
+                    await self._send_raw(self.seal.answer(data))
+                else:
+                    self.seal.accept(data)
+                self._keyed.set()
+            except ProtocolError as exc:
+                log.warning("circuit %d through %s: %s; ending it", self.circ, (self.relay_id or "?")[:12], exc)
+                self.end()
+            except ConnectionClosed:
+                self._stop()
 
 
 def circuit_link(sock: CircuitSocket, *, on_message: Handler, name: str) -> Link:
