@@ -88,9 +88,9 @@ async def test_a_full_peer_with_no_other_route_is_reported_as_full(tiny):
 
 
 async def test_the_statements_a_hop_keeps_count_in_its_kv_budget_and_usage(tiny):
-    """A hop past layer 0 keeps, per position, its previous hop's signed statement (about 282
-    bytes for a one-token step): each reserved token costs ``STATEMENT_BYTES_PER_TOKEN`` more
-    of the budget, and the bytes a conversation holds count one per position it holds."""
+    """A hop past layer 0 keeps, per position, its previous hop's signed statement: each
+    reserved token costs ``STATEMENT_BYTES_PER_TOKEN`` more of the budget, and the bytes a
+    conversation holds count each statement it keeps once."""
     path, digest, tok, _ = tiny
     async with mesh([load_shard(path, LayerRange(0, 2)), load_shard(path, LayerRange(2, 4))],
                     weights_hash=digest, bundle=tok.to_bundle(), kv_budget_bytes=1 << 20) as peers:
@@ -101,7 +101,9 @@ async def test_the_statements_a_hop_keeps_count_in_its_kv_budget_and_usage(tiny)
             out = await conv.generate([65, 66, 67], max_tokens=5, eos_ids=())
             held = second.convs[conv.conv_id]
             assert len(held.signed_at) == held.cache.length == 3 + len(out.token_ids) - 1
-            assert second.kv_bytes_used == held.cache.nbytes + held.cache.length * STATEMENT
+            distinct = {id(st): st for st in held.signed_at}.values()  # the prompt's step, then one per token
+            assert held.statement_bytes == sum(len(st[2]) + len(st[3]) + 200 for st in distinct) + 8 * 7
+            assert second.kv_bytes_used == held.cache.nbytes + held.statement_bytes
             await conv.close()
         await asyncio.sleep(0.1)
         assert second.kv_bytes_used == 0
@@ -159,3 +161,38 @@ async def test_twenty_conversations_in_a_row_memory_stays_flat(tiny):
         assert [(p.kv_bytes_used, p.free_kv_tokens) for p in peers] == [b[:2] for b in baseline]
         # no task per conversation is left behind (gossip exchanges in flight come and go)
         assert all(len(p._tasks) <= b[2] + 3 for p, b in zip(peers, baseline))
+
+
+def test_statements_are_counted_once_each_and_a_conversation_cannot_pin_past_its_allowance():
+    """``Conv.keep_signed``/``drop_signed``: a statement is counted once while any position
+    holds it, released when the last goes, and a conversation that cuts long steps back to one
+    position again and again (each cut pins a whole step's digests: found by an attack run,
+    669-746 bytes a position against 320 counted) is refused past ``STATEMENT_BYTES_PER_TOKEN``
+    a reserved token."""
+    from meshinfer.peer.conversations import STATEMENT_OVERHEAD_BYTES, Conv
+
+    conv = Conv(conv_id="c", run=LayerRange(2, 4), owner=None, prev_id="p", next_id=None, next_addrs=(),
+                reserved_tokens=200, cache=None)
+
+    def held() -> int:
+        distinct = {id(s): s for s in conv.signed_at if s is not None}.values()
+        return sum(len(s[2]) + len(s[3]) + STATEMENT_OVERHEAD_BYTES for s in distinct) + 8 * len(conv.signed_at)
+
+    conv.keep_signed(1, 0, bytes(16 * 100), bytes(64))  # a 100-position prefill chunk
+    assert conv.statement_bytes == held() == 1600 + 64 + STATEMENT_OVERHEAD_BYTES + 800
+    conv.keep_signed(2, 100, bytes(16), bytes(64))
+    conv.drop_signed(50, len(conv.signed_at))  # truncated: the chunk's statement is still held by 50
+    assert len(conv.signed_at) == 50 and conv.statement_bytes == held()
+    conv.keep_signed(3, 10, bytes(16 * 5), bytes(64), replay=True)  # a replay of 5 kept positions
+    assert conv.statement_bytes == held()
+    refused = 0
+    for k in range(50, 150):  # 100-position steps cut back to one position each time
+        if not conv.statements_fit(bytes(16 * 100), bytes(64)):
+            refused = k
+            break
+        conv.keep_signed(k, k, bytes(16 * 100), bytes(64))
+        conv.drop_signed(k + 1, len(conv.signed_at))
+        assert conv.statement_bytes == held()
+    assert refused and conv.statement_bytes <= 200 * STATEMENT
+    conv.drop_signed(0, len(conv.signed_at))
+    assert conv.statement_bytes == 0 and conv._holders == {}

@@ -293,10 +293,12 @@ OPEN_CASES = [
      f"open: field 'n' = -1 is outside [0, {protocol.MAX_SEQ}]"),
     (dict(conv=conv_id("c"), client_key=key_for("another").public, n=1, client_sig=bytes(64)), "unauthenticated",
      f"open: conversation id {conv_id('c')!r} is not the id of its client_key"),
-    (dict(conv=conv_id("c"), client_key=key_for("c").public, n=1), "unauthenticated",
+    (dict(conv=conv_id("c"), client_key=key_for("c").public, n=1, client_sig=bytes(64)), "protocol_error",
+     "open: field 'min_seq' is missing"),
+    (dict(conv=conv_id("c"), client_key=key_for("c").public, n=1, min_seq=0), "unauthenticated",
      "open: client_sig is not the conversation key's signature of the open"),
-    (dict(conv=conv_id("c"), client_key=key_for("c").public, n=1, client_sig=bytes(64)), "unauthenticated",
-     "open: client_sig is not the conversation key's signature of the open"),
+    (dict(conv=conv_id("c"), client_key=key_for("c").public, n=1, min_seq=0, client_sig=bytes(64)),
+     "unauthenticated", "open: client_sig is not the conversation key's signature of the open"),
 ]
 
 
@@ -431,11 +433,11 @@ async def test_a_conversation_id_can_be_opened_only_by_its_client(tiny):
         client, thief, near = await Raw.connect(peer), await Raw.connect(spare), await Raw.connect(peer)
         key = convkeys.ConversationKey()
         fields = dict(conv=key.conv_id, layers=[0, 4], max_tokens=16, prev=None, next=None)
-        to_peer = fields | key.open_fields("open", peer.peer_id, [0, 4], 16, None, None)
+        to_peer = fields | key.open_fields("open", peer.peer_id, 0, [0, 4], 16, None, None)
         try:
             assert (await client.request("open", **to_peer))["t"] == "opened"
             own = convkeys.ConversationKey()
-            assert await thief.error("open", **fields | own.open_fields("open", spare.peer_id, [0, 4], 16, None,
+            assert await thief.error("open", **fields | own.open_fields("open", spare.peer_id, 0, [0, 4], 16, None,
                                                                         None)) == (
                 "unauthenticated", f"open: conversation id {key.conv_id!r} is not the id of its client_key")
             assert await thief.error("open", **to_peer) == (
@@ -444,14 +446,14 @@ async def test_a_conversation_id_can_be_opened_only_by_its_client(tiny):
                 "protocol_error", f"open: conversation {key.conv_id!r} is already open")
             assert not spare.convs and key.conv_id in peer.convs
             # failover to the spare is not blocked
-            to_spare = fields | key.open_fields("open", spare.peer_id, [0, 4], 16, None, None)
+            to_spare = fields | key.open_fields("open", spare.peer_id, 0, [0, 4], 16, None, None)
             assert (await thief.request("open", **to_spare))["t"] == "opened"
             await thief.send("close", conv=key.conv_id)
             # an old open replayed after the client closed: held until the client opens again
             await client.send("close", conv=key.conv_id)
             assert (await client.request("ping"))["t"] == "pong"
             assert (await near.request("open", **to_peer))["t"] == "opened"
-            again = fields | key.open_fields("open", peer.peer_id, [0, 4], 16, None, None)
+            again = fields | key.open_fields("open", peer.peer_id, 0, [0, 4], 16, None, None)
             assert (await client.request("open", **again))["t"] == "opened"
             assert await near.error("step", **signed_step(key, 1, 0, [5, 6])) == (
                 "protocol_error", f"step 1: this connection may not send steps for conversation {key.conv_id}")
@@ -459,13 +461,32 @@ async def test_a_conversation_id_can_be_opened_only_by_its_client(tiny):
             reply = await client.recv()
             assert (reply["t"], reply["seq"], reply["token"]) == ("token", 2, last_token(tiny, [5, 6]))
             key.opens = 0  # a reroute signed with an old n (a replay): refused, the conversation stays
-            assert await client.error("reroute", **fields | key.open_fields("reroute", peer.peer_id, [0, 4], 16,
+            assert await client.error("reroute", **fields | key.open_fields("reroute", peer.peer_id, 0, [0, 4], 16,
                                                                             None, None)) == (
                 "unauthenticated", "reroute: n = 1 is not above 3, the last open or reroute's")
         finally:
             for raw in (client, thief, near):
                 await raw.close()
         await assert_healthy(tiny, [peer])
+
+
+async def test_a_step_from_the_conversations_own_connection_keeps_no_unchecked_signature(tiny):
+    """Found by an attack run: a stranger (keys are free) opened a conversation past layer 0
+    naming itself as previous hop and sent steps on that connection whose ``sig`` was 100 KB of
+    junk; nothing checked it (only a previous hop's steps are checked) yet the hop kept it for
+    each position, memory nobody counted. Now a step from the conversation's own connection
+    keeps its digests and no signature, and its seqs must grow too."""
+    async with raw_conversation(tiny, role="peer", advert=rogue_advert(tiny[1])) as (peers, raw):
+        peer = peers[0]
+        await raw.request("open", conv="junk", layers=[2, 4], max_tokens=16, prev=peer_id_of(ROGUE_KEY))
+        for seq in (1, 2):
+            await raw.send("step", conv="junk", seq=seq, start=seq - 1, hidden=f32(torch.randn(1, 1, WIDTH)),
+                           sig=b"j" * 100_000)
+        assert (await raw.request("ping"))["t"] == "pong"
+        conv = peer.convs[conv_id("junk")]
+        assert len(conv.signed_at) == 2 and all(st[3] == b"" and len(st[2]) == 16 for st in conv.signed_at)
+        assert await raw.error("step", conv="junk", seq=2, start=2, hidden=f32(torch.randn(1, 1, WIDTH))) == (
+            "protocol_error", "step 2 is not above step 2, the last this hop took")
 
 
 async def test_other_connections_cannot_touch_a_conversation(tiny):

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers.meshkit import start_peer, wait_for_tables
+from helpers.meshkit import AlwaysDraft, crash, start_peer, wait_for_tables
 from helpers.lying import LyingShard, noise
 from meshinfer.client import spotcheck
 from meshinfer.wire import discovery, plausible, tensors
@@ -24,6 +24,7 @@ from meshinfer.core.errors import LyingPeer
 from meshinfer.core.sampling_params import SamplingParams
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.client.mesh import MeshClient
+from meshinfer.client.routing import Hop, Route
 
 MESSAGES = [{"role": "user", "content": "tell me a long story about meshes and hops"}]
 N_TOKENS = 12
@@ -921,3 +922,110 @@ def test_evidence_holds_only_when_the_accused_signed_values_that_fail_the_checks
                         (weigh(blown, sign_seq=4), "did not sign"), (weigh(blown, hidden=[1, 2]), "does not read"),
                         (weigh(blown, seq=-1, sign_seq=0), "does not read")):
         assert got is not accusation and got.suspect == "r" * 32 and reason in str(got), (reason, got)
+
+
+async def test_a_new_previous_hop_cannot_get_the_kept_hop_blamed_with_an_old_client_step(tiny):
+    """Found by an attack run on conversation keys: after a failover, a kept hop N gets a new
+    previous hop L, which sends N an old step the client signed (a verification step rolling
+    back below N's length: valid ``csig``, hidden states L computed honestly and signed) before
+    the client's replay. N used to take it (its seq count restarted with the new previous hop)
+    and pass it on; the hop after N, whose count did not restart, refused it naming N, and the
+    client banned the honest N. Now every open and reroute carries the lowest seq the client
+    will send from then on (``min_seq``, signed), and N drops a step below it without blaming
+    anyone (a kept previous hop may still be finishing steps queued before the failover)."""
+    path, digest, tok, _, _ = tiny
+    repeat = [{"role": "user", "content": "abc abc abc abc abc abc abc abc"}]
+    ids, n_tokens = tok.encode_chat(repeat), 40
+    expected = greedy_generate(load_shard(path), ids, max_tokens=n_tokens).token_ids
+    liar = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bundle=tok.to_bundle())
+    x, n, z, spare = [await start_peer(load_shard(path, LayerRange(a, b)), weights_hash=digest, bootstrap=liar.addrs)
+                      for a, b in ((1, 2), (2, 3), (3, 4), (0, 2))]
+    spare.compute_ms_per_token = 500.0  # slow: the first hop stays the liar until it is caught
+    peers = [liar, x, n, z, spare]
+    seen, sent_old = {}, []  # the client's steps the liar took: seq -> (start, tokens, header, csig)
+    real_enqueue, real_run = liar.steps.enqueue, liar.steps.run
+
+    def enqueue(conv, step):
+        if step.x is not None:
+            seen[step.seq] = (step.start, step.x[0].tolist(), step.header, step.csig)
+        return real_enqueue(conv, step)
+
+    async def run(conv, step):  # after the failover, an old step of the client to N first
+        if step.replay and conv.next_id == n.peer_id and not sent_old:
+            held, history = step.start + step.x.shape[1], step.x[0].tolist()
+            k = max(q for q, (start, _, h, _) in seen.items() if q < step.seq and h.rollback and start < held)
+            start, toks, header, csig = seen[k]
+            with torch.no_grad():
+                out = liar.shard(torch.tensor([history[:start] + toks]), 0, None, run=LayerRange(0, 2))
+            hidden = tensors.tensor_to_wire(out[:, start:].float().contiguous())
+            link = await liar.conns.link_to(n.peer_id, conv.next_addrs, conv.next_relays)
+            await link.send("step", conv=conv.conv_id, seq=k, start=start, want=header.want, replay=False, trace=[],
+                            hidden=hidden, rollback=True, pd=header.payload, csig=csig,
+                            sig=discovery.sign_step(liar.key, conv.conv_id, k, start, tensors.wire_row_digests(hidden)))
+            sent_old.append(k)
+        await real_run(conv, step)
+
+    liar.steps.enqueue, liar.steps.run = enqueue, run
+    try:
+        await wait_for_tables(peers)
+        async with MeshClient(list(liar.addrs)) as client:
+            planned = await client.plan()
+            ad = {p: client.table[p.peer_id] for p in peers}
+            route = Route(hops=(Hop(ad[liar], LayerRange(0, 1)), Hop(ad[x], LayerRange(1, 2)),
+                                Hop(ad[n], LayerRange(2, 3)), Hop(ad[z], LayerRange(3, 4))),
+                          estimated_ms_per_token=planned.estimated_ms_per_token, compat_key=planned.compat_key)
+            conv = client.conversation(route, max_tokens_total=len(ids) + n_tokens, deadline_floor_s=10.0,
+                                       spot_check_rate=0.0)
+            conv.policy = AlwaysDraft()
+
+            def on_token(_):
+                if len(conv.cached) - len(ids) >= 12 and not x._closing:
+                    asyncio.ensure_future(crash(x))
+
+            out = await conv.generate(ids, max_tokens=n_tokens, eos_ids=(), on_token=on_token)
+            await conv.close()
+            backed_off = client.backed_off()
+        assert sent_old and out.token_ids == expected
+        assert out.detections == []  # below the floor the old step is dropped: nobody is blamed for it
+        assert n.peer_id not in backed_off and z.peer_id not in backed_off
+    finally:
+        for p in peers:
+            if not p._closing:
+                await p.close()
+
+
+async def test_a_hop_accusing_without_evidence_gets_honest_peers_backed_off_never_banned(tiny):
+    """A lying hop refuses every step from its previous hop, saying it came without a valid
+    signature: an accusation nothing can check. The client used to ban the accused on that
+    word, one honest peer per accusation. Now the first accusation backs the accused off, the
+    liar's second (when the new route keeps it) backs off the accused and the liar, and nobody
+    is banned on one hop's word; the reply equals plain greedy generation over the honest peers
+    (the counting itself: ``tests/test_reports.py``)."""
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (1, 3), (1, 3), (3, 4), (3, 4)])
+    first, p1, p2, p3, liar, twin = peers
+    real = liar.steps.accept_from_previous_hop
+
+    def accuse(link, conv, f, seq, start, x, digests, header):
+        if conv.prev_id is None:
+            return real(link, conv, f, seq, start, x, digests, header)
+        conv.owner.post("error", conv=conv.conv_id, seq=seq, code="lying_peer", suspect=conv.prev_id,
+                        message=f"previous hop {conv.prev_id[:12]} sent step {seq} without a valid signature")
+        return False
+
+    liar.steps.accept_from_previous_hop = accuse
+    try:
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan(exclude=frozenset({p2.peer_id, p3.peer_id, twin.peer_id}))
+            assert route.peer_ids == (first.peer_id, p1.peer_id, liar.peer_id)
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS)
+            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            await conv.close()
+            failed = dict(client._failed)
+    finally:
+        for p in peers:
+            await p.close()
+    assert out.token_ids == expected
+    assert [d["peer"] for d in out.detections][0] == p1.peer_id and not any(d["proven"] for d in out.detections)
+    assert p1.peer_id in failed and (len(out.detections) == 1 or liar.peer_id in failed)  # the liar at its second
+    assert all(until != math.inf for until, _ in failed.values())  # nobody banned on one hop's word

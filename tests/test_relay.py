@@ -89,6 +89,42 @@ async def test_a_peer_that_never_listens_serves_the_first_layers_through_its_rel
         await public.close()
 
 
+async def test_a_hidden_first_hop_sends_a_tokenizer_larger_than_its_relay_forwards_in_parts(model):
+    """Found by a new-user run of the quickstart's relay setup: the default model's tokenizer
+    bundle (5.4 MB) is larger than a relay forwards (what a 512-token step needs, 1.9 MB), so a
+    hidden first hop, the only peer with the tokenizer, could serve no chat ("no peer sent a
+    trustworthy tokenizer ... larger than relay ... forwards"). Over a circuit that cannot hold
+    it, the bundle goes in parts the client joins and checks against the advertised hash."""
+    from meshinfer.peer.handshake import TOKENIZER_PART_MARGIN_BYTES
+
+    path, digest, tok, ids, expected, *_ = model
+    bundle = tok.to_bundle()
+    bundle["chat_template"] = "{# " + "padding " * 40_000 + "#}" + (bundle.get("chat_template") or "")
+    public = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest)
+    home = await hidden(path, digest, LayerRange(0, 2), public.addrs, bundle=bundle)
+    parts: list = []
+    real = home.handshake.on_get_tokenizer
+
+    async def count(link, f):
+        parts.append(f.get("part", int, 0))
+        await real(link, f)
+
+    home.handshake.on_get_tokenizer = count
+    try:
+        await wait_relayed([public, home], [home])
+        async with MeshClient(list(public.addrs)) as client:
+            route = await client.plan()
+            assert route.peer_ids == (home.peer_id, public.peer_id)
+            link = await client.link(client.table[home.peer_id])
+            assert len(home.tokenizer_wire or b"x" * 10**6) + TOKENIZER_PART_MARGIN_BYTES > link.ws.max_send_bytes
+            got = await client.tokenizer(route)
+        assert got.chat_template == bundle["chat_template"] and len(parts) > 1 and parts == list(range(len(parts)))
+        assert got.encode_chat(PROMPT) == ids
+    finally:
+        await home.close()
+        await public.close()
+
+
 async def test_a_private_mesh_works_through_a_relay_and_an_outsider_gets_nothing(model):
     path, digest, tok, ids, expected, *_ = model
     key = b"k" * 32

@@ -94,3 +94,15 @@ def test_the_ledger_forgets_old_reports_and_holds_a_bounded_number_of_reporters(
     for i in range(reports.MAX_NAMED + 5):
         ledger.add("d", f"m{i}")
     assert ledger.accusers("m0") == frozenset() and ledger.accusers(f"m{reports.MAX_NAMED + 4}") == {"d"}
+
+
+def test_an_unproven_accusation_backs_the_accused_off_and_two_accusers_ban_it():
+    """``ReportLedger.accuse``: a hop's accusation of its previous hop with nothing the client
+    can check replaces the accused, not the accuser, at the first; both at the accuser's second;
+    the accuser alone after that. Only a peer accused by two distinct hops is to be banned."""
+    ledger = ReportLedger()
+    assert ledger.accuse("liar", "p1") == (frozenset({"p1"}), False)
+    assert ledger.accuse("liar", "p2") == (frozenset({"liar", "p2"}), False)
+    assert ledger.accuse("liar", "p3") == (frozenset({"liar"}), False)  # its word no longer moves others
+    assert ledger.accuse("honest", "p3") == (frozenset({"p3"}), True)  # a second, distinct accuser: banned
+    assert ledger.accusers("p3") == {"liar", "honest"} and ledger.count("liar") == 3

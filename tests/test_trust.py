@@ -249,15 +249,16 @@ def test_a_client_step_signature_covers_every_field_of_the_step_and_only_its_key
 
 def test_an_open_signature_is_for_one_peer_one_kind_and_one_n():
     """``convkeys.open_message``: the client's signature of an open does not verify for another
-    peer, as a reroute, with another ``n`` or with any other field changed."""
+    peer, as a reroute, with another ``n`` or ``min_seq``, or with any other field changed."""
     key = convkeys.ConversationKey()
     nxt = {"peer_id": "b" * 32, "addrs": ["ws://127.0.0.1:1"]}
-    sig = key.open_fields("open", "a" * 32, [0, 2], 64, None, nxt)["client_sig"]
-    args = dict(kind="open", to="a" * 32, conv_id=key.conv_id, n=1, layers=[0, 2], max_tokens=64, prev=None,
+    sig = key.open_fields("open", "a" * 32, 5, [0, 2], 64, None, nxt)["client_sig"]
+    args = dict(kind="open", to="a" * 32, conv_id=key.conv_id, n=1, min_seq=5, layers=[0, 2], max_tokens=64, prev=None,
                 next_id=nxt["peer_id"], next_addrs=nxt["addrs"], next_relays=None)
     public = convkeys.public_key(key.public)
     assert convkeys.verifies(public, sig, convkeys.open_message(**args))
-    for change in [dict(kind="reroute"), dict(to="c" * 32), dict(n=2), dict(layers=[0, 3]), dict(max_tokens=65),
+    for change in [dict(kind="reroute"), dict(to="c" * 32), dict(n=2), dict(min_seq=4), dict(layers=[0, 3]),
+                   dict(max_tokens=65),
                    dict(prev="p"), dict(next_id="c" * 32), dict(next_addrs=["ws://10.0.0.1:1"]),
                    dict(next_relays=[])]:
         assert not convkeys.verifies(public, sig, convkeys.open_message(**args | change)), change

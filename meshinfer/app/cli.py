@@ -162,8 +162,11 @@ def _audit_options(args) -> dict:
     return {"spot_check_rate": args.spot_check_rate}
 
 
-def _default_key_path(port: int) -> str:
-    return str(Path(_env("MESHINFER_HOME", "~/.cache/meshinfer")).expanduser() / f"peer-{port}.key")
+def _default_key_path(name: int | str) -> str:
+    """``$MESHINFER_HOME/peer-NAME.key``: NAME is the port a peer listens on, or, for a peer that
+    does not listen (``--listen none``), ``hidden-FIRST-LAST`` from its layers (all such peers
+    of one machine used to share ``peer-0.key``, one identity: the second replaced the first)."""
+    return str(Path(_env("MESHINFER_HOME", "~/.cache/meshinfer")).expanduser() / f"peer-{name}.key")
 
 
 def _warn_plain(urls: list[str], insecure: bool) -> None:
@@ -426,7 +429,7 @@ async def _join(args, plan: JoinPlan) -> int:
                             client_limits=ClientLimits(connections=args.max_connections_per_host))
     _warn_plain(list(settings.bootstrap), args.insecure)
     layers = await _auto_layers(args, settings) if plan.auto else plan.layers
-    key = args.key or _default_key_path(plan.port)
+    key = args.key or _default_key_path(plan.port if plan.listen else f"hidden-{layers.cli()}")
     peer = await launch_peer(args.model, layers, device=args.device, dtype=args.dtype, settings=settings,
                              key_path=key, threads=args.threads, tls_self_signed=bool(args.tls) and plan.listen)
     stop = _stop_on_signals()
@@ -845,7 +848,7 @@ async def _status(args) -> int:
                                         for p in peers],
                               "routes": [group_json(g, peers) for g in groups]}))
             return code
-        rows = [("PEER", "ADDRESS", "LAYERS", "DEVICE", "PREC", "WEIGHTS", "STATE", "RTT ms", "FREE KV")]
+        rows = [("PEER", "ADDRESS", "LAYERS", "DEVICE", "PREC", "WEIGHTS", "STATE", "RTT ms", "FREE KV tokens")]
         for p in sorted(peers, key=lambda p: (p.layers.start, p.peer_id)):
             rtt = rtts.get(p.peer_id)
             rows.append((p.peer_id[:12], _address(p), p.layers.cli(), p.device, p.precision,

@@ -195,18 +195,37 @@ class Failover:
                                         "kept_tokens": len(self.cached), "dropped_tokens": 0})
 
     async def _exclude_liar(self, exc: LyingPeer, sent: list[int], result: ChatResult) -> list[int]:
-        """Ban the liar, roll back to its last verified position, fail over; return the tokens to
-        send next (``sent`` is every token the route was given, the failed step's included)."""
+        """Ban the liar (or, for an ``unproven`` accusation, weigh it: :meth:`_replaced_for`),
+        roll back to its last verified position, fail over; return the tokens to send next
+        (``sent`` is every token the route was given, the failed step's included)."""
         hop = next(h for h in self.route.hops if h.peer_id == exc.suspect)
         verified, n_prompt = self.audit.mark(hop), len(result.prompt_ids)
-        self.client.ban(exc.suspect, str(exc))
+        failed = self._replaced_for(exc)
         trusted = min(len(sent), max(n_prompt, verified + 1))  # tokens chosen from verified output, or given
         keep = min(verified, trusted - 1, self.confirmed)  # positions the hops keep
         self.ledger.roll_back(keep)
         self.audit.truncate(keep)
-        await self._failover(exc, in_flight=keep, failed={exc.suspect})
+        await self._failover(exc, in_flight=keep, failed=failed)
         del result.token_ids[max(0, trusted - n_prompt):]
         self.detections.append({"peer": exc.suspect, "layers": hop.layers.cli(), "reason": str(exc),
-                                "kept_tokens": trusted, "dropped_tokens": len(sent) - trusted})
+                                "kept_tokens": trusted, "dropped_tokens": len(sent) - trusted,
+                                "proven": not exc.unproven, "replaced": sorted(failed)})
         return sent[keep:trusted]
+
+    def _replaced_for(self, exc: LyingPeer) -> set[str]:
+        """The hops to replace for ``exc``, banning whom it proves a liar. A detection the client
+        made or checked itself bans the suspect. A hop's accusation of its previous hop with
+        nothing to check (``unproven``: an unsigned or unreadable step, one out of order, fields
+        the client did not sign) used to ban the accused on the accuser's word, so a lying hop
+        got one honest peer banned per accusation; now it is counted in the client's
+        ``accusations`` (:meth:`~meshinfer.client.reports.ReportLedger.accuse`): the accused is
+        backed off, the accuser too from its second such accusation, and only a peer accused by
+        two distinct hops is banned."""
+        if not exc.unproven or exc.reporter is None:
+            self.client.ban(exc.suspect, str(exc))
+            return {exc.suspect}
+        failed, ban = self.client.accusations.accuse(exc.reporter, exc.suspect)
+        if ban:
+            self.client.ban(exc.suspect, f"{exc} (accused by {len(self.client.accusations.accusers(exc.suspect))} hops)")
+        return set(failed)
 

@@ -56,7 +56,8 @@ class HopSteps:
         next_field = _next_hop(nxt, self.client.backed_off()) if nxt else None
         await link.request(kind, timeout_s=self.client.request_timeout_s, conv=self.conv_id, layers=layers,
                            max_tokens=self.max_tokens_total, prev=prev, next=next_field,
-                           **self.key.open_fields(kind, hop.peer_id, layers, self.max_tokens_total, prev, next_field))
+                           **self.key.open_fields(kind, hop.peer_id, self._seq + 1, layers, self.max_tokens_total, prev,
+                                                  next_field))
         self._opened.add(hop.peer_id)
 
     async def _close_on(self, hops) -> None:
@@ -139,6 +140,8 @@ class HopSteps:
         A :class:`LyingPeer` stands when its ``suspect`` is the hop just before the reporter (the
         only hop whose hidden states the reporter checks), and, when the frame carries
         ``evidence`` of implausible values, when that evidence holds (:func:`weigh_evidence`);
+        without evidence it stands as ``unproven`` (``reporter`` set), which costs the suspect a
+        backoff, not a ban;
         otherwise it becomes a :class:`LyingPeer` naming the reporter, which accused a hop it
         cannot have checked, or showed what the accused did not sign or what passes the checks. A :class:`PeerUnavailable`
         naming a ``peer`` (the reporter's link to its next hop closed) keeps that name only when
@@ -160,8 +163,10 @@ class HopSteps:
                        None)
         if accused is not None:
             evidence = None if f is None else f.get("evidence", dict, None)
-            return exc if evidence is None else weigh_evidence(exc, self.conv_id, f.get("seq", int, -1), accused,
-                                                                link.remote_id, evidence)
+            if evidence is None:  # nothing to check: the hop's word (Failover._exclude_liar weighs it)
+                exc.reporter, exc.unproven = link.remote_id, True
+                return exc
+            return weigh_evidence(exc, self.conv_id, f.get("seq", int, -1), accused, link.remote_id, evidence)
         return LyingPeer(f"peer {(link.remote_id or '?')[:12]} blamed peer {exc.suspect[:12]}, whose output it "
                          f"does not receive: {exc}", suspect=link.remote_id)
 

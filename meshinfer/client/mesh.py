@@ -82,6 +82,7 @@ class MeshClient(MeshLinks):
         self._tokenizers: dict[tuple[str, str], Tokenizer] = {}  # (weights hash, tokenizer hash) ->
         self._failed: dict[str, tuple[float, int]] = {}  # peer id -> (excluded until, failures)
         self.reports = ReportLedger()  # hops' reports no probe bore out, over all conversations (client.failover)
+        self.accusations = ReportLedger()  # hops' accusations of their previous hop with no evidence
         self._policies: dict[tuple, DraftPolicy] = {}  # (route's peers, drafter) -> its draft policy
 
     async def __aenter__(self) -> "MeshClient":

@@ -31,6 +31,9 @@ REPORT_MEMORY_S = 3600.0
 MAX_REPORTERS = 256
 #: Peers one record remembers its reporter naming (the newest kept).
 MAX_NAMED = 8
+#: Distinct hops whose unproven accusations (no evidence) of one peer get it banned: one hop's
+#: word is not enough (it may be the liar), two independent ones are (docs/security.md).
+UNPROVEN_ACCUSERS_BANNED = 2
 
 
 @dataclass
@@ -103,6 +106,23 @@ class ReportLedger:
         if n == UNCONFIRMED_REPORTS_BLAMED and named is not None and self.accusers(named) == {reporter}:
             return frozenset({reporter, named})
         return frozenset({reporter})
+
+    def accuse(self, accuser: str, accused: str) -> tuple[frozenset[str], bool]:
+        """Record one accusation by hop ``accuser`` that its previous hop ``accused`` sent what
+        it could not take, with no evidence the client can check (:meth:`add`). Return the peers
+        to replace for it, and whether to ban ``accused``:
+
+        - replaced: ``accused`` at the accuser's first (it may have sent garbage: route around
+          it), ``accused`` and ``accuser`` at its :data:`UNCONFIRMED_REPORTS_BLAMED`-th, the
+          accuser alone past it (it has had its one co-blame: a liar's word no longer moves
+          honest peers);
+        - banned: ``accused`` once :data:`UNPROVEN_ACCUSERS_BANNED` distinct accusers named it.
+        """
+        n = self.add(accuser, accused)
+        ban = len(self.accusers(accused)) >= UNPROVEN_ACCUSERS_BANNED
+        if n < UNCONFIRMED_REPORTS_BLAMED:
+            return frozenset({accused}), ban
+        return frozenset({accuser, accused} if n == UNCONFIRMED_REPORTS_BLAMED or ban else {accuser}), ban
 
     def _forget_stale(self) -> None:
         """Drop records whose last report is older than ``memory_s``."""

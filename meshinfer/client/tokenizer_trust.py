@@ -7,7 +7,9 @@ import collections
 import logging
 from typing import Sequence
 
-from meshinfer.core.errors import IncompatiblePeer, MeshError
+import msgpack
+
+from meshinfer.core.errors import IncompatiblePeer, MeshError, ProtocolError
 from meshinfer.text.bundle import bundle_sha256
 from meshinfer.text.tokenizer import Tokenizer
 from meshinfer.wire.protocol import PeerAdvert
@@ -41,6 +43,40 @@ def agreed_tokenizer(table: dict[str, PeerAdvert], weights_hash: str) -> str:
     return best
 
 
+#: Most bytes of a tokenizer bundle the client takes in parts (the largest real ones are a few MB).
+MAX_TOKENIZER_BYTES = 64 << 20
+
+
+async def _get_tokenizer(link, timeout_s: float) -> tuple[str, dict]:
+    """(weights hash, bundle) from the peer at ``link``: one ``tokenizer`` reply, or, over a
+    relay whose frames cannot hold the bundle, its parts in order (``chunk``, ``part`` of
+    ``parts``: the msgpack-encoded bundle), joined and decoded.
+
+    Raises:
+        ProtocolError: parts out of order, more than :data:`MAX_TOKENIZER_BYTES`, a weights hash
+            that changes between parts, or a joined bundle that does not decode to a map.
+    """
+    _, f = await link.request("get_tokenizer", timeout_s=timeout_s)
+    got = f.str("weights_hash")
+    if f.get("chunk", bytes, None) is None:
+        return got, f.get("bundle", dict)
+    parts, chunks = f.int("parts", lo=1, hi=1 << 20), [f.get("chunk", bytes)]
+    while len(chunks) < parts:
+        _, f = await link.request("get_tokenizer", timeout_s=timeout_s, part=len(chunks))
+        if f.int("part", lo=0, hi=1 << 20) != len(chunks) or f.str("weights_hash") != got:
+            raise ProtocolError("tokenizer parts out of order, or of other weights")
+        chunks.append(f.get("chunk", bytes))
+        if sum(map(len, chunks)) > MAX_TOKENIZER_BYTES:
+            raise ProtocolError(f"tokenizer bundle larger than {MAX_TOKENIZER_BYTES} bytes")
+    try:
+        bundle = msgpack.unpackb(b"".join(chunks), raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ProtocolError(f"tokenizer parts do not decode: {exc}") from exc
+    if not isinstance(bundle, dict):
+        raise ProtocolError("tokenizer parts do not decode to a map")
+    return got, bundle
+
+
 async def fetch_tokenizer(client, sources: Sequence[PeerAdvert], weights_hash: str, agreed: str) -> Tokenizer:
     """The first bundle from ``sources`` that belongs to ``weights_hash`` and hashes to
     ``agreed`` (any bundle of those weights when ``agreed`` is ""), fetched over ``client``
@@ -56,8 +92,7 @@ async def fetch_tokenizer(client, sources: Sequence[PeerAdvert], weights_hash: s
             continue
         try:
             link = await client.link(peer)
-            _, f = await link.request("get_tokenizer", timeout_s=max(30.0, client.request_timeout_s))
-            got, bundle = f.str("weights_hash"), f.get("bundle", dict)
+            got, bundle = await _get_tokenizer(link, max(30.0, client.request_timeout_s))
             digest = bundle_sha256(bundle)
         except MeshError as exc:
             reasons.append(f"peer {peer.peer_id[:12]}: {exc}")

@@ -134,6 +134,10 @@ class LyingPeer(MeshError):
     Attributes:
         suspect: the peer id of the hop that produced the bad output, when known. On the wire
             it travels as the error frame's ``suspect`` field.
+        reporter: the hop whose word this is, when it is a hop's accusation with nothing the
+            client can check (``unproven``; set by the client, never read from the wire).
+        unproven: the accusation carries no evidence the accused cannot dispute: the client
+            backs the suspect off instead of banning it (docs/security.md, "Lying peers").
     """
 
     code = "lying_peer"
@@ -141,6 +145,8 @@ class LyingPeer(MeshError):
     def __init__(self, message: str, *, suspect: str | None = None) -> None:
         super().__init__(message)
         self.suspect = suspect
+        self.reporter: str | None = None
+        self.unproven = False
 
 
 class IncompatiblePeer(MeshError):

@@ -34,12 +34,19 @@ log = logging.getLogger("meshinfer.peer.node.conversations")
 
 
 
-#: Bytes a position's signed statement (``Conv.signed_at``) holds at most: a one-token decode
-#: step's own statement, ``(seq, start, 16-byte digest, 64-byte signature)``, measured with
-#: ``sys.getsizeof`` on CPython 3.11-3.12 (282 bytes with its list slot), rounded up. Counted in
-#: every conversation's KV reservation (a conversation opened past layer 0 keeps them on any
-#: peer); a prefill chunk's positions share one statement and cost less.
-STATEMENT_BYTES_PER_TOKEN = 320
+#: Bytes of signed statements (``Conv.signed_at``) a conversation may hold per token it
+#: reserved; counted in its KV reservation. A statement is ``(seq, start, digests, sig)``:
+#: :data:`STATEMENT_OVERHEAD_BYTES` plus 16 bytes of digest per position of its step and a
+#: 64-byte signature, shared by the step's positions while any of them is held. The worst an
+#: honest client makes is a verification step of 32 positions of which one stays (the rest
+#: rolled back): 16 x 32 + 64 + 200 = 776 bytes, plus the position's list slot (8), rounded up.
+#: Until an attack run measured 669-746 bytes a position that way, this was 320 (a one-token
+#: step's statement). A client that pins more (long steps cut to one position again and again)
+#: is refused steps past its allowance (``Conv.statements_fit``).
+STATEMENT_BYTES_PER_TOKEN = 800
+#: Bytes of one statement beyond its digests and signature: the tuple, two ints and two bytes
+#: headers (``sys.getsizeof`` on CPython 3.11-3.12: 194), rounded up.
+STATEMENT_OVERHEAD_BYTES = 200
 
 
 @dataclass
@@ -66,9 +73,12 @@ class Conv:
     #: sent it: ``(seq, start, digests, sig)``, shared by the positions of one step; the digests
     #: of what this hop received (``received_digests``; docs/security.md, "Signed steps").
     signed_at: list = field(default_factory=list)
-    last_seq: int = -1  # the seq of the last step taken (a previous hop's may only grow)
+    last_seq: int = -1  # the seq of the last step taken (seqs only grow; from min_seq - 1 after an open)
     client_key: object = None  # the Ed25519 public key the conversation id is derived from
     open_n: int = 0  # the ``n`` of the open or reroute that set this hop up (only grows)
+    min_seq: int = 0  # the lowest seq the client will send this hop now (signed in the open or reroute)
+    statement_bytes: int = 0  # bytes the statements in signed_at hold (each counted once, and the list)
+    _holders: dict = field(default_factory=dict)  # id(statement) -> positions of signed_at holding it
 
     def keep_signed(self, seq: int, start: int, digests: bytes, sig: bytes, *, replay: bool = False) -> None:
         """Keep the previous hop's signed statement of step ``seq``, positions ``[start, start +
@@ -76,10 +86,34 @@ class Conv:
         failover ``replay`` of positions this hop kept replaces those positions only."""
         statement = (seq, start, digests, sig)
         n = len(digests) // tensors.DIGEST_BYTES
-        if not replay:
-            del self.signed_at[start:]
+        self.drop_signed(start, start + n if replay else len(self.signed_at))
+        before = len(self.signed_at)
         self.signed_at += [None] * (start - len(self.signed_at))  # positions nobody signed (none, in a route)
         self.signed_at[start:start + n] = [statement] * n
+        self._holders[id(statement)] = n
+        self.statement_bytes += _statement_nbytes(statement) + 8 * (len(self.signed_at) - before)
+
+    def drop_signed(self, start: int, stop: int) -> None:
+        """Stop holding the statements of positions ``[start, stop)``; when ``stop`` is the end,
+        the positions go (a truncation)."""
+        for statement in self.signed_at[start:stop]:
+            if statement is not None:
+                self._holders[id(statement)] -= 1
+                if self._holders[id(statement)] == 0:
+                    del self._holders[id(statement)]
+                    self.statement_bytes -= _statement_nbytes(statement)
+        if stop >= len(self.signed_at):
+            self.statement_bytes -= 8 * max(0, len(self.signed_at) - start)
+            del self.signed_at[start:]
+        else:
+            self.signed_at[start:stop] = [None] * (stop - start)
+
+    def statements_fit(self, digests: bytes, sig: bytes) -> bool:
+        """Whether a statement of ``digests`` and ``sig`` more stays within the conversation's
+        allowance (:data:`STATEMENT_BYTES_PER_TOKEN` per reserved token), before the positions
+        it replaces are let go (an upper bound)."""
+        more = len(digests) + len(sig) + STATEMENT_OVERHEAD_BYTES + 8 * len(digests) // tensors.DIGEST_BYTES
+        return self.statement_bytes + more <= self.reserved_tokens * STATEMENT_BYTES_PER_TOKEN
 
     def received_digests(self, start: int, stop: int) -> bytes:
         """The digests (:data:`~meshinfer.wire.tensors.DIGEST_BYTES` each) of the rows this hop
@@ -91,6 +125,12 @@ class Conv:
             k = len(out) + start - statement[1]
             out.append(statement[2][k * d:(k + 1) * d])
         return b"".join(out)
+
+
+def _statement_nbytes(statement: tuple) -> int:
+    """Bytes a kept statement ``(seq, start, digests, sig)`` holds (:data:`STATEMENT_OVERHEAD_BYTES`
+    beyond its digests and signature)."""
+    return len(statement[2]) + len(statement[3]) + STATEMENT_OVERHEAD_BYTES
 
 
 class Conversations:
@@ -134,8 +174,7 @@ class Conversations:
         conversations, taken at once.
         """
         convs = list(self.by_id.values())  # one C-level copy: safe against the loop adding/removing
-        return len(convs), sum(c.cache.nbytes + (c.sent.nbytes if c.sent else 0)
-                               + len(c.signed_at) * STATEMENT_BYTES_PER_TOKEN for c in convs)
+        return len(convs), sum(c.cache.nbytes + (c.sent.nbytes if c.sent else 0) + c.statement_bytes for c in convs)
 
     async def expire_idle(self, now: float) -> None:
         """Free conversations with no step for ``idle_timeout_s`` and nothing queued."""
@@ -158,7 +197,7 @@ class Conversations:
         run = f.layer_range("layers")
         tokens = f.int("max_tokens", lo=1, hi=1 << 40)
         prev_id, next_id, next_addrs, next_relays = self.neighbours(f, run)
-        key, n = self.client_auth(f, conv_id, run, tokens, prev_id, next_id, next_addrs, next_relays)
+        key, n, min_seq = self.client_auth(f, conv_id, run, tokens, prev_id, next_id, next_addrs, next_relays)
         held = self.by_id.get(conv_id)
         if held is not None and (held.owner.closed.is_set() or n > held.open_n):
             await self.drop(conv_id)  # its client's connection (a circuit) is gone, or its client opens anew
@@ -185,7 +224,7 @@ class Conversations:
         conv = Conv(conv_id=conv_id, run=run, owner=link, prev_id=prev_id, next_id=next_id,
                     next_addrs=next_addrs, next_relays=next_relays, reserved_tokens=tokens, cache=cache,
                     sent=HiddenLog(self.peer.cfg.hidden_size, max_tokens=tokens) if next_id else None,
-                    client_key=key, open_n=n)
+                    client_key=key, open_n=n, min_seq=min_seq, last_seq=min_seq - 1)
         self.by_id[conv_id] = conv
         self.reserved_tokens += tokens
         conv.task = self.peer._spawn(self.peer.steps.worker(conv), f"conv {conv_id[:12]}")
@@ -194,11 +233,11 @@ class Conversations:
         await link.send("opened", re=rid, conv=conv_id, free_kv_tokens=self.free_kv_tokens)
 
     def client_auth(self, f, conv_id: str, run: LayerRange, tokens: int, prev_id: str | None, next_id: str | None,
-                    next_addrs: tuple[str, ...], next_relays: tuple[str, ...] | None) -> tuple[object, int]:
-        """The conversation's key and the ``n`` of an ``open``/``reroute`` frame ``f`` whose
-        other fields are parsed: ``client_key`` (32 bytes) must be the key ``conv_id`` is
-        derived from (:func:`meshinfer.wire.convkeys.conv_id_of`) and ``client_sig`` its
-        signature of the fields (:func:`meshinfer.wire.convkeys.open_message`).
+                    next_addrs: tuple[str, ...], next_relays: tuple[str, ...] | None) -> tuple[object, int, int]:
+        """The conversation's key, the ``n`` and the ``min_seq`` of an ``open``/``reroute``
+        frame ``f`` whose other fields are parsed: ``client_key`` (32 bytes) must be the key
+        ``conv_id`` is derived from (:func:`meshinfer.wire.convkeys.conv_id_of`) and
+        ``client_sig`` its signature of the fields (:func:`meshinfer.wire.convkeys.open_message`).
 
         Raises:
             ProtocolError: a missing or malformed field.
@@ -211,11 +250,12 @@ class Conversations:
             raise ProtocolError(f"{f.what}: field 'client_key' must be a {convkeys.KEY_BYTES}-byte Ed25519 public key")
         if convkeys.conv_id_of(raw) != conv_id:
             raise Unauthenticated(f"{f.what}: conversation id {conv_id[:40]!r} is not the id of its client_key")
-        message = convkeys.open_message(f.what, self.peer.peer_id, conv_id, n, [run.start, run.stop], tokens,
-                                        prev_id, next_id, next_addrs, next_relays)
+        min_seq = f.int("min_seq", lo=0, hi=protocol.MAX_SEQ)
+        message = convkeys.open_message(f.what, self.peer.peer_id, conv_id, n, min_seq, [run.start, run.stop],
+                                        tokens, prev_id, next_id, next_addrs, next_relays)
         if not convkeys.verifies(key, f.get("client_sig", bytes, b""), message):
             raise Unauthenticated(f"{f.what}: client_sig is not the conversation key's signature of the {f.what}")
-        return key, n
+        return key, n, min_seq
 
     def check_host_reservation(self, host: str, tokens: int) -> None:
         """Raise :class:`RateLimited` when ``host``'s open conversations plus ``tokens`` would
@@ -252,7 +292,7 @@ class Conversations:
         await self.peer.executor.run(conv.cache.truncate, length)
         if conv.sent is not None:
             conv.sent.truncate(length)
-        del conv.signed_at[length:]
+        conv.drop_signed(length, len(conv.signed_at))
         conv.expected_start = length
         await link.send("truncated", re=f.get("id", int, None), conv=conv.conv_id, length=length)
 
@@ -264,13 +304,13 @@ class Conversations:
         if f.layer_range("layers") != conv.run:
             raise LayerRangeError(f"reroute: conversation {conv.conv_id} runs layers {conv.run.cli()} here")
         prev_id, next_id, next_addrs, next_relays = self.neighbours(f, conv.run)
-        _, n = self.client_auth(f, conv.conv_id, conv.run, f.int("max_tokens", lo=1, hi=1 << 40), prev_id, next_id,
-                                next_addrs, next_relays)
+        _, n, min_seq = self.client_auth(f, conv.conv_id, conv.run, f.int("max_tokens", lo=1, hi=1 << 40), prev_id,
+                                         next_id, next_addrs, next_relays)
         if n <= conv.open_n:
             raise Unauthenticated(f"reroute: n = {n} is not above {conv.open_n}, the last open or reroute's")
-        conv.open_n = n
-        if prev_id != conv.prev_id:  # a new previous hop's seqs are compared with its own only
-            conv.last_seq = -1
+        conv.open_n, conv.min_seq = n, max(conv.min_seq, min_seq)
+        if prev_id != conv.prev_id:  # a new previous hop's seqs start at the client's floor (a kept one's
+            conv.last_seq = conv.min_seq - 1  # late steps, below it, may still come: its count stands)
         conv.prev_id, conv.next_id, conv.next_addrs, conv.next_relays = prev_id, next_id, next_addrs, next_relays
         conv.next_link = None  # a link to the old next hop closing is no news for this conversation
         log.info("conversation %s rerouted (failover): previous hop %s, next hop %s", conv.conv_id,

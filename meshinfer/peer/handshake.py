@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import msgpack
+
 from meshinfer.core.errors import InvalidInput, ProtocolError, RateLimited, Unauthenticated
 from meshinfer.peer import limits
 from meshinfer.peer.limits import Bucket
@@ -154,15 +156,50 @@ class Handshake:
 
     async def on_get_tokenizer(self, link: Link, f) -> None:
         """The tokenizer bundle, at most :data:`TOKENIZER_BURST` per connection, then one per
-        :data:`TOKENIZER_EVERY_S` seconds (``rate_limited``)."""
+        :data:`TOKENIZER_EVERY_S` seconds (``rate_limited``). Over a relay circuit whose frames
+        cannot hold the whole bundle (the default model's is 5.4 MB; a relay forwards what a
+        512-token step needs, 1.9 MB), it goes in parts (:func:`tokenizer_part`), each charged
+        as its share of a bundle."""
         if self.peer.tokenizer_bundle is None:
             raise InvalidInput("this peer has no tokenizer")
+        if self.peer.tokenizer_wire is None:
+            self.peer.tokenizer_wire = msgpack.packb(self.peer.tokenizer_bundle, use_bin_type=True)
+        data, part = self.peer.tokenizer_wire, f.int("part", lo=0, hi=1 << 20, default=0)
+        fields = tokenizer_part(data, part, getattr(link.ws, "max_send_bytes", None))
+        share = len(fields["chunk"]) / len(data) if "chunk" in fields else 1.0
         bucket = link.info.setdefault("tokenizers", Bucket(1 / limits.TOKENIZER_EVERY_S, limits.TOKENIZER_BURST))
-        if not bucket.take(1):
+        if not bucket.take(share):
             raise RateLimited(f"get_tokenizer: at most {limits.TOKENIZER_BURST} per connection, then one every "
                               f"{limits.TOKENIZER_EVERY_S:g} s; keep the bundle you have")
-        await link.send("tokenizer", re=f.get("id", int, None), weights_hash=self.peer.weights_hash,
-                        bundle=self.peer.tokenizer_bundle)
+        if "chunk" not in fields:
+            fields = {"bundle": self.peer.tokenizer_bundle}
+        await link.send("tokenizer", re=f.get("id", int, None), weights_hash=self.peer.weights_hash, **fields)
+
+
+#: Bytes a tokenizer part leaves free in its frame for the rest of the reply.
+TOKENIZER_PART_MARGIN_BYTES = 4096
+#: Smallest tokenizer part, bytes (a relay with a smaller frame limit cannot carry the bundle).
+MIN_TOKENIZER_PART_BYTES = 64 * 1024
+
+
+def tokenizer_part(data: bytes, part: int, max_frame_bytes: int | None) -> dict:
+    """The fields of a ``tokenizer`` reply carrying part ``part`` of the msgpack-encoded bundle
+    ``data`` in frames of at most ``max_frame_bytes`` (None: no limit): ``{}`` when the whole
+    bundle fits (the caller sends it as ``bundle``), else ``chunk`` (bytes), ``part`` and
+    ``parts``; parts are ``max_frame_bytes - TOKENIZER_PART_MARGIN_BYTES`` bytes, at least
+    :data:`MIN_TOKENIZER_PART_BYTES`.
+
+    Raises:
+        InvalidInput: ``part`` is past the last.
+    """
+    if max_frame_bytes is None or len(data) + TOKENIZER_PART_MARGIN_BYTES <= max_frame_bytes:
+        return {}
+    size = max(MIN_TOKENIZER_PART_BYTES, max_frame_bytes - TOKENIZER_PART_MARGIN_BYTES)
+    parts = -(-len(data) // size)
+    if part >= parts:
+        raise InvalidInput(f"get_tokenizer: part {part} is past the last ({parts - 1})")
+    return {"chunk": data[part * size:(part + 1) * size], "part": part, "parts": parts}
+
 
 def _url_host(host: str) -> str:
     """``host`` as it stands in a URL (an IPv6 address in brackets)."""

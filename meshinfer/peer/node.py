@@ -106,6 +106,7 @@ class Peer(_Handlers):
         self.key, self.peer_id = key, peer_id_of(key)
         self.weights_hash, self.precision = weights_hash, precision
         self.tokenizer_bundle = tokenizer_bundle
+        self.tokenizer_wire: bytes | None = None  # the bundle as msgpack, for tokenizer parts (made on first use)
         self.tokenizer_sha256 = "" if tokenizer_bundle is None else bundle_sha256(tokenizer_bundle)
         self.settings = settings or PeerSettings()
         self.state = protocol.JOINING
@@ -273,8 +274,9 @@ class Peer(_Handlers):
                 await self.close()
                 raise InvalidInput(f"cannot serve metrics on {s.metrics_host or s.host}:{s.metrics_port}: "
                                    f"{exc.strerror or exc} (pick another --metrics-port)") from exc
-        log.info("peer %s ready at %s serving layers %s", self.peer_id[:12], ", ".join(self.addrs),
-                 self.shard.range.cli(), extra=context(peer=self.peer_id))
+        log.info("peer %s ready at %s serving layers %s", self.peer_id[:12],
+                 ", ".join(self.addrs) or "no address (it does not listen)", self.shard.range.cli(),
+                 extra=context(peer=self.peer_id))
 
     async def close(self) -> None:
         """Drain: tell conversations' clients, close sockets, free caches. Safe to call twice."""

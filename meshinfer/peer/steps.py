@@ -22,7 +22,7 @@ from meshinfer.core.logs import context
 from meshinfer.engine.kv_cache import KVCache
 from meshinfer.engine.sampling import pick_token
 from meshinfer.peer import limits
-from meshinfer.peer.conversations import Conv
+from meshinfer.peer.conversations import STATEMENT_BYTES_PER_TOKEN, Conv
 from meshinfer.wire import convkeys, discovery, plausible, protocol, tensors
 from meshinfer.wire.transport import Link
 
@@ -195,14 +195,29 @@ def step_wants(f, seq: int, tokens: int) -> tuple[str, Any]:
     return want, sampling
 
 
-def out_of_order(conv: Conv, seq: int) -> bool:
-    """Whether step ``seq`` from ``conv``'s previous hop is not above the last it took from that
-    hop (``Conv.last_seq``): the client's seqs only grow and hops pass them on in order, so such
-    a step is one of its own, which would put a stale statement back (docs/security.md, "Signed
-    steps"). Then the client is told, naming that hop (with no ``seq``: the client skips errors
-    of steps before the one it awaits, and this one is about no step it sent)."""
+def out_of_order(link: Link, conv: Conv, seq: int) -> bool:
+    """Whether step ``seq`` on ``link`` is not above the last step ``conv`` took
+    (``Conv.last_seq``, which starts below the floor its client signed into the open or reroute,
+    ``Conv.min_seq``): the client's seqs only grow and hops pass them on in order, so such a
+    step is an old one sent again, which would put a stale statement back. A step below the
+    floor, from before the client's last open or reroute, is dropped without blame: a kept hop
+    may still be finishing steps queued before a failover, and a new previous hop that sends an
+    old step of the client on purpose (found by an attack run: the honest hop after it was
+    blamed) gains nothing. Otherwise, from the previous hop, the client is told, naming that
+    hop (with no ``seq``: the client skips errors of steps before the one it awaits, and this
+    one is about no step it sent); from the client's own connection it is refused.
+
+    Raises:
+        ProtocolError: an old step on the conversation's own connection.
+    """
     if seq > conv.last_seq:
         return False
+    if link is conv.owner:
+        raise ProtocolError(f"step {seq} is not above step {conv.last_seq}, the last this hop took")
+    if seq < conv.min_seq:  # from before the client's last open or reroute: a kept previous hop
+        log.info("conversation %s: step %d from before the reroute (seq %d on); dropped",  # may still
+                 conv.conv_id[:12], seq, conv.min_seq)  # be finishing steps queued then: no blame
+        return True
     exc = LyingPeer(f"previous hop {(conv.prev_id or '?')[:12]} sent step {seq} after step {conv.last_seq}",
                     suspect=conv.prev_id)
     log.warning("conversation %s: %s; dropped", conv.conv_id[:12], exc)
@@ -236,7 +251,7 @@ class Steps:
         x = await self.step_input(link, conv, f, seq)
         if x is None:
             return
-        if link is not conv.owner and out_of_order(conv, seq):
+        if out_of_order(link, conv, seq):
             return
         want, sampling = step_wants(f, seq, x.shape[1])
         rollback, replay = f.get("rollback", bool, False), f.get("replay", bool, False)
@@ -249,12 +264,14 @@ class Steps:
         if link is not conv.owner and not self.accept_from_previous_hop(link, conv, f, seq, start, x, digests,
                                                                         header):
             return
+        if conv.run.start > 0 and not statements_fit(link, conv, seq, digests, checked_sig(link, conv, f)):
+            return
         if replay and start + x.shape[1] <= conv.cache.length <= conv.expected_start:
             # failover replay of positions this hop kept: pass its logged output on, compute nothing
             self.enqueue(conv, QueuedStep(seq, start, want, [], time.perf_counter(), True, kept_tokens=x.shape[1],
                                           header=header, csig=csig))
             if conv.run.start > 0:  # a new previous hop's log must match what it sent now
-                conv.keep_signed(seq, start, digests, f.get("sig", bytes, b""), replay=True)
+                conv.keep_signed(seq, start, digests, checked_sig(link, conv, f), replay=True)
             conv.last_seq = seq
             return
         check_positions(conv, seq, start, x.shape[1], rollback)
@@ -263,7 +280,7 @@ class Steps:
                                       rollback=rollback, header=header, csig=csig))
         conv.expected_start, conv.last_seq = start + x.shape[1], seq
         if conv.run.start > 0:  # what the previous hop sent, for spot-checks of its log
-            conv.keep_signed(seq, start, digests, f.get("sig", bytes, b""))  # checked above
+            conv.keep_signed(seq, start, digests, checked_sig(link, conv, f))
 
     def accept_from_previous_hop(self, link: Link, conv: Conv, f, seq: int, start: int, x: torch.Tensor,
                                  digests: bytes, header: convkeys.StepHeader) -> bool:
@@ -491,6 +508,33 @@ class Steps:
             log.debug("error frame from %s: %s", link.name, f.str("message", ""))
 
 
+
+
+def statements_fit(link: Link, conv: Conv, seq: int, digests: bytes, sig: bytes) -> bool:
+    """Whether the statement of step ``seq`` (``digests``, ``sig``) fits ``conv``'s allowance
+    (``Conv.statements_fit``). A client that pins more, by cutting long steps back to a
+    position again and again, is refused the step: ``cache_full`` to the client (posted when
+    the step came from the previous hop, which only passed it on).
+
+    Raises:
+        CacheFull: the step came on the conversation's own connection and does not fit.
+    """
+    if conv.statements_fit(digests, sig):
+        return True
+    exc = CacheFull(f"step {seq}: conversation {conv.conv_id} would hold more than its "
+                    f"{conv.reserved_tokens * STATEMENT_BYTES_PER_TOKEN} bytes of signed statements "
+                    f"({STATEMENT_BYTES_PER_TOKEN} a reserved token); it holds {conv.statement_bytes}")
+    if link is conv.owner:
+        raise exc
+    conv.owner.post("error", conv=conv.conv_id, seq=seq, code=exc.code, message=str(exc))
+    return False
+
+
+def checked_sig(link: Link, conv: Conv, f) -> bytes:
+    """The previous hop's ``sig`` of a step it sent (checked by ``accept_from_previous_hop``), or
+    b"" for a step from the conversation's own connection, whose ``sig`` nobody checked: kept,
+    any size, it was memory nobody counted (found by an attack run)."""
+    return b"" if link is conv.owner else f.get("sig", bytes, b"")
 
 
 def payload_digest(link: Link, conv: Conv, f, x: torch.Tensor, digests: bytes) -> bytes:

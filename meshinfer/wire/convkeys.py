@@ -68,16 +68,17 @@ def verifies(key: Ed25519PublicKey, sig: bytes, message: bytes) -> bool:
         return False
 
 
-def open_message(kind: str, to: str, conv_id: str, n: int, layers: Sequence[int], max_tokens: int,
+def open_message(kind: str, to: str, conv_id: str, n: int, min_seq: int, layers: Sequence[int], max_tokens: int,
                  prev: str | None, next_id: str | None, next_addrs: Sequence[str],
                  next_relays: Sequence[str] | None) -> bytes:
     """The bytes a client signs for an ``open`` or ``reroute`` (``kind``) of ``conv_id``
-    (number ``n``) sent to the peer ``to`` (its id): the hop's layer range ``[a, b)``,
+    (number ``n``) sent to the peer ``to`` (its id): ``min_seq``, the lowest seq of any step
+    the client sends from now on (the hop refuses older ones), the hop's layer range ``[a, b)``,
     ``max_tokens`` of KV, the previous hop's id (None on the first hop) and the next hop's id,
     addresses and relays (None on the last hop; relays None when the frame carries none).
     msgpack of a fixed list, so each field has one encoding."""
     return OPEN_LABEL + msgpack.packb(
-        [kind, to, conv_id, n, list(layers), max_tokens, prev, next_id, list(next_addrs),
+        [kind, to, conv_id, n, min_seq, list(layers), max_tokens, prev, next_id, list(next_addrs),
          None if next_relays is None else list(next_relays)], use_bin_type=True)
 
 
@@ -147,16 +148,16 @@ class ConversationKey:
         self.conv_id = conv_id_of(self.public)
         self.opens = 0
 
-    def open_fields(self, kind: str, to: str, layers: Sequence[int], max_tokens: int, prev: str | None,
-                    nxt: dict | None) -> dict:
-        """The ``client_key``, ``n`` and ``client_sig`` fields of an ``open`` or ``reroute``
-        (``kind``) to the peer ``to`` with these fields (``nxt``: the frame's ``next`` map, or
-        None); ``n`` is one more than the last."""
+    def open_fields(self, kind: str, to: str, min_seq: int, layers: Sequence[int], max_tokens: int,
+                    prev: str | None, nxt: dict | None) -> dict:
+        """The ``client_key``, ``n``, ``min_seq`` and ``client_sig`` fields of an ``open`` or
+        ``reroute`` (``kind``) to the peer ``to`` with these fields (``nxt``: the frame's
+        ``next`` map, or None); ``n`` is one more than the last."""
         self.opens += 1
-        message = open_message(kind, to, self.conv_id, self.opens, layers, max_tokens, prev,
+        message = open_message(kind, to, self.conv_id, self.opens, min_seq, layers, max_tokens, prev,
                                nxt["peer_id"] if nxt else None, nxt["addrs"] if nxt else (),
                                nxt.get("relays") if nxt else None)
-        return {"client_key": self.public, "n": self.opens, "client_sig": self._key.sign(message)}
+        return {"client_key": self.public, "n": self.opens, "min_seq": min_seq, "client_sig": self._key.sign(message)}
 
     def step_fields(self, header: StepHeader) -> dict:
         """The ``pd`` (payload digest) and ``csig`` fields of a step with ``header``."""

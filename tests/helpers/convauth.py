@@ -62,19 +62,22 @@ def authorize(msg_type: str, fields: dict, to: str | None) -> dict:
 
 
 def open_fields(name: str, kind: str, to: str, fields: dict) -> dict:
-    """``client_key``, ``n`` and ``client_sig`` of an open (n 1: a second open of the same name is
-    "already open") or a reroute (n above the last) of ``fields``; {} when they do not parse."""
+    """``client_key``, ``n``, ``min_seq`` (0 unless given) and ``client_sig`` of an open (n 1: a
+    second open of the same name is "already open") or a reroute (n above the last) of
+    ``fields``; {} when they do not parse."""
     entry = _KEYS[name]
     n = 1 if kind == "open" else entry[1] + 1
     entry[1] = max(entry[1], n)
     nxt = fields.get("next")
     try:
         message = convkeys.open_message(
-            kind, to, entry[0].conv_id, n, fields["layers"], fields["max_tokens"], fields.get("prev"),
+            kind, to, entry[0].conv_id, n, fields.get("min_seq", 0), fields["layers"], fields["max_tokens"],
+            fields.get("prev"),
             nxt["peer_id"] if nxt else None, nxt.get("addrs", []) if nxt else (), nxt.get("relays") if nxt else None)
     except (KeyError, TypeError, ValueError, AttributeError):
         return {}
-    return {"client_key": entry[0].public, "n": n, "client_sig": entry[0]._key.sign(message)}
+    return {"client_key": entry[0].public, "n": n, "min_seq": fields.get("min_seq", 0),
+            "client_sig": entry[0]._key.sign(message)}
 
 
 def step_fields(name: str, fields: dict) -> dict:
