@@ -9,7 +9,7 @@ import pytest
 from helpers.convauth import authorize
 from helpers.meshkit import mesh, start_peer, wait_for_tables
 from meshinfer.core.config import LayerRange
-from meshinfer.peer.conversations import STATEMENT_BYTES_PER_TOKEN as STATEMENT
+from meshinfer.peer.conversations import STATEMENT_BYTES_PER_TOKEN as STATEMENT, STATEMENT_OVERHEAD_BYTES
 from meshinfer.core.errors import CacheFull, ContextOverflow
 from meshinfer.peer.node import ClientLimits
 from meshinfer.engine.generate import greedy_generate, load_shard
@@ -102,7 +102,7 @@ async def test_the_statements_a_hop_keeps_count_in_its_kv_budget_and_usage(tiny)
             held = second.convs[conv.conv_id]
             assert len(held.signed_at) == held.cache.length == 3 + len(out.token_ids) - 1
             distinct = {id(st): st for st in held.signed_at}.values()  # the prompt's step, then one per token
-            assert held.statement_bytes == sum(len(st[2]) + len(st[3]) + 200 for st in distinct) + 8 * 7
+            assert held.statement_bytes == sum(len(st[2]) + len(st[3]) + STATEMENT_OVERHEAD_BYTES for st in distinct) + 8 * 7
             assert second.kv_bytes_used == held.cache.nbytes + held.statement_bytes
             await conv.close()
         await asyncio.sleep(0.1)
@@ -169,7 +169,7 @@ def test_statements_are_counted_once_each_and_a_conversation_cannot_pin_past_its
     position again and again (each cut pins a whole step's digests: found by an attack run,
     669-746 bytes a position against 320 counted) is refused past ``STATEMENT_BYTES_PER_TOKEN``
     a reserved token."""
-    from meshinfer.peer.conversations import STATEMENT_OVERHEAD_BYTES, Conv
+    from meshinfer.peer.conversations import Conv
 
     conv = Conv(conv_id="c", run=LayerRange(2, 4), owner=None, prev_id="p", next_id=None, next_addrs=(),
                 reserved_tokens=200, cache=None)

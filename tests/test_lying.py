@@ -1029,3 +1029,37 @@ async def test_a_hop_accusing_without_evidence_gets_honest_peers_backed_off_neve
     assert [d["peer"] for d in out.detections][0] == p1.peer_id and not any(d["proven"] for d in out.detections)
     assert p1.peer_id in failed and (len(out.detections) == 1 or liar.peer_id in failed)  # the liar at its second
     assert all(until != math.inf for until, _ in failed.values())  # nobody banned on one hop's word
+
+
+async def test_an_unproven_accusation_of_a_peer_with_no_twin_replaces_the_accuser(tiny):
+    """Found by an attack run: the only peer of layers 0-1 was accused, with no evidence, by a
+    lying next hop; replacing the accused left no route and the conversation failed on the
+    liar's first word. When nobody else serves the accused's layers, the accuser is replaced
+    instead, and the reply equals plain greedy generation."""
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 2), (2, 4), (2, 4)])
+    first, liar, twin = peers
+    real = liar.steps.accept_from_previous_hop
+
+    def accuse(link, conv, f, seq, start, x, digests, header):
+        if conv.prev_id is None:
+            return real(link, conv, f, seq, start, x, digests, header)
+        conv.owner.post("error", conv=conv.conv_id, seq=seq, code="lying_peer", suspect=conv.prev_id,
+                        message=f"previous hop {conv.prev_id[:12]} sent step {seq} without a valid signature")
+        return False
+
+    liar.steps.accept_from_previous_hop = accuse
+    try:
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan(exclude=frozenset({twin.peer_id}))
+            assert route.peer_ids == (first.peer_id, liar.peer_id)
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS)
+            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            await conv.close()
+            backed_off = client.backed_off()
+    finally:
+        for p in peers:
+            await p.close()
+    assert out.token_ids == expected and conv.route.peer_ids == (first.peer_id, twin.peer_id)
+    assert liar.peer_id in backed_off and first.peer_id not in backed_off
+    assert out.detections[0]["replaced"] == [liar.peer_id]

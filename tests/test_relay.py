@@ -95,7 +95,7 @@ async def test_a_hidden_first_hop_sends_a_tokenizer_larger_than_its_relay_forwar
     hidden first hop, the only peer with the tokenizer, could serve no chat ("no peer sent a
     trustworthy tokenizer ... larger than relay ... forwards"). Over a circuit that cannot hold
     it, the bundle goes in parts the client joins and checks against the advertised hash."""
-    from meshinfer.peer.handshake import TOKENIZER_PART_MARGIN_BYTES
+    from meshinfer.wire.protocol import TOKENIZER_PART_MARGIN_BYTES
 
     path, digest, tok, ids, expected, *_ = model
     bundle = tok.to_bundle()
@@ -603,3 +603,95 @@ def test_a_sealed_circuit_opens_only_the_other_ends_frames_in_order():
         CircuitSeal(sign_key=key).answer(b"short")
     with pytest.raises(ProtocolError, match="signed key answer"):
         CircuitSeal(peer_public_key=public).accept(b"x" * 95)
+
+
+async def test_tokenizer_parts_that_are_malformed_are_refused_not_a_crash():
+    """Found by an attack run on tokenizer parts (a lying hidden peer's replies): parts that
+    decode to a map with an unhashable key crashed the fetch (``TypeError``, the other sources
+    never asked), tiny parts made joining quadratic, and the joined bytes were decoded without
+    the frame decoder's limits. Each is a ``ProtocolError`` now (the client tries the next source)."""
+    import msgpack
+
+    from meshinfer.client.tokenizer_trust import _get_tokenizer
+    from meshinfer.core.errors import ProtocolError
+    from meshinfer.wire.protocol import MIN_TOKENIZER_PART_BYTES
+
+    class Link:
+        def __init__(self, parts):
+            self.parts = parts
+
+        async def request(self, msg_type, *, timeout_s, part=0):
+            chunk = self.parts[part]
+            return "tokenizer", protocol.Fields({"weights_hash": "w", "chunk": chunk, "part": part,
+                                                 "parts": len(self.parts)}, "tokenizer")
+
+    def split(data: bytes, size: int) -> list[bytes]:
+        return [data[i:i + size] for i in range(0, len(data), size)]
+
+    unhashable = b"\x81\x81\x01\x02\x01" + b"\x00" * MIN_TOKENIZER_PART_BYTES  # {{1: 2}: 1} and junk
+    with pytest.raises(ProtocolError, match="do not decode"):
+        await _get_tokenizer(Link(split(unhashable, MIN_TOKENIZER_PART_BYTES)), 5.0)
+    with pytest.raises(ProtocolError, match="smaller than the peers send"):
+        await _get_tokenizer(Link([b"x"] * 10), 5.0)
+    huge_list = msgpack.packb({"a": [0] * 70_000})
+    with pytest.raises(ProtocolError, match="do not decode"):
+        await _get_tokenizer(Link(split(huge_list + b"\x00" * MIN_TOKENIZER_PART_BYTES, MIN_TOKENIZER_PART_BYTES)), 5.0)
+    good = msgpack.packb({"version": 1, "pad": "p" * (2 * MIN_TOKENIZER_PART_BYTES)})
+    assert (await _get_tokenizer(Link(split(good, MIN_TOKENIZER_PART_BYTES)), 5.0))[1]["version"] == 1
+
+
+def test_a_relay_ends_a_circuit_whose_frame_the_far_end_would_not_take():
+    """Found by an attack run: a relay forwarded a stranger's frame larger than the hidden peer
+    takes, and the hidden peer's whole connection to the relay closed (every circuit on it)."""
+    from meshinfer.peer.relay import too_big
+    from meshinfer.wire.transport import RELAY_OVERHEAD_BYTES
+
+    class Link:
+        info = {"max_frame_bytes": 131_072}
+
+    assert not too_big(Link(), b"x" * (131_072 - RELAY_OVERHEAD_BYTES))
+    assert too_big(Link(), b"x" * (131_072 - RELAY_OVERHEAD_BYTES + 1))
+    Link.info = {}
+    assert not too_big(Link(), b"x" * 10**7)  # unknown limit: not checked
+
+
+async def test_a_relay_that_cuts_circuits_during_open_costs_a_backoff_not_the_conversation(model):
+    """Found by an attack run: a relay that cannot read its circuits can still count frames and
+    cut the one carrying ``open``; ``Conversation.open`` recovered only from a full hop, so every
+    conversation through that relay failed and nothing was backed off. Now a hop unreachable
+    during open is backed off and the route planned again: the reply comes through the spare."""
+    path, digest, tok, ids, expected, other, other_digest = model
+    frames: dict = {}
+
+    class Cutter(Peer):
+        """A relay that flips a byte of the 6th frame of each circuit toward the hidden peer."""
+
+        async def _on_relay(self, link, f):
+            if f.str("to", None) is not None:
+                key = (id(link), f.d["circ"])
+                frames[key] = frames.get(key, 0) + 1
+                if frames[key] == 6:
+                    f.d["data"] = f.d["data"][:-1] + bytes([f.d["data"][-1] ^ 1])
+            await super()._on_relay(link, f)
+
+    relay = await start_peer(load_shard(other, LayerRange(0, 2)), weights_hash=other_digest)  # never a hop
+    relay.__class__ = Cutter
+    first = await start_peer(load_shard(path, LayerRange(0, 2)), weights_hash=digest, bootstrap=relay.addrs)
+    home = await hidden(path, digest, LayerRange(2, 4), relay.addrs)
+    spare = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest, bootstrap=relay.addrs)
+    try:
+        await wait_relayed([relay, first, home, spare], [home])
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan(exclude=frozenset({spare.peer_id}))
+            assert route.peer_ids == (first.peer_id, home.peer_id)
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, deadline_floor_s=DEADLINE_FLOOR_S)
+            try:
+                out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            finally:
+                await conv.close()
+            failed = dict(client._failed)
+        assert out.token_ids == expected and conv.route.peer_ids == (first.peer_id, spare.peer_id)
+        assert home.peer_id in failed and all(until != float("inf") for until, _ in failed.values())
+    finally:
+        for p in (spare, home, first, relay):
+            await p.close()

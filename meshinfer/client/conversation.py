@@ -19,7 +19,7 @@ from meshinfer.client.ledger import PositionLedger
 from meshinfer.client.results import ChatResult, StepTimes
 from meshinfer.client.routing import Route
 from meshinfer.client.speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, DraftPolicy
-from meshinfer.core.errors import CacheFull, InvalidInput, MeshError, NoRoute
+from meshinfer.core.errors import CacheFull, InvalidInput, MeshError, NoRoute, PeerUnavailable
 from meshinfer.core.generation import check_context
 from meshinfer.core.sampling_params import SamplingParams
 from meshinfer.wire import convkeys
@@ -160,6 +160,12 @@ class Conversation(HopSteps, Failover, DecodeSteps):
                     if attempt == MAX_FAILOVERS:
                         raise
                     self.route = await self._plan_around_full(exc, hop.peer_id, full)
+                except PeerUnavailable:  # the hop (or the relay its circuit ran through) is gone:
+                    await self._close_on(self.route.hops)  # back it off and plan again (a relay that
+                    self.client.mark_failed(self.client.culprit(self.route.hops[self._opening].peer_id))
+                    if attempt == MAX_FAILOVERS:  # cut every circuit during open failed each chat)
+                        raise
+                    self.route = await self.client.plan(compat_key=self.route.compat_key)
         except BaseException:
             await self.close()
             raise

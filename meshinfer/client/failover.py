@@ -12,7 +12,7 @@ from typing import Sequence
 from meshinfer.client import spotcheck
 from meshinfer.client.results import ChatResult
 from meshinfer.client.speculative import accept
-from meshinfer.core.errors import LyingPeer, MeshError, PeerUnavailable
+from meshinfer.core.errors import LyingPeer, MeshError, NoRoute, PeerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,20 @@ class Failover:
         keep = min(verified, trusted - 1, self.confirmed)  # positions the hops keep
         self.ledger.roll_back(keep)
         self.audit.truncate(keep)
-        await self._failover(exc, in_flight=keep, failed=failed)
+        held = self.client._failed.get(exc.suspect)
+        try:
+            await self._failover(exc, in_flight=keep, failed=failed)
+        except NoRoute:
+            if not exc.unproven or exc.reporter in failed or exc.reporter not in self.route.peer_ids:
+                raise
+            # nobody else serves the accused's layers: on one hop's word, replace the accuser instead
+            # (a liar used to end the conversation by accusing a peer that has no twin)
+            if held is None:
+                self.client._failed.pop(exc.suspect, None)
+            else:
+                self.client._failed[exc.suspect] = held
+            failed = {exc.reporter}
+            await self._failover(exc, in_flight=keep, failed=failed)
         del result.token_ids[max(0, trusted - n_prompt):]
         self.detections.append({"peer": exc.suspect, "layers": hop.layers.cli(), "reason": str(exc),
                                 "kept_tokens": trusted, "dropped_tokens": len(sent) - trusted,

@@ -3,15 +3,17 @@ advertise, fetched from peers that advertise it and checked against its hash."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 from typing import Sequence
 
 import msgpack
 
-from meshinfer.core.errors import IncompatiblePeer, MeshError, ProtocolError
+from meshinfer.core.errors import IncompatiblePeer, MeshError, PeerUnavailable, ProtocolError
 from meshinfer.text.bundle import bundle_sha256
 from meshinfer.text.tokenizer import Tokenizer
+from meshinfer.wire import protocol
 from meshinfer.wire.protocol import PeerAdvert
 
 log = logging.getLogger(__name__)
@@ -50,31 +52,51 @@ MAX_TOKENIZER_BYTES = 64 << 20
 async def _get_tokenizer(link, timeout_s: float) -> tuple[str, dict]:
     """(weights hash, bundle) from the peer at ``link``: one ``tokenizer`` reply, or, over a
     relay whose frames cannot hold the bundle, its parts in order (``chunk``, ``part`` of
-    ``parts``: the msgpack-encoded bundle), joined and decoded.
+    ``parts``: the msgpack-encoded bundle), joined and decoded with the frame decoder's limits,
+    all within ``timeout_s``.
 
     Raises:
-        ProtocolError: parts out of order, more than :data:`MAX_TOKENIZER_BYTES`, a weights hash
-            that changes between parts, or a joined bundle that does not decode to a map.
+        ProtocolError: parts out of order, of other weights, smaller than the peers send (but
+            the last), more than :data:`MAX_TOKENIZER_BYTES` in all, or joined parts that do not
+            decode to a map (an attack run found a crash, 16x memory, and hours of CPU there).
+        PeerUnavailable: the parts took longer than ``timeout_s``.
     """
-    _, f = await link.request("get_tokenizer", timeout_s=timeout_s)
-    got = f.str("weights_hash")
-    if f.get("chunk", bytes, None) is None:
-        return got, f.get("bundle", dict)
-    parts, chunks = f.int("parts", lo=1, hi=1 << 20), [f.get("chunk", bytes)]
-    while len(chunks) < parts:
-        _, f = await link.request("get_tokenizer", timeout_s=timeout_s, part=len(chunks))
-        if f.int("part", lo=0, hi=1 << 20) != len(chunks) or f.str("weights_hash") != got:
-            raise ProtocolError("tokenizer parts out of order, or of other weights")
-        chunks.append(f.get("chunk", bytes))
-        if sum(map(len, chunks)) > MAX_TOKENIZER_BYTES:
-            raise ProtocolError(f"tokenizer bundle larger than {MAX_TOKENIZER_BYTES} bytes")
     try:
-        bundle = msgpack.unpackb(b"".join(chunks), raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        got, chunks = await asyncio.wait_for(_tokenizer_parts(link, timeout_s), timeout_s)
+    except asyncio.TimeoutError:
+        raise PeerUnavailable(f"the tokenizer's parts took longer than {timeout_s:g} s") from None
+    if isinstance(chunks, dict):
+        return got, chunks
+    try:
+        bundle = msgpack.unpackb(b"".join(chunks), raw=False, strict_map_key=True, max_ext_len=0,
+                                 max_array_len=protocol.MAX_LIST_LEN, max_map_len=1024)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise ProtocolError(f"tokenizer parts do not decode: {exc}") from exc
     if not isinstance(bundle, dict):
         raise ProtocolError("tokenizer parts do not decode to a map")
     return got, bundle
+
+
+async def _tokenizer_parts(link, timeout_s: float) -> tuple[str, dict | list[bytes]]:
+    """(weights hash, the whole bundle or its parts in order) for :func:`_get_tokenizer`."""
+    _, f = await link.request("get_tokenizer", timeout_s=timeout_s)
+    got = f.str("weights_hash")
+    if f.get("chunk", bytes, None) is None:
+        return got, f.get("bundle", dict)
+    parts = f.int("parts", lo=1, hi=MAX_TOKENIZER_BYTES // protocol.MIN_TOKENIZER_PART_BYTES + 1)
+    chunks = [f.get("chunk", bytes)]
+    total = len(chunks[0])
+    while len(chunks) < parts:
+        if len(chunks[-1]) < protocol.MIN_TOKENIZER_PART_BYTES:
+            raise ProtocolError(f"tokenizer part {len(chunks) - 1} is smaller than the peers send")
+        _, f = await link.request("get_tokenizer", timeout_s=timeout_s, part=len(chunks))
+        if f.int("part", lo=0, hi=parts) != len(chunks) or f.str("weights_hash") != got:
+            raise ProtocolError("tokenizer parts out of order, or of other weights")
+        chunks.append(f.get("chunk", bytes))
+        total += len(chunks[-1])
+        if total > MAX_TOKENIZER_BYTES:
+            raise ProtocolError(f"tokenizer bundle larger than {MAX_TOKENIZER_BYTES} bytes")
+    return got, chunks
 
 
 async def fetch_tokenizer(client, sources: Sequence[PeerAdvert], weights_hash: str, agreed: str) -> Tokenizer:

@@ -39,14 +39,15 @@ log = logging.getLogger("meshinfer.peer.node.conversations")
 #: :data:`STATEMENT_OVERHEAD_BYTES` plus 16 bytes of digest per position of its step and a
 #: 64-byte signature, shared by the step's positions while any of them is held. The worst an
 #: honest client makes is a verification step of 32 positions of which one stays (the rest
-#: rolled back): 16 x 32 + 64 + 200 = 776 bytes, plus the position's list slot (8), rounded up.
+#: rolled back): 16 x 32 + 64 + 264 = 840 bytes, plus the position's list slot (8), rounded up.
 #: Until an attack run measured 669-746 bytes a position that way, this was 320 (a one-token
 #: step's statement). A client that pins more (long steps cut to one position again and again)
 #: is refused steps past its allowance (``Conv.statements_fit``).
-STATEMENT_BYTES_PER_TOKEN = 800
+STATEMENT_BYTES_PER_TOKEN = 880
 #: Bytes of one statement beyond its digests and signature: the tuple, two ints and two bytes
-#: headers (``sys.getsizeof`` on CPython 3.11-3.12: 194), rounded up.
-STATEMENT_OVERHEAD_BYTES = 200
+#: headers (``sys.getsizeof`` on CPython 3.11-3.12: 194) and its entry in ``Conv._holders``
+#: (about 60, measured with tracemalloc by an attack run), rounded up.
+STATEMENT_OVERHEAD_BYTES = 264
 
 
 @dataclass

@@ -15,10 +15,10 @@ import msgpack
 
 from meshinfer.core.errors import InvalidInput, ProtocolError, RateLimited, Unauthenticated
 from meshinfer.peer import limits
-from meshinfer.peer.limits import Bucket
+from meshinfer.peer.limits import Bucket, client_host
 from meshinfer.wire import discovery
 from meshinfer.wire.discovery import sign_advert
-from meshinfer.wire.protocol import PeerAdvert
+from meshinfer.wire.protocol import MIN_TOKENIZER_PART_BYTES, TOKENIZER_PART_MARGIN_BYTES, PeerAdvert
 from meshinfer.wire.transport import Link
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -154,9 +154,22 @@ class Handshake:
     async def on_authed(self, link: Link, f) -> None:
         raise ProtocolError("unexpected authed")
 
+    def tokenizer_bucket(self, host: str) -> Bucket:
+        """The ``get_tokenizer`` budget of client ``host``, beside each connection's: a connection,
+        or a circuit through a relay, is one hello away, and an attack run took 170 bundles,
+        486 MiB, out of a hidden peer in 5 s by opening circuits; at most
+        :data:`limits.MAX_TOKENIZER_HOSTS` hosts are remembered, the oldest forgotten first."""
+        buckets = self.peer.tokenizer_buckets
+        if host not in buckets:
+            while len(buckets) >= limits.MAX_TOKENIZER_HOSTS:
+                del buckets[next(iter(buckets))]
+            buckets[host] = Bucket(1 / limits.TOKENIZER_HOST_EVERY_S, limits.TOKENIZER_HOST_BURST)
+        return buckets[host]
+
     async def on_get_tokenizer(self, link: Link, f) -> None:
         """The tokenizer bundle, at most :data:`TOKENIZER_BURST` per connection, then one per
-        :data:`TOKENIZER_EVERY_S` seconds (``rate_limited``). Over a relay circuit whose frames
+        :data:`TOKENIZER_EVERY_S` seconds, and :data:`TOKENIZER_HOST_BURST` per client host, then
+        one per :data:`TOKENIZER_HOST_EVERY_S` (``rate_limited``). Over a relay circuit whose frames
         cannot hold the whole bundle (the default model's is 5.4 MB; a relay forwards what a
         512-token step needs, 1.9 MB), it goes in parts (:func:`tokenizer_part`), each charged
         as its share of a bundle."""
@@ -168,18 +181,16 @@ class Handshake:
         fields = tokenizer_part(data, part, getattr(link.ws, "max_send_bytes", None))
         share = len(fields["chunk"]) / len(data) if "chunk" in fields else 1.0
         bucket = link.info.setdefault("tokenizers", Bucket(1 / limits.TOKENIZER_EVERY_S, limits.TOKENIZER_BURST))
+        host = self.tokenizer_bucket(client_host(link))
         if not bucket.take(share):
             raise RateLimited(f"get_tokenizer: at most {limits.TOKENIZER_BURST} per connection, then one every "
                               f"{limits.TOKENIZER_EVERY_S:g} s; keep the bundle you have")
+        if not host.take(share):
+            raise RateLimited(f"get_tokenizer: at most {limits.TOKENIZER_HOST_BURST} from one client host, then "
+                              f"one every {limits.TOKENIZER_HOST_EVERY_S:g} s; keep the bundle you have")
         if "chunk" not in fields:
             fields = {"bundle": self.peer.tokenizer_bundle}
         await link.send("tokenizer", re=f.get("id", int, None), weights_hash=self.peer.weights_hash, **fields)
-
-
-#: Bytes a tokenizer part leaves free in its frame for the rest of the reply.
-TOKENIZER_PART_MARGIN_BYTES = 4096
-#: Smallest tokenizer part, bytes (a relay with a smaller frame limit cannot carry the bundle).
-MIN_TOKENIZER_PART_BYTES = 64 * 1024
 
 
 def tokenizer_part(data: bytes, part: int, max_frame_bytes: int | None) -> dict:

@@ -52,6 +52,13 @@ IDLE_LINK_TIMEOUT_S = 120.0
 #: Tokenizer bundles one connection may fetch at once, then one per :data:`TOKENIZER_EVERY_S`
 #: seconds (a bundle is up to 10 MB: a loop of requests would be a bandwidth amplifier).
 TOKENIZER_BURST, TOKENIZER_EVERY_S = 2, 30.0
+#: Tokenizer bundles one client host may fetch at once over all its connections (a machine
+#: running a few chats and a ``serve`` at once), then one per TOKENIZER_HOST_EVERY_S seconds:
+#: 2.7 MB/s of the default model's 5.4 MB bundle per host at most, after a burst.
+TOKENIZER_HOST_BURST, TOKENIZER_HOST_EVERY_S = 16, 2.0
+#: Client hosts whose tokenizer budget a peer remembers (the oldest forgotten first: a host
+#: forgotten early starts with a full budget again).
+MAX_TOKENIZER_HOSTS = 1024
 #: Steps queued per conversation before new ones are refused (flow control).
 MAX_QUEUED_STEPS = 64
 #: Most bytes of hidden states queued for the device over all conversations: 128 steps of
@@ -97,6 +104,10 @@ CLIENT_REQUESTS = frozenset({"open", "verify", "get_log", "truncate", "get_token
 #: one hidden peer, all openers together (each circuit costs a few map entries; its frames go
 #: through the bounded outboxes of the two links).
 MAX_CIRCUITS_PER_LINK, MAX_CIRCUITS_PER_PEER = 64, 256
+#: Circuits one client host may hold through a relay to one hidden peer (over all its
+#: connections): a quarter of the hidden peer's, so one host cannot take them all (an attack
+#: run took all 256 from 4 connections in 0.75 s).
+MAX_CIRCUITS_PER_HOST_TO_PEER = MAX_CIRCUITS_PER_PEER // 4
 #: Seconds a peer waits for the answer to its reachability check (the asked peer dials every
 #: advertised address at once, each within its open timeout of 5 s).
 DIAL_BACK_TIMEOUT_S = 15.0

@@ -107,6 +107,7 @@ class Peer(_Handlers):
         self.weights_hash, self.precision = weights_hash, precision
         self.tokenizer_bundle = tokenizer_bundle
         self.tokenizer_wire: bytes | None = None  # the bundle as msgpack, for tokenizer parts (made on first use)
+        self.tokenizer_buckets: dict = {}  # client host -> its get_tokenizer budget (Handshake.tokenizer_bucket)
         self.tokenizer_sha256 = "" if tokenizer_bundle is None else bundle_sha256(tokenizer_bundle)
         self.settings = settings or PeerSettings()
         self.state = protocol.JOINING

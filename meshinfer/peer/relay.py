@@ -75,7 +75,9 @@ class Relay:
             except MeshError as exc:
                 link.post("relay_close", circ=circ, back=True, message=str(exc), cut=False)
                 raise
-        if not dest[0].post("relay", circ=dest[1], data=data, host=client_host(link), cut=False):
+        if too_big(dest[0], data):
+            self.end_forward(link, circ, f"a {len(data)}-byte circuit frame is larger than peer {to[:12]} takes")
+        elif not dest[0].post("relay", circ=dest[1], data=data, host=client_host(link), cut=False):
             self.end_forward(link, circ, f"peer {to[:12]} does not read fast enough")
 
     def open_forward(self, link: Link, circ: int, to: str) -> tuple[Link, int]:
@@ -95,6 +97,11 @@ class Relay:
             raise PeerUnavailable(f"peer {to[:12]} does not list {self.peer.peer_id[:12]} among its relays")
         if sum(1 for lk, _ in self.forwards if lk is link) >= limits.MAX_CIRCUITS_PER_LINK:
             raise RateLimited(f"this connection already has {limits.MAX_CIRCUITS_PER_LINK} circuits through this relay")
+        host = client_host(link)
+        if sum(1 for lk, _ in self.forwards if client_host(lk) == host and self.forwards[(lk, _)][0] is target) \
+                >= limits.MAX_CIRCUITS_PER_HOST_TO_PEER:
+            raise RateLimited(f"client {host} already has {limits.MAX_CIRCUITS_PER_HOST_TO_PEER} circuits to peer "
+                              f"{to[:12]} through this relay")
         if sum(1 for lk, _ in self.backwards if lk is target) >= limits.MAX_CIRCUITS_PER_PEER:
             raise RateLimited(f"peer {to[:12]} already has {limits.MAX_CIRCUITS_PER_PEER} circuits through this relay")
         dest = (target, target.next_circuit_id())
@@ -109,7 +116,9 @@ class Relay:
         src = self.backwards.get((link, circ))
         if src is None:
             return  # a circuit that ended meanwhile
-        if not src[0].post("relay_back", circ=src[1], data=data, cut=False):
+        if too_big(src[0], data):
+            self.end_forward(*src, f"a {len(data)}-byte circuit frame is larger than the opener takes")
+        elif not src[0].post("relay_back", circ=src[1], data=data, cut=False):
             self.end_forward(*src, f"the opener of circuit {src[1]} does not read fast enough")
 
     async def on_relay_close(self, link: Link, f) -> None:
@@ -209,3 +218,12 @@ class Relay:
             link.post("dialed_back", re=rid, ok=True, addr=test.name)
         finally:
             link.info["dialing_back"] = False
+
+
+def too_big(link: Link, data: bytes) -> bool:
+    """Whether a circuit frame ``data`` forwarded on ``link`` would pass the largest frame its
+    far end said it takes (``max_frame_bytes`` in its hello; unknown: no check). Forwarded, it
+    closed that end's whole connection to this relay, every circuit on it (found by an attack
+    run: one stranger's frame cut a hidden peer off); now only the circuit ends."""
+    limit = link.info.get("max_frame_bytes")
+    return limit is not None and len(data) + RELAY_OVERHEAD_BYTES > limit

@@ -39,6 +39,9 @@ PEER_STATES = (JOINING, READY, DRAINING)
 MAX_TENSOR_DIMS = 4
 #: Most elements in one list field (token ids per step, adverts per gossip, trace entries).
 MAX_LIST_LEN = 1 << 16
+#: Bytes a ``tokenizer`` part leaves free in its frame for the rest of the reply, and the
+#: smallest part a peer sends (a relay with a smaller frame limit cannot carry the bundle).
+TOKENIZER_PART_MARGIN_BYTES, MIN_TOKENIZER_PART_BYTES = 4096, 64 * 1024
 #: Longest string field (URLs, ids, error text) in characters.
 MAX_STR_LEN = 4096
 #: Longest peer id accepted in a trace or an ``rtts_ms`` map, characters (ids are 32 hex digits).
