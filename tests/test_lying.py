@@ -994,16 +994,9 @@ async def test_a_new_previous_hop_cannot_get_the_kept_hop_blamed_with_an_old_cli
                 await p.close()
 
 
-async def test_a_hop_accusing_without_evidence_gets_honest_peers_backed_off_never_banned(tiny):
-    """A lying hop refuses every step from its previous hop, saying it came without a valid
-    signature: an accusation nothing can check. The client used to ban the accused on that
-    word, one honest peer per accusation. Now the first accusation backs the accused off, the
-    liar's second (when the new route keeps it) backs off the accused and the liar, and nobody
-    is banned on one hop's word; the reply equals plain greedy generation over the honest peers
-    (the counting itself: ``tests/test_reports.py``)."""
-    ids, expected = tiny[3], tiny[4]
-    peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (1, 3), (1, 3), (3, 4), (3, 4)])
-    first, p1, p2, p3, liar, twin = peers
+def accuse_every_step(liar) -> None:
+    """Make ``liar`` refuse every step from its previous hop, accusing it (no evidence) of
+    sending it without a valid signature."""
     real = liar.steps.accept_from_previous_hop
 
     def accuse(link, conv, f, seq, start, x, digests, header):
@@ -1014,6 +1007,19 @@ async def test_a_hop_accusing_without_evidence_gets_honest_peers_backed_off_neve
         return False
 
     liar.steps.accept_from_previous_hop = accuse
+
+
+async def test_a_hop_accusing_without_evidence_gets_honest_peers_backed_off_never_banned(tiny):
+    """A lying hop refuses every step from its previous hop, saying it came without a valid
+    signature: an accusation nothing can check. The client used to ban the accused on that
+    word, one honest peer per accusation. Now the first accusation backs the accused off, the
+    liar's second (when the new route keeps it) backs off the accused and the liar, and nobody
+    is banned on one hop's word; the reply equals plain greedy generation over the honest peers
+    (the counting itself: ``tests/test_reports.py``)."""
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (1, 3), (1, 3), (3, 4), (3, 4)])
+    first, p1, p2, p3, liar, twin = peers
+    accuse_every_step(liar)
     try:
         async with MeshClient(list(first.addrs)) as client:
             route = await client.plan(exclude=frozenset({p2.peer_id, p3.peer_id, twin.peer_id}))
@@ -1039,16 +1045,7 @@ async def test_an_unproven_accusation_of_a_peer_with_no_twin_replaces_the_accuse
     ids, expected = tiny[3], tiny[4]
     peers = await start_lying_mesh(tiny, [(0, 2), (2, 4), (2, 4)])
     first, liar, twin = peers
-    real = liar.steps.accept_from_previous_hop
-
-    def accuse(link, conv, f, seq, start, x, digests, header):
-        if conv.prev_id is None:
-            return real(link, conv, f, seq, start, x, digests, header)
-        conv.owner.post("error", conv=conv.conv_id, seq=seq, code="lying_peer", suspect=conv.prev_id,
-                        message=f"previous hop {conv.prev_id[:12]} sent step {seq} without a valid signature")
-        return False
-
-    liar.steps.accept_from_previous_hop = accuse
+    accuse_every_step(liar)
     try:
         async with MeshClient(list(first.addrs)) as client:
             route = await client.plan(exclude=frozenset({twin.peer_id}))
