@@ -110,21 +110,34 @@ class Failover:
         i = ids.index(hop_id) if hop_id in ids else len(ids)
         return ids[i + 1] if i + 1 < len(ids) else None
 
-    async def _failover(self, exc: MeshError, *, in_flight: int, failed: set[str] | None = None) -> None:
+    async def _failover(self, exc: MeshError, *, in_flight: int, failed: set[str] | None = None,
+                        fallback: set[str] | None = None) -> set[str]:
         """Replace failed hops (found by probing unless given), keep the others' caches, replay
-        the confirmed tokens."""
+        the confirmed tokens; return the hops replaced. When no route avoids ``failed``, the
+        hops in ``fallback`` are replaced instead, if given.
+
+        Raises:
+            NoRoute: no route avoids the failed hops (nor the fallback); they are backed off.
+        """
         t0 = time.perf_counter()
         failed = failed if failed is not None else await self._find_failed(in_flight, exc)
-        for pid in failed:  # a hop behind a dead relay is fine: the relay is backed off, the hop reopened
-            self.client.mark_failed(self.client.culprit(pid))
-        log.warning("conversation %s: %s; failing over from %s", self.conv_id[:12], exc,
-                    ", ".join(p[:12] for p in failed) or "an unknown hop")
+        # a hop behind a dead relay is fine: the relay is backed off, the hop reopened
+        culprits = {self.client.culprit(pid) for pid in failed}
         old = self.route
         try:
-            new = await asyncio.wait_for(self.client.plan(compat_key=old.compat_key),
+            new = await asyncio.wait_for(self.client.plan(compat_key=old.compat_key, exclude=frozenset(culprits)),
                                          self.client.request_timeout_s * 3)
+        except NoRoute:
+            if fallback is not None:
+                return await self._failover(exc, in_flight=in_flight, failed=fallback)
+            self._back_off(culprits)
+            raise
         except asyncio.TimeoutError:
+            self._back_off(culprits)
             raise PeerUnavailable("no new route found in time after a hop failed") from exc
+        self._back_off(culprits)
+        log.warning("conversation %s: %s; failing over from %s", self.conv_id[:12], exc,
+                    ", ".join(p[:12] for p in failed) or "an unknown hop")
         kept = {(h.peer_id, h.layers) for h in old.hops if h.peer_id not in failed} & \
             {(h.peer_id, h.layers) for h in new.hops}
         await self._close_on([h for h in old.hops if (h.peer_id, h.layers) not in kept and h.peer_id not in failed])
@@ -139,6 +152,12 @@ class Failover:
             await self._send(history[i:i + self.max_step_tokens], i, want="none", replay=True)
         self.failovers.append({"failed": sorted(failed), "reason": str(exc), "replayed_tokens": len(history),
                                "kept_hops": len(kept), "seconds": round(time.perf_counter() - t0, 3)})
+        return failed
+
+    def _back_off(self, peer_ids: set[str]) -> None:
+        """Mark each of ``peer_ids`` failed in the client (its backoff)."""
+        for pid in peer_ids:
+            self.client.mark_failed(pid)
 
     # ------------------------------------------------------------------ lying hops
     async def _audited_step(self, tokens: Sequence[int], result: ChatResult, *, prefill: bool = False,
@@ -205,20 +224,11 @@ class Failover:
         keep = min(verified, trusted - 1, self.confirmed)  # positions the hops keep
         self.ledger.roll_back(keep)
         self.audit.truncate(keep)
-        held = self.client._failed.get(exc.suspect)
-        try:
-            await self._failover(exc, in_flight=keep, failed=failed)
-        except NoRoute:
-            if not exc.unproven or exc.reporter in failed or exc.reporter not in self.route.peer_ids:
-                raise
-            # nobody else serves the accused's layers: on one hop's word, replace the accuser instead
-            # (a liar used to end the conversation by accusing a peer that has no twin)
-            if held is None:
-                self.client._failed.pop(exc.suspect, None)
-            else:
-                self.client._failed[exc.suspect] = held
-            failed = {exc.reporter}
-            await self._failover(exc, in_flight=keep, failed=failed)
+        # nobody else serving the accused's layers, one hop's word replaces the accuser instead
+        # (a liar used to end the conversation by accusing a peer that has no twin)
+        fallback = {exc.reporter} if exc.unproven and exc.reporter in self.route.peer_ids and exc.reporter not in failed \
+            else None
+        failed = await self._failover(exc, in_flight=keep, failed=failed, fallback=fallback)
         del result.token_ids[max(0, trusted - n_prompt):]
         self.detections.append({"peer": exc.suspect, "layers": hop.layers.cli(), "reason": str(exc),
                                 "kept_tokens": trusted, "dropped_tokens": len(sent) - trusted,

@@ -8,8 +8,6 @@ import collections
 import logging
 from typing import Sequence
 
-import msgpack
-
 from meshinfer.core.errors import IncompatiblePeer, MeshError, PeerUnavailable, ProtocolError
 from meshinfer.text.bundle import bundle_sha256
 from meshinfer.text.tokenizer import Tokenizer
@@ -67,10 +65,10 @@ async def _get_tokenizer(link, timeout_s: float) -> tuple[str, dict]:
         raise PeerUnavailable(f"the tokenizer's parts took longer than {timeout_s:g} s") from None
     if isinstance(chunks, dict):
         return got, chunks
+    data = b"".join(chunks)
     try:
-        bundle = msgpack.unpackb(b"".join(chunks), raw=False, strict_map_key=True, max_ext_len=0,
-                                 max_array_len=protocol.MAX_LIST_LEN, max_map_len=1024)
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        bundle = protocol.unpack(data, max_bytes=len(data))
+    except ProtocolError as exc:
         raise ProtocolError(f"tokenizer parts do not decode: {exc}") from exc
     if not isinstance(bundle, dict):
         raise ProtocolError("tokenizer parts do not decode to a map")

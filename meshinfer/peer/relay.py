@@ -98,8 +98,8 @@ class Relay:
         if sum(1 for lk, _ in self.forwards if lk is link) >= limits.MAX_CIRCUITS_PER_LINK:
             raise RateLimited(f"this connection already has {limits.MAX_CIRCUITS_PER_LINK} circuits through this relay")
         host = client_host(link)
-        if sum(1 for lk, _ in self.forwards if client_host(lk) == host and self.forwards[(lk, _)][0] is target) \
-                >= limits.MAX_CIRCUITS_PER_HOST_TO_PEER:
+        held = sum(1 for (opener, _), (dest, _) in self.forwards.items() if dest is target and client_host(opener) == host)
+        if held >= limits.MAX_CIRCUITS_PER_HOST_TO_PEER:
             raise RateLimited(f"client {host} already has {limits.MAX_CIRCUITS_PER_HOST_TO_PEER} circuits to peer "
                               f"{to[:12]} through this relay")
         if sum(1 for lk, _ in self.backwards if lk is target) >= limits.MAX_CIRCUITS_PER_PEER:

@@ -432,6 +432,23 @@ def _check_complete(frame: bytes) -> None:
         raise ProtocolError(f"frame is not valid msgpack: {exc or type(exc).__name__}") from exc
 
 
+def unpack(data: bytes, *, max_bytes: int) -> Any:
+    """The object msgpack ``data`` holds, decoded within a frame's limits: every string and
+    bytes at most ``max_bytes``, lists at most :data:`MAX_LIST_LEN`, maps 1,024 entries, no
+    extension types, string keys, and nothing declared that is not there (:func:`_check_complete`).
+
+    Raises:
+        ProtocolError: ``data`` is not such msgpack.
+    """
+    _check_complete(data)
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=max_bytes,
+                               max_str_len=max_bytes, max_array_len=MAX_LIST_LEN, max_map_len=1024,
+                               max_ext_len=0)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
+        raise ProtocolError(f"frame is not valid msgpack: {exc}") from exc
+
+
 def decode(frame: bytes | str, *, max_bytes: int) -> tuple[str, Fields]:
     """Decode and check the envelope of one frame.
 
@@ -448,14 +465,7 @@ def decode(frame: bytes | str, *, max_bytes: int) -> tuple[str, Fields]:
     """
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError("frames must be binary msgpack, got a text frame")
-    _check_complete(frame)
-    try:
-        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=max_bytes,
-                              max_str_len=max_bytes, max_array_len=MAX_LIST_LEN, max_map_len=1024,
-                              max_ext_len=0)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
-        raise ProtocolError(f"frame is not valid msgpack: {exc}") from exc
-    f = Fields(obj, "message")
+    f = Fields(unpack(frame, max_bytes=max_bytes), "message")
     version = f.get("v", int)
     if version != PROTOCOL_VERSION:
         raise VersionMismatch(f"protocol version {version} is not supported; this side speaks "
