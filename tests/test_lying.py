@@ -17,7 +17,7 @@ import torch
 
 from helpers.meshkit import AlwaysDraft, crash, start_peer, wait_for_tables
 from helpers.lying import LyingShard, noise
-from meshinfer.client import spotcheck
+from meshinfer.client import reports, spotcheck
 from meshinfer.wire import discovery, plausible, tensors
 from meshinfer.core.config import LayerRange
 from meshinfer.core.errors import LyingPeer
@@ -1060,3 +1060,36 @@ async def test_an_unproven_accusation_of_a_peer_with_no_twin_replaces_the_accuse
     assert out.token_ids == expected and conv.route.peer_ids == (first.peer_id, twin.peer_id)
     assert liar.peer_id in backed_off and first.peer_id not in backed_off
     assert out.detections[0]["replaced"] == [liar.peer_id]
+
+
+async def test_two_identities_on_one_host_accusing_a_peer_cannot_get_it_banned(tiny):
+    """Two lying identities on one host (keys are free) each accuse the same honest peer, with no
+    evidence, of sending unsigned steps. Distinct accusers used to ban it, so two sybils routed
+    after an honest peer got it banned. Accusers on one host are one witness now: the accused
+    is never banned, and each reply equals plain greedy generation (the host count itself:
+    ``tests/test_reports.py``)."""
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 4), (1, 4), (1, 4)])
+    first, liar_a, liar_b, honest = peers
+    for liar in (liar_a, liar_b):
+        accuse_every_step(liar)
+    liars = {liar_a.peer_id, liar_b.peer_id}
+    try:
+        async with MeshClient(list(first.addrs)) as client:
+            assert {client.host(p.peer_id) for p in peers} <= {"127.0.0.1", reports.UNKNOWN_HOST}
+            for _ in range(3):  # until both liars have accused the first peer
+                accused = client.accusations.accusers(first.peer_id)
+                if accused == liars:
+                    break
+                route = await client.plan(exclude=frozenset({honest.peer_id, *accused}))
+                conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS)
+                out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+                await conv.close()
+                assert out.token_ids == expected and not any(d["proven"] for d in out.detections)
+            assert client.accusations.accusers(first.peer_id) == liars
+            assert client.accusations.accuser_hosts(first.peer_id) == {"127.0.0.1"}
+            until, _ = client._failed.get(first.peer_id, (0.0, 0))
+    finally:
+        for p in peers:
+            await p.close()
+    assert until != math.inf  # two identities on one host are one witness: no ban

@@ -96,13 +96,18 @@ def test_the_ledger_forgets_old_reports_and_holds_a_bounded_number_of_reporters(
     assert ledger.accusers("m0") == frozenset() and ledger.accusers(f"m{reports.MAX_NAMED + 4}") == {"d"}
 
 
-def test_an_unproven_accusation_backs_the_accused_off_and_two_accusers_ban_it():
+def test_an_unproven_accusation_backs_the_accused_off_and_accusers_on_two_hosts_ban_it():
     """``ReportLedger.accuse``: a hop's accusation of its previous hop with nothing the client
     can check replaces the accused, not the accuser, at the first; both at the accuser's second;
-    the accuser alone after that. Only a peer accused by two distinct hops is to be banned."""
+    the accuser alone after that. Only a peer accused by hops on two distinct hosts is to be
+    banned: identities on one host (sybils, keys are free), or behind relays, are one witness."""
     ledger = ReportLedger()
-    assert ledger.accuse("liar", "p1") == (frozenset({"p1"}), False)
-    assert ledger.accuse("liar", "p2") == (frozenset({"liar", "p2"}), False)
-    assert ledger.accuse("liar", "p3") == (frozenset({"liar"}), False)  # its word no longer moves others
-    assert ledger.accuse("honest", "p3") == (frozenset({"p3"}), True)  # a second, distinct accuser: banned
-    assert ledger.accusers("p3") == {"liar", "honest"} and ledger.count("liar") == 3
+    assert ledger.accuse("liar", "p1", "198.51.100.7") == (frozenset({"p1"}), False)
+    assert ledger.accuse("liar", "p2", "198.51.100.7") == (frozenset({"liar", "p2"}), False)
+    assert ledger.accuse("liar", "p3", "198.51.100.7") == (frozenset({"liar"}), False)  # its word moves nobody else
+    assert ledger.accuse("sybil", "p3", "198.51.100.7") == (frozenset({"p3"}), False)  # same host: one witness
+    assert ledger.accuse("relayed", "p3") == (frozenset({"p3"}), True)  # a second host (one for all relayed)
+    assert ledger.accusers("p3") == {"liar", "sybil", "relayed"} and ledger.count("liar") == 3
+    assert ledger.accuser_hosts("p3") == {"198.51.100.7", reports.UNKNOWN_HOST}
+    assert ledger.accuse("r1", "p4") == (frozenset({"p4"}), False)
+    assert ledger.accuse("r2", "p4") == (frozenset({"p4"}), False)  # two relayed accusers: one unknown host

@@ -243,12 +243,14 @@ class Failover:
         got one honest peer banned per accusation; now it is counted in the client's
         ``accusations`` (:meth:`~meshinfer.client.reports.ReportLedger.accuse`): the accused is
         backed off, the accuser too from its second such accusation, and only a peer accused by
-        two distinct hops is banned."""
+        hops on two distinct hosts is banned (``MeshLinks.host``: identities on one machine are
+        one witness)."""
         if not exc.unproven or exc.reporter is None:
             self.client.ban(exc.suspect, str(exc))
             return {exc.suspect}
-        failed, ban = self.client.accusations.accuse(exc.reporter, exc.suspect)
+        failed, ban = self.client.accusations.accuse(exc.reporter, exc.suspect, self.client.host(exc.reporter))
         if ban:
-            self.client.ban(exc.suspect, f"{exc} (accused by {len(self.client.accusations.accusers(exc.suspect))} hops)")
+            hosts = len(self.client.accusations.accuser_hosts(exc.suspect))
+            self.client.ban(exc.suspect, f"{exc} (accused by hops on {hosts} hosts)")
         return set(failed)
 

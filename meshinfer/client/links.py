@@ -8,6 +8,7 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
+from meshinfer.client.reports import UNKNOWN_HOST
 from meshinfer.core.errors import MeshError, PeerUnavailable, Unauthenticated
 from meshinfer.wire import discovery
 from meshinfer.wire.protocol import PeerAdvert
@@ -216,6 +217,16 @@ class MeshLinks:
             except MeshError as exc:
                 errors.append(f"through relay {relay_id[:12]}: {exc}")
         raise PeerUnavailable(f"cannot reach peer {peer.peer_id[:12]}: " + "; ".join(errors))
+
+    def host(self, peer_id: str) -> str:
+        """Where hop ``peer_id`` runs, as far as this client can tell: ``discovery.host_key`` of
+        the address its open direct connection reaches (an IPv4 address, an IPv6 /64), else
+        ``reports.UNKNOWN_HOST`` (through a relay, or no open link), which all such hops share."""
+        link = self.open_link(peer_id)
+        address = getattr(link.ws, "remote_address", None) if link is not None and link.relay_id is None else None
+        if not address:
+            return UNKNOWN_HOST
+        return discovery.host_key(str(address[0]))
 
     def culprit(self, peer_id: str) -> str:
         """Whom to blame when the connection to hop ``peer_id`` failed: the relay it ran

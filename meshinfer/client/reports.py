@@ -31,9 +31,13 @@ REPORT_MEMORY_S = 3600.0
 MAX_REPORTERS = 256
 #: Peers one record remembers its reporter naming (the newest kept).
 MAX_NAMED = 8
-#: Distinct hops whose unproven accusations (no evidence) of one peer get it banned: one hop's
-#: word is not enough (it may be the liar), two independent ones are (docs/security.md).
-UNPROVEN_ACCUSERS_BANNED = 2
+#: Distinct hosts whose hops' unproven accusations (no evidence) of one peer get it banned: one
+#: hop's word is not enough (it may be the liar), nor are the words of many identities on one
+#: host (keys are free: sybils), but hops on two hosts are (docs/security.md).
+UNPROVEN_ACCUSER_HOSTS_BANNED = 2
+#: The host of a hop the client does not reach directly (through a relay, or with no link): all
+#: such hops count as one host, since the client cannot tell where they run.
+UNKNOWN_HOST = "?"
 
 
 @dataclass
@@ -42,6 +46,7 @@ class _Record:
     count: int = 0
     last_s: float = 0.0
     named: dict[str, None] = field(default_factory=dict)  # an ordered set, oldest first
+    host: str = UNKNOWN_HOST  # where the reporter runs (``discovery.host_key`` of its address)
 
 
 class ReportLedger:
@@ -80,12 +85,18 @@ class ReportLedger:
         self._forget_stale()
         return frozenset(r for r, rec in self._records.items() if peer_id in rec.named)
 
-    def add(self, reporter: str, named: str | None) -> int:
-        """Record one unconfirmed report of ``reporter`` naming ``named`` (the hop after it, or
-        None); return the reporter's remembered count, this one included."""
+    def accuser_hosts(self, peer_id: str) -> frozenset[str]:
+        """Hosts of the reporters whose remembered reports named ``peer_id`` (:meth:`accusers`)."""
+        return frozenset(self._records[r].host for r in self.accusers(peer_id))
+
+    def add(self, reporter: str, named: str | None, host: str | None = None) -> int:
+        """Record one unconfirmed report of ``reporter`` (on ``host``, when given) naming ``named``
+        (the hop after it, or None); return the reporter's remembered count, this one included."""
         self._forget_stale()
         rec = self._records.pop(reporter, None) or _Record()
         rec.count, rec.last_s = rec.count + 1, self.clock()
+        if host is not None:
+            rec.host = host
         if named is not None:
             rec.named.pop(named, None)
             rec.named[named] = None
@@ -107,19 +118,21 @@ class ReportLedger:
             return frozenset({reporter, named})
         return frozenset({reporter})
 
-    def accuse(self, accuser: str, accused: str) -> tuple[frozenset[str], bool]:
-        """Record one accusation by hop ``accuser`` that its previous hop ``accused`` sent what
-        it could not take, with no evidence the client can check (:meth:`add`). Return the peers
-        to replace for it, and whether to ban ``accused``:
+    def accuse(self, accuser: str, accused: str, host: str = UNKNOWN_HOST) -> tuple[frozenset[str], bool]:
+        """Record one accusation by hop ``accuser``, on ``host`` (``discovery.host_key`` of the
+        address the client reaches it at, :data:`UNKNOWN_HOST` through a relay), that its previous
+        hop ``accused`` sent what it could not take, with no evidence the client can check
+        (:meth:`add`). Return the peers to replace for it, and whether to ban ``accused``:
 
         - replaced: ``accused`` at the accuser's first (it may have sent garbage: route around
           it), ``accused`` and ``accuser`` at its :data:`UNCONFIRMED_REPORTS_BLAMED`-th, the
           accuser alone past it (it has had its one co-blame: a liar's word no longer moves
           honest peers);
-        - banned: ``accused`` once :data:`UNPROVEN_ACCUSERS_BANNED` distinct accusers named it.
+        - banned: ``accused`` once accusers on :data:`UNPROVEN_ACCUSER_HOSTS_BANNED` distinct
+          hosts named it (two identities on one machine are one witness).
         """
-        n = self.add(accuser, accused)
-        ban = len(self.accusers(accused)) >= UNPROVEN_ACCUSERS_BANNED
+        n = self.add(accuser, accused, host)
+        ban = len(self.accuser_hosts(accused)) >= UNPROVEN_ACCUSER_HOSTS_BANNED
         if n < UNCONFIRMED_REPORTS_BLAMED:
             return frozenset({accused}), ban
         return frozenset({accuser, accused} if n == UNCONFIRMED_REPORTS_BLAMED or ban else {accuser}), ban
