@@ -445,7 +445,7 @@ async def _spec_measure(base_port: int, proxy_ports: list[int], rtts_ms: list[fl
 def run_spec_bench(*, model: str, rtts_ms: list[float], max_tokens: int, repeats: int, dtype: str, base_port: int,
                    draft_tokens: int, peers: int = 2, prompts: list | None = None, draft_model: str | None = None,
                    draft_dtype: str = "auto", draft_device: str = "cpu", draft_threads: int | None = 1,
-                   modes: Sequence[str] = DEFAULT_SPEC_MODES, draft_ahead: bool | str = False,
+                   modes: Sequence[str] = DEFAULT_SPEC_MODES, draft_ahead: bool | str = "auto",
                    progress=None) -> tuple[str, list[dict]]:
     """Plain, prompt-lookup and draft-model decoding through netsim proxies (module docstring).
 

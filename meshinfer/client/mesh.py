@@ -63,7 +63,7 @@ class MeshClient(MeshLinks):
                  mesh_key: bytes | None = None, insecure: bool = False, tls_ca: str | None = None,
                  allow_ids: frozenset[str] | None = None,
                  spot_check_rate: float = spotcheck.DEFAULT_SPOT_CHECK_RATE, dial_timeout_s: float = DIAL_TIMEOUT_S,
-                 draft_model: DraftModel | None = None, draft_ahead: bool | str = False) -> None:
+                 draft_model: DraftModel | None = None, draft_ahead: bool | str = "auto") -> None:
         if not bootstrap:
             raise InvalidInput("no peers to contact: pass --peers ws://HOST:PORT")
         self.bootstrap = list(bootstrap)
