@@ -1123,6 +1123,7 @@ async def test_queued_hidden_states_are_bounded_over_all_conversations(tiny, mon
     """A previous hop that fills every conversation's queue gets rate_limited once the peer holds
     MAX_QUEUED_BYTES of queued steps, and the count returns to 0 when they are gone."""
     monkeypatch.setattr(peer_module, "MAX_QUEUED_BYTES", 3 * 8 * 8)  # three steps of 8 int64 token ids
+    monkeypatch.setattr(peer_module, "QUEUED_BYTES_HOST_SHARE", 1.0)  # the pool itself (a host's share: below)
     async with serving(tiny) as peers:
         peer = peers[0]
         gate = threading.Event()
@@ -1144,6 +1145,44 @@ async def test_queued_hidden_states_are_bounded_over_all_conversations(tiny, mon
         assert peer._queued_bytes == 0
         monkeypatch.undo()  # the usual limit for the health check's prompt
         await assert_healthy(tiny, peers)
+
+
+async def test_one_host_holds_at_most_its_share_of_queued_steps_and_another_is_served(tiny, monkeypatch):
+    """Found by an attack run: the queued-bytes pool was one for all hosts, so one host's queued
+    steps (a client's, or a rogue previous hop's relayed ones: charged to the conversation's
+    client host) got every other host's steps refused. One host now holds at most
+    QUEUED_BYTES_HOST_SHARE of the pool; a client on another address is served meanwhile."""
+    monkeypatch.setattr(peer_module, "MAX_QUEUED_BYTES", 4 * 8 * 8)  # four steps of 8 int64 token ids
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        gate = threading.Event()
+        peer.executor.submit(gate.wait, 30)  # the device is busy: steps stay queued
+        attacker = await Raw.connect(peer)
+        victim = await Raw.connect(peer, local_addr=("127.0.0.2", 0))
+        try:
+            await attacker.request("open", conv="a", layers=[0, 4], max_tokens=200)
+            await attacker.send("step", conv="a", seq=1, start=0, tokens=list(range(1, 9)), want="none")
+            await asyncio.sleep(0.2)  # the worker took step 1 and waits for the device
+            for k in (2, 3):
+                await attacker.send("step", conv="a", seq=k, start=8 * (k - 1), tokens=[1] * 8, want="none")
+            code, message = await attacker.error("step", conv="a", seq=4, start=24, tokens=[1] * 8, want="none")
+            assert code == "rate_limited" and message == (
+                "client 127.0.0.1 holds 128 bytes of queued steps on this peer; 64 more would pass its limit of "
+                "128 (50% of 256)")
+            assert peer.steps.queued_by_host == {"127.0.0.1": 128}
+            await victim.request("open", conv="v", layers=[0, 4], max_tokens=200)
+            await victim.send("step", conv="v", seq=1, start=0, tokens=list(range(1, 9)), want="none")
+            await victim.send("step", conv="v", seq=2, start=8, tokens=[1] * 8, want="token")
+            await asyncio.sleep(0.2)
+            gate.set()
+            reply = await victim.recv(timeout_s=10)
+            assert reply["t"] == "token" and reply["length"] == 16, reply
+        finally:
+            gate.set()
+            await attacker.close()
+            await victim.close()
+        await settle(peers)
+        assert peer._queued_bytes == 0 and peer.steps.queued_by_host == {}
 
 
 @pytest.mark.slow

@@ -47,9 +47,11 @@ async def run_with_liar(tiny, *, lie_shard=None, lie_compute=None, rate=spotchec
     path, digest, tok, ids, _ = tiny
     shard = lambda a, b: load_shard(path, LayerRange(a, b))  # noqa: E731
     first = await start_peer(shard(0, 1), weights_hash=digest, bundle=tok.to_bundle())
-    peers = [first] + [await start_peer(shard(a, b), weights_hash=digest, bootstrap=first.addrs)
-                       for a, b in ((1, 3), (1, 3), (1, 3), (3, 4))]
-    twins, liar = (peers[1], peers[2]), peers[3]  # two honest twins: a dispute needs a third opinion
+    peers = [first] + [await start_peer(shard(a, b), weights_hash=digest, bootstrap=first.addrs, host=f"127.0.0.{i}")
+                       for i, (a, b) in enumerate(((1, 3), (1, 3), (1, 3), (3, 4)), start=2)]
+    # two honest twins, each on a loopback address of its own: a dispute needs a third opinion
+    # from another host than the side it takes (MeshClient.host)
+    twins, liar = (peers[1], peers[2]), peers[3]
     if lie_shard is not None:
         liar.shard = LyingShard(liar.shard, lie_shard)
     if lie_compute is not None:
@@ -171,7 +173,7 @@ def test_relative_error_and_tolerance():
 @pytest.mark.realmodel
 async def test_default_model_liar_is_caught_and_output_is_exact():
     """3 honest peers + 1 liar with the same range as two of them (layers 0-11, 1% noise): the
-    second honest twin settles the dispute between the liar and the first."""
+    second honest twin, on a host of its own, settles the dispute between the liar and the first."""
     from helpers.realmodels import model_path
     from helpers.meshkit import file_hash
     from helpers.realmodels import DEFAULT, load_cases, shard_of
@@ -183,10 +185,10 @@ async def test_default_model_liar_is_caught_and_output_is_exact():
     ids, n = case["prompt_ids"], 8
     honest = await start_peer(shard_of(DEFAULT, 0, 12), weights_hash=digest, bundle=tok.to_bundle())
     liar = await start_peer(shard_of(DEFAULT, 0, 12), weights_hash=digest, bundle=tok.to_bundle(),
-                            bootstrap=honest.addrs)
-    last = await start_peer(shard_of(DEFAULT, 12, 24), weights_hash=digest, bootstrap=honest.addrs)
+                            bootstrap=honest.addrs, host="127.0.0.2")
+    last = await start_peer(shard_of(DEFAULT, 12, 24), weights_hash=digest, bootstrap=honest.addrs, host="127.0.0.3")
     referee = await start_peer(shard_of(DEFAULT, 0, 12), weights_hash=digest, bundle=tok.to_bundle(),
-                               bootstrap=honest.addrs)
+                               bootstrap=honest.addrs, host="127.0.0.4")
     liar.shard = LyingShard(liar.shard, noise(1e-2))
     peers = [honest, liar, last, referee]
     try:
@@ -204,6 +206,35 @@ async def test_default_model_liar_is_caught_and_output_is_exact():
     assert [d["peer"] for d in out.detections] == [liar.peer_id]
     assert "relative L2" in out.detections[0]["reason"]
     assert conv.route.peer_ids in ((honest.peer_id, last.peer_id), (referee.peer_id, last.peer_id))
+
+
+async def test_two_checkers_on_one_host_agreeing_on_a_lie_cannot_get_a_hop_banned(tiny):
+    """Found by an attack run: two checker identities on one host (keys are free) gave the same
+    false recomputation of honest hop A's layers; the second settled the first's dispute against
+    A, and A was banned and replaced by a liar. A referee settles a dispute only from another
+    host than the side it takes: here the dispute stays undecided, A stays on the route
+    (unverified) and the reply is exact."""
+    ids, expected = tiny[3], tiny[4]
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 3), (1, 3), (1, 3), (3, 4)],
+                                   hosts=["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.3", "127.0.0.4"])
+    first, a, b, c, last = peers
+    for liar in (b, c):  # the same deterministic noise: the two agree with each other
+        liar.shard = LyingShard(liar.shard, noise(1e-2))
+    try:
+        async with MeshClient(list(first.addrs)) as client:
+            route = await client.plan(exclude=frozenset({b.peer_id, c.peer_id}))
+            conv = client.conversation(route, max_tokens_total=len(ids) + N_TOKENS, spot_check_rate=1.0,
+                                       spot_check_seed=0)
+            out = await conv.generate(ids, max_tokens=N_TOKENS, eos_ids=())
+            await conv.close()
+            backed_off = client.backed_off()
+            disputes = conv.audit.disputed_by(a.peer_id)
+    finally:
+        for p in peers:
+            await p.close()
+    assert out.token_ids == expected and out.detections == []
+    assert a.peer_id not in backed_off and conv.route.peer_ids == (first.peer_id, a.peer_id, last.peer_id)
+    assert disputes and set(disputes) <= {b.peer_id, c.peer_id}  # recorded, undecided
 
 
 async def test_verify_and_get_log_requests_are_bounded_and_exact(tiny):
@@ -239,12 +270,16 @@ async def test_verify_and_get_log_requests_are_bounded_and_exact(tiny):
         await peer.close()
 
 
-async def start_lying_mesh(tiny, ranges):
-    """Peers of ``ranges`` (the first as bootstrap), tables complete."""
+async def start_lying_mesh(tiny, ranges, hosts=None):
+    """Peers of ``ranges`` (the first as bootstrap), tables complete. Each listens on a loopback
+    address of its own (``hosts[i]``, default 127.0.0.(i + 1)): the client counts peers on one
+    address as one witness (``MeshClient.host``), so these are distinct hosts to it."""
     path, digest, tok, _, _ = tiny
-    first = await start_peer(load_shard(path, LayerRange(*ranges[0])), weights_hash=digest, bundle=tok.to_bundle())
+    hosts = hosts or [f"127.0.0.{i + 1}" for i in range(len(ranges))]
+    first = await start_peer(load_shard(path, LayerRange(*ranges[0])), weights_hash=digest, bundle=tok.to_bundle(),
+                             host=hosts[0])
     peers = [first] + [await start_peer(load_shard(path, LayerRange(a, b)), weights_hash=digest,
-                                        bootstrap=first.addrs) for a, b in ranges[1:]]
+                                        bootstrap=first.addrs, host=h) for (a, b), h in zip(ranges[1:], hosts[1:])]
     await wait_for_tables(peers)
     return peers
 
@@ -1069,14 +1104,15 @@ async def test_two_identities_on_one_host_accusing_a_peer_cannot_get_it_banned(t
     is never banned, and each reply equals plain greedy generation (the host count itself:
     ``tests/test_reports.py``)."""
     ids, expected = tiny[3], tiny[4]
-    peers = await start_lying_mesh(tiny, [(0, 1), (1, 4), (1, 4), (1, 4)])
+    peers = await start_lying_mesh(tiny, [(0, 1), (1, 4), (1, 4), (1, 4)],
+                                   hosts=["127.0.0.1", "127.0.0.2", "127.0.0.2", "127.0.0.3"])
     first, liar_a, liar_b, honest = peers
     for liar in (liar_a, liar_b):
         accuse_every_step(liar)
     liars = {liar_a.peer_id, liar_b.peer_id}
     try:
         async with MeshClient(list(first.addrs)) as client:
-            assert {client.host(p.peer_id) for p in peers} <= {"127.0.0.1", reports.UNKNOWN_HOST}
+            assert {client.host(p.peer_id) for p in peers} <= {"127.0.0.1", "127.0.0.2", "127.0.0.3", reports.UNKNOWN_HOST}
             for _ in range(3):  # until both liars have accused the first peer
                 accused = client.accusations.accusers(first.peer_id)
                 if accused == liars:
@@ -1087,7 +1123,7 @@ async def test_two_identities_on_one_host_accusing_a_peer_cannot_get_it_banned(t
                 await conv.close()
                 assert out.token_ids == expected and not any(d["proven"] for d in out.detections)
             assert client.accusations.accusers(first.peer_id) == liars
-            assert client.accusations.accuser_hosts(first.peer_id) == {"127.0.0.1"}
+            assert set(client.accusations.accuser_hosts(first.peer_id).values()) == {"127.0.0.2"}
             until, _ = client._failed.get(first.peer_id, (0.0, 0))
     finally:
         for p in peers:

@@ -96,18 +96,32 @@ def test_the_ledger_forgets_old_reports_and_holds_a_bounded_number_of_reporters(
     assert ledger.accusers("m0") == frozenset() and ledger.accusers(f"m{reports.MAX_NAMED + 4}") == {"d"}
 
 
-def test_an_unproven_accusation_backs_the_accused_off_and_accusers_on_two_hosts_ban_it():
+def test_an_unproven_accusation_backs_the_accused_off_and_two_independent_witnesses_ban_it():
     """``ReportLedger.accuse``: a hop's accusation of its previous hop with nothing the client
     can check replaces the accused, not the accuser, at the first; both at the accuser's second;
-    the accuser alone after that. Only a peer accused by hops on two distinct hosts is to be
-    banned: identities on one host (sybils, keys are free), or behind relays, are one witness."""
+    the accuser alone after that. Only a peer accused by two independent witnesses is to be
+    banned: identities on one host other than the accused's (sybils, keys are free), or behind
+    relays, are one witness; on the accused's own host (a mesh on one machine) each counts."""
+    x, y = "198.51.100.7", "203.0.113.9"  # the accusers' host, the accused's
     ledger = ReportLedger()
-    assert ledger.accuse("liar", "p1", "198.51.100.7") == (frozenset({"p1"}), False)
-    assert ledger.accuse("liar", "p2", "198.51.100.7") == (frozenset({"liar", "p2"}), False)
-    assert ledger.accuse("liar", "p3", "198.51.100.7") == (frozenset({"liar"}), False)  # its word moves nobody else
-    assert ledger.accuse("sybil", "p3", "198.51.100.7") == (frozenset({"p3"}), False)  # same host: one witness
-    assert ledger.accuse("relayed", "p3") == (frozenset({"p3"}), True)  # a second host (one for all relayed)
+    assert ledger.accuse("liar", "p1", x, y) == (frozenset({"p1"}), False)
+    assert ledger.accuse("liar", "p2", x, y) == (frozenset({"liar", "p2"}), False)
+    assert ledger.accuse("liar", "p3", x, y) == (frozenset({"liar"}), False)  # its word moves nobody else
+    assert ledger.accuse("sybil", "p3", x, y) == (frozenset({"p3"}), False)  # same host: one witness
+    assert ledger.accuse("relayed", "p3", reports.UNKNOWN_HOST, y) == (frozenset({"p3"}), True)  # a second one
     assert ledger.accusers("p3") == {"liar", "sybil", "relayed"} and ledger.count("liar") == 3
-    assert ledger.accuser_hosts("p3") == {"198.51.100.7", reports.UNKNOWN_HOST}
-    assert ledger.accuse("r1", "p4") == (frozenset({"p4"}), False)
-    assert ledger.accuse("r2", "p4") == (frozenset({"p4"}), False)  # two relayed accusers: one unknown host
+    assert ledger.accuser_hosts("p3") == {"liar": x, "sybil": x, "relayed": reports.UNKNOWN_HOST}
+    assert ledger.accuse("r1", "p4", reports.UNKNOWN_HOST, y) == (frozenset({"p4"}), False)
+    assert ledger.accuse("r2", "p4", reports.UNKNOWN_HOST, y) == (frozenset({"p4"}), False)  # relayed: one witness
+    assert ledger.accuse("n1", "p5", y, y) == (frozenset({"p5"}), False)
+    assert ledger.accuse("n2", "p5", y, y) == (frozenset({"p5"}), True)  # one machine's mesh: one each
+
+
+def test_witnesses_count_one_per_other_host_and_one_per_peer_on_the_subjects_host():
+    """``reports.witnesses``: what the accusation ledger and the spot-check referees count."""
+    u = reports.UNKNOWN_HOST
+    assert reports.witnesses({"a": "h1", "b": "h1"}, "h2") == 1
+    assert reports.witnesses({"a": "h1", "b": "h3"}, "h2") == 2
+    assert reports.witnesses({"a": "h2", "b": "h2"}, "h2") == 2
+    assert reports.witnesses({"a": u, "b": u}, u) == 1 and reports.witnesses({"a": u, "b": "h1"}, "h1") == 2
+    assert reports.witnesses({}, "h1") == 0

@@ -243,14 +243,15 @@ class Failover:
         got one honest peer banned per accusation; now it is counted in the client's
         ``accusations`` (:meth:`~meshinfer.client.reports.ReportLedger.accuse`): the accused is
         backed off, the accuser too from its second such accusation, and only a peer accused by
-        hops on two distinct hosts is banned (``MeshLinks.host``: identities on one machine are
-        one witness)."""
+        two independent witnesses is banned (``reports.witnesses``: identities on one other
+        machine are one witness)."""
         if not exc.unproven or exc.reporter is None:
             self.client.ban(exc.suspect, str(exc))
             return {exc.suspect}
-        failed, ban = self.client.accusations.accuse(exc.reporter, exc.suspect, self.client.host(exc.reporter))
+        host = self.client.host
+        failed, ban = self.client.accusations.accuse(exc.reporter, exc.suspect, host(exc.reporter), host(exc.suspect))
         if ban:
-            hosts = len(self.client.accusations.accuser_hosts(exc.suspect))
-            self.client.ban(exc.suspect, f"{exc} (accused by hops on {hosts} hosts)")
+            self.client.ban(exc.suspect, f"{exc} (accused by {len(self.client.accusations.accusers(exc.suspect))} "
+                                         f"hops, independent witnesses)")
         return set(failed)
 

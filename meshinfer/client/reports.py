@@ -31,13 +31,24 @@ REPORT_MEMORY_S = 3600.0
 MAX_REPORTERS = 256
 #: Peers one record remembers its reporter naming (the newest kept).
 MAX_NAMED = 8
-#: Distinct hosts whose hops' unproven accusations (no evidence) of one peer get it banned: one
-#: hop's word is not enough (it may be the liar), nor are the words of many identities on one
-#: host (keys are free: sybils), but hops on two hosts are (docs/security.md).
+#: Independent witnesses (:func:`witnesses`) whose unproven accusations (no evidence) of one
+#: peer get it banned: one hop's word is not enough (it may be the liar), nor are the words of
+#: many identities on one other host (keys are free: sybils), but hops on two hosts are
+#: (docs/security.md).
 UNPROVEN_ACCUSER_HOSTS_BANNED = 2
 #: The host of a hop the client does not reach directly (through a relay, or with no link): all
 #: such hops count as one host, since the client cannot tell where they run.
 UNKNOWN_HOST = "?"
+
+
+def witnesses(hosts: dict[str, str], subject_host: str) -> int:
+    """How many independent witnesses the peers of ``hosts`` (peer id -> host, as
+    ``MeshLinks.host`` gives it) are against a peer on ``subject_host``: peers on one host other
+    than the subject's count once (keys are free: one machine can run many identities), and so
+    do all peers of unknown host (:data:`UNKNOWN_HOST`); peers on the subject's own host count
+    one each, since their host tells nothing apart (a mesh on one machine keeps one witness per
+    peer)."""
+    return len({h if h == UNKNOWN_HOST or h != subject_host else p for p, h in hosts.items()})
 
 
 @dataclass
@@ -85,9 +96,10 @@ class ReportLedger:
         self._forget_stale()
         return frozenset(r for r, rec in self._records.items() if peer_id in rec.named)
 
-    def accuser_hosts(self, peer_id: str) -> frozenset[str]:
-        """Hosts of the reporters whose remembered reports named ``peer_id`` (:meth:`accusers`)."""
-        return frozenset(self._records[r].host for r in self.accusers(peer_id))
+    def accuser_hosts(self, peer_id: str) -> dict[str, str]:
+        """The reporters whose remembered reports named ``peer_id`` (:meth:`accusers`), each with
+        its host."""
+        return {r: self._records[r].host for r in self.accusers(peer_id)}
 
     def add(self, reporter: str, named: str | None, host: str | None = None) -> int:
         """Record one unconfirmed report of ``reporter`` (on ``host``, when given) naming ``named``
@@ -118,21 +130,23 @@ class ReportLedger:
             return frozenset({reporter, named})
         return frozenset({reporter})
 
-    def accuse(self, accuser: str, accused: str, host: str = UNKNOWN_HOST) -> tuple[frozenset[str], bool]:
+    def accuse(self, accuser: str, accused: str, host: str = UNKNOWN_HOST,
+               accused_host: str = UNKNOWN_HOST) -> tuple[frozenset[str], bool]:
         """Record one accusation by hop ``accuser``, on ``host`` (``discovery.host_key`` of the
         address the client reaches it at, :data:`UNKNOWN_HOST` through a relay), that its previous
-        hop ``accused`` sent what it could not take, with no evidence the client can check
-        (:meth:`add`). Return the peers to replace for it, and whether to ban ``accused``:
+        hop ``accused`` (on ``accused_host``) sent what it could not take, with no evidence the
+        client can check (:meth:`add`). Return the peers to replace for it, and whether to ban
+        ``accused``:
 
         - replaced: ``accused`` at the accuser's first (it may have sent garbage: route around
           it), ``accused`` and ``accuser`` at its :data:`UNCONFIRMED_REPORTS_BLAMED`-th, the
           accuser alone past it (it has had its one co-blame: a liar's word no longer moves
           honest peers);
-        - banned: ``accused`` once accusers on :data:`UNPROVEN_ACCUSER_HOSTS_BANNED` distinct
-          hosts named it (two identities on one machine are one witness).
+        - banned: ``accused`` once :data:`UNPROVEN_ACCUSER_HOSTS_BANNED` independent
+          :func:`witnesses` named it (two identities on one other machine are one witness).
         """
         n = self.add(accuser, accused, host)
-        ban = len(self.accuser_hosts(accused)) >= UNPROVEN_ACCUSER_HOSTS_BANNED
+        ban = witnesses(self.accuser_hosts(accused), accused_host) >= UNPROVEN_ACCUSER_HOSTS_BANNED
         if n < UNCONFIRMED_REPORTS_BLAMED:
             return frozenset({accused}), ban
         return frozenset({accuser, accused} if n == UNCONFIRMED_REPORTS_BLAMED or ban else {accuser}), ban

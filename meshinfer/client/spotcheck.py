@@ -14,6 +14,7 @@ import random
 import torch
 
 from meshinfer.core.config import LayerRange
+from meshinfer.client.reports import witnesses
 from meshinfer.core.errors import InvalidInput, LyingPeer, MeshError
 from meshinfer.wire import discovery, tensors
 from meshinfer.wire.tensors import DIGEST_BYTES, row_digests
@@ -189,34 +190,45 @@ async def _verify(client, checker, hop, a: int, b: int, inputs: dict, width: int
 async def _second_opinion(conv, hop, checker, others: list, a: int, b: int, inputs: dict, claimed,
                           accusation: LyingPeer) -> None:
     """A checker disagreed with ``hop``: nobody is blamed on one peer's word, so that one lying
-    checker cannot get an honest hop banned. A third peer that serves those layers recomputes
-    and settles it; with none, a peer that has now contradicted two different peers is blamed,
-    and otherwise the dispute is recorded and nobody is.
+    checker cannot get an honest hop banned. Third peers that serve those layers recompute, one
+    at a time in random order, until one settles it: a referee settles the dispute when it and
+    the side it agrees with are two independent witnesses against the other side
+    (``reports.witnesses``: identities on one machine other than the accused's, keys being
+    free, are one witness; an attack run got an honest hop banned by two checkers on one host
+    giving the same false answer). With no such referee, a peer that has now contradicted two
+    independent witnesses is blamed, and otherwise the dispute is recorded and nobody is.
 
     Raises:
-        LyingPeer: the third peer agrees with the checker (``suspect``: ``hop``) or with the
-            hop (``suspect``: the checker, which lied about its recomputation); or, with no
-            third peer, the side of the dispute that disputes with another peer too.
+        LyingPeer: a referee agrees with the checker (``suspect``: ``hop``) or with the hop
+            (``suspect``: the checker, which lied about its recomputation), independently; or,
+            with no such referee, the side of the dispute that two independent peers contradict.
         MeshError: an undecided dispute (the hop stays unverified).
     """
-    if not others:
-        conv.audit.dispute(hop.peer_id, checker.peer_id)
-        banned = conv.client.backed_off()
-        if len(conv.audit.disputed_by(hop.peer_id, banned)) > 1:
-            raise accusation
-        if len(against := conv.audit.disputed_by(checker.peer_id, banned)) > 1:
-            raise LyingPeer(f"spot-check: peer {checker.peer_id[:12]} contradicts the output of {len(against)} "
-                            f"different peers, peer {hop.peer_id[:12]} among them", suspect=checker.peer_id)
-        raise MeshError(f"peers {hop.peer_id[:12]} and {checker.peer_id[:12]} disagree on layers "
-                        f"{hop.layers.cli()} and no third peer serves them to settle it")
-    referee = conv.audit.rng.choice(others)
-    got = await _verify(conv.client, referee, hop, a, b, inputs, None if claimed is None else claimed.shape[-1])
-    try:
-        _compare(conv.audit, conv.route, hop, referee, a, b, got, claimed)
-    except LyingPeer:
-        raise accusation from None  # two peers agree against the hop
-    raise LyingPeer(f"spot-check: peer {checker.peer_id[:12]} answered a verify of layers {hop.layers.cli()} "
-                    f"that peer {referee.peer_id[:12]} and the hop itself contradict", suspect=checker.peer_id)
+    host = conv.client.host
+
+    def independent(peers: list[str], accused: str) -> bool:
+        return witnesses({p: host(p) for p in peers}, host(accused)) > 1
+
+    for referee in conv.audit.rng.sample(others, len(others)):
+        got = await _verify(conv.client, referee, hop, a, b, inputs, None if claimed is None else claimed.shape[-1])
+        try:
+            _compare(conv.audit, conv.route, hop, referee, a, b, got, claimed)
+        except LyingPeer:
+            if independent([checker.peer_id, referee.peer_id], hop.peer_id):
+                raise accusation from None  # two independent peers agree against the hop
+            continue
+        if independent([hop.peer_id, referee.peer_id], checker.peer_id):
+            raise LyingPeer(f"spot-check: peer {checker.peer_id[:12]} answered a verify of layers {hop.layers.cli()} "
+                            f"that peer {referee.peer_id[:12]} and the hop itself contradict", suspect=checker.peer_id)
+    conv.audit.dispute(hop.peer_id, checker.peer_id)
+    banned = conv.client.backed_off()
+    if independent(conv.audit.disputed_by(hop.peer_id, banned), hop.peer_id):
+        raise accusation
+    if independent(against := conv.audit.disputed_by(checker.peer_id, banned), checker.peer_id):
+        raise LyingPeer(f"spot-check: peer {checker.peer_id[:12]} contradicts the output of {len(against)} "
+                        f"different peers, peer {hop.peer_id[:12]} among them", suspect=checker.peer_id)
+    raise MeshError(f"peers {hop.peer_id[:12]} and {checker.peer_id[:12]} disagree on layers "
+                    f"{hop.layers.cli()} and no third peer on another host settles it")
 
 
 def _compare(audit, route, hop, checker, a: int, b: int, got, claimed) -> None:

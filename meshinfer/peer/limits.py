@@ -65,6 +65,11 @@ MAX_QUEUED_STEPS = 64
 #: 512 tokens of the default model (1.8 MB each). Beyond it a step is refused (rate_limited),
 #: so a previous hop that floods queues cannot grow the peer's memory without bound.
 MAX_QUEUED_BYTES = 256 << 20
+#: Share of :data:`MAX_QUEUED_BYTES` the conversations of one client host may hold queued (their
+#: steps, whether the client sent them or a previous hop passed them on): one host that fills its
+#: share leaves the rest to others (an attack run refused a second host's steps while one host's
+#: queued steps held the whole pool). Half, as ``ClientLimits.kv_share``.
+QUEUED_BYTES_HOST_SHARE = 0.5
 #: Frames one connection whose hello said "peer" may send per second, sustained (token bucket,
 #: bursts of 2 s), counted before a frame is decoded; further ones are dropped unread
 #: (:class:`FrameBudgets`). An honest hop sends one frame per conversation per pass (a decode pass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +22,7 @@ from meshinfer.core.logs import context
 from meshinfer.engine.kv_cache import KVCache
 from meshinfer.engine.sampling import pick_token
 from meshinfer.peer import limits
+from meshinfer.peer.limits import client_host
 from meshinfer.peer.conversations import STATEMENT_BYTES_PER_TOKEN, Conv
 from meshinfer.wire import convkeys, discovery, plausible, protocol, tensors
 from meshinfer.wire.transport import Link
@@ -106,6 +107,7 @@ class QueuedStep:
         rollback: the step starts below the hop's length (speculative decoding).
         header: what the client signed for this step (passed on with ``csig``).
         csig: the client's signature of ``header``.
+        host: the client host whose share of queued bytes the step counts in (set by ``enqueue``).
     """
 
     seq: int
@@ -115,6 +117,7 @@ class QueuedStep:
     received_at: float
     replay: bool
     x: torch.Tensor | None = None
+    host: str = ""  # the conversation's client host when queued, whose share of queued bytes it counts in
     kept_tokens: int = 0
     sampling: Any = None
     rollback: bool = False
@@ -231,11 +234,14 @@ class Steps:
     Attributes:
         queued_bytes: bytes of the steps waiting in all conversations' queues (their ``x``),
             at most :data:`limits.MAX_QUEUED_BYTES`.
+        queued_by_host: the same per client host, each at most its share
+            (:data:`limits.QUEUED_BYTES_HOST_SHARE`).
     """
 
     def __init__(self, peer: Peer) -> None:
         self.peer = peer
         self.queued_bytes = 0
+        self.queued_by_host: dict[str, int] = {}  # client host -> bytes of its conversations' queued steps
 
     async def on_step(self, link: Link, f) -> None:
         conv = self.peer.convs.get(f.str("conv"))
@@ -363,34 +369,52 @@ class Steps:
 
     def enqueue(self, conv: Conv, step: QueuedStep) -> None:
         """Queue a step for ``conv``'s worker. Its hidden states count against
-        :data:`limits.MAX_QUEUED_BYTES` (all conversations) until the worker takes it.
+        :data:`limits.MAX_QUEUED_BYTES` (all conversations) and against the share
+        (:data:`limits.QUEUED_BYTES_HOST_SHARE`) of the conversation's client host until the
+        worker takes it.
 
         Raises:
             CacheFull: the conversation has :data:`limits.MAX_QUEUED_STEPS` steps queued.
-            RateLimited: the peer holds :data:`limits.MAX_QUEUED_BYTES` of queued hidden states.
+            RateLimited: the peer holds :data:`limits.MAX_QUEUED_BYTES` of queued hidden states,
+                or the client host its share of them.
         """
-        size = step.nbytes
+        size, host = step.nbytes, client_host(conv.owner)
+        held, host_limit = self.queued_by_host.get(host, 0), int(limits.MAX_QUEUED_BYTES * limits.QUEUED_BYTES_HOST_SHARE)
         if size and self.queued_bytes + size > limits.MAX_QUEUED_BYTES:
             raise RateLimited(f"peer {self.peer.peer_id[:12]} holds {self.queued_bytes} bytes of queued steps; "
                               f"{size} more would pass {limits.MAX_QUEUED_BYTES}")
+        if size and held + size > host_limit:
+            raise RateLimited(f"client {host} holds {held} bytes of queued steps on this peer; {size} more would "
+                              f"pass its limit of {host_limit} ({limits.QUEUED_BYTES_HOST_SHARE:.0%} of "
+                              f"{limits.MAX_QUEUED_BYTES})")
         try:
-            conv.queue.put_nowait(step)
+            conv.queue.put_nowait(replace(step, host=host))
         except asyncio.QueueFull:
             raise CacheFull(f"conversation {conv.conv_id} has {limits.MAX_QUEUED_STEPS} steps queued") from None
         self.queued_bytes += size
+        self.queued_by_host[host] = held + size
         conv.last_active = time.monotonic()
+
+    def _dequeued(self, step: QueuedStep) -> None:
+        """``step`` left its queue: its bytes no longer count as queued."""
+        self.queued_bytes -= step.nbytes
+        left = self.queued_by_host.get(step.host, 0) - step.nbytes
+        if left > 0:
+            self.queued_by_host[step.host] = left
+        else:
+            self.queued_by_host.pop(step.host, None)
 
     def discard_queued(self, conv: Conv) -> None:
         """Empty the queue of ``conv`` (closing): its steps no longer count as queued."""
         while not conv.queue.empty():
-            self.queued_bytes -= conv.queue.get_nowait().nbytes
+            self._dequeued(conv.queue.get_nowait())
 
     async def worker(self, conv: Conv) -> None:
         """Run the queued steps of ``conv`` in order, for as long as it is open; a step's
         :class:`MeshError` is reported to the conversation's client (``peer._report``)."""
         while True:
             step: QueuedStep = await conv.queue.get()
-            self.queued_bytes -= step.nbytes
+            self._dequeued(step)
             try:
                 if step.x is None:  # a replayed step this hop holds: resend what it sent then
                     await self.resend(conv, step)
