@@ -111,6 +111,16 @@ def test_a_bad_draft_model_is_refused_before_any_peer_is_contacted(tmp_path):
         # port 1: nothing listens there, so contacting a peer would fail with another error
         out = meshinfer("chat", "--peers", "ws://127.0.0.1:1", "-p", "hi", "--json", "--draft-model", str(path))
         assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(message), out.stderr
+    # found by a new-user run: these were all accepted, the model loaded, then ignored or refused late
+    cases = ((("--draft-device", "tpu"), "error: draft model: device 'tpu' is not one of"),
+             (("--no-speculate",), "note: --draft-model"),  # not loaded (the file is corrupt): then no route
+             (("--temperature", "0.7"), "note: --draft-model"))
+    for extra, message in cases:
+        out = meshinfer("chat", "--peers", "ws://127.0.0.1:1", "-p", "hi", "--draft-model", str(bad), *extra)
+        assert message in out.stderr and "cannot load it" not in out.stderr, out.stderr
+    out = meshinfer("chat", "--peers", "ws://127.0.0.1:1", "-p", "hi", "--draft-model", str(bad),
+                    env={**os.environ, "MESHINFER_DRAFT_AHEAD": "maybe"})
+    assert out.returncode == 2 and "--draft-ahead (or $MESHINFER_DRAFT_AHEAD) must be" in out.stderr, out.stderr
 
 
 @pytest.mark.slow

@@ -131,6 +131,36 @@ def test_policy_stops_drafting_when_drafted_steps_realize_less_than_plain_ones_a
     assert good.choose(8) > 0
 
 
+def test_policy_waits_longer_and_longer_after_drafts_that_are_never_accepted():
+    """Found by a new-user run: a draft model whose drafts are never accepted was tried every 4-5
+    steps (the acceptance estimate and the realized-rate check fade within a few plain steps),
+    and decoding ran up to 25% slower than plain. Each drafted step that yields no accepted
+    draft while drafted steps realize less than plain ones now doubles the plain steps the
+    policy waits before drafting again; an accepted draft ends the wait."""
+    def run(policy, steps: int, accepted) -> list[int]:
+        ks = []
+        for _ in range(steps):
+            k = policy.choose(8)
+            ks.append(k)
+            policy.record_draft_cost(k, 40.0 * k)
+            policy.record_step(k + 1, 255.0 + 20.0 * k)
+            m = accepted(k)
+            if k:
+                policy.record_drafts(k, m)
+            policy.record_yield(bool(k), m + 1, 255.0 + 60.0 * k)
+        return ks
+
+    p = DraftPolicy(prior_base_ms=255.0, prior_slope_ms=20.0, prior_acceptance=0.8, prior_draft_ms=40.0)
+    ks = run(p, 400, lambda k: 0)
+    drafted = [i for i, k in enumerate(ks) if k]
+    assert len(drafted) <= 20, drafted  # 95 of 400 before
+    gaps = [b - a for a, b in zip(drafted, drafted[1:])]
+    assert gaps[-1] >= speculative.MAX_PROBE_GAP and gaps[-1] >= max(gaps[:-1])  # waits grow, to the cap
+    # drafts that start being accepted end the wait at the next probe
+    ks = run(p, 2 * speculative.MAX_PROBE_GAP, lambda k: k)
+    assert sum(1 for k in ks[-20:] if k) >= 15
+
+
 def test_policy_starts_from_the_priors():
     p = DraftPolicy(prior_base_ms=300.0, prior_slope_ms=0.0, prior_acceptance=0.5)
     assert p.step_line() == (300.0, 0.0) and p.acceptance == 0.5

@@ -501,7 +501,12 @@ async def _chat(args) -> int:
     if args.context < 2:
         raise ValueError("--context must be at least 2 tokens")
     args.sampling = _sampling(args)
-    _spec(args)  # bad speculation options fail before the mesh is contacted
+    spec = _spec(args)  # bad speculation options fail before the mesh is contacted
+    _draft_ahead(args)
+    if getattr(args, "draft_model", None) and (args.sampling is not None or not spec["speculate"]):
+        why = "--temperature above 0 decodes plainly" if args.sampling is not None else "--no-speculate"
+        print(f"note: --draft-model {args.draft_model} is not loaded: {why}", file=sys.stderr)
+        args.draft_model = None
     _peers(args.peers)
     with _draft_model(args) as draft:  # a missing or corrupt draft model too
         return await _chat_with(args, messages, interactive, draft)
@@ -1180,8 +1185,8 @@ def _add_chat(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
     s.add_argument("--max-tokens", type=int, default=512, help="tokens to generate per reply")
     s.add_argument("--context", type=int, default=4096, help="tokens reserved for a REPL conversation")
     s.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=None,
-                   help="verify prompt-lookup drafts in each decode step; the output is unchanged "
-                        "(default: on) [$MESHINFER_SPECULATE]")
+                   help="verify drafts (prompt lookup, or --draft-model's) in each greedy decode step; the "
+                        "output is unchanged (default: on) [$MESHINFER_SPECULATE]")
     s.add_argument("--draft-tokens", type=int, default=None,
                    help=f"most drafted tokens per decode step, 1-31 (default: {DEFAULT_DRAFT_TOKENS}; "
                         f"{DEFAULT_MODEL_DRAFT_TOKENS} with --draft-model) "

@@ -27,7 +27,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from meshinfer.core.errors import IncompatibleDraft, InvalidInput, ModelNotFound, WeightsError
+from meshinfer.core.errors import DeviceError, IncompatibleDraft, InvalidInput, ModelNotFound, WeightsError
 from meshinfer.engine.executor import DeviceExecutor, parse_device
 from meshinfer.engine.generate import PREFILL_CHUNK, load_shard, new_cache
 from meshinfer.engine.kv_cache import KVCache
@@ -382,7 +382,10 @@ def load_draft_model(spec: str | os.PathLike, *, device: str = "cpu", dtype: str
         path = resolve_model(spec, progress=False)
     except ModelNotFound as exc:
         raise ModelNotFound(f"draft model: {exc}") from exc
-    dev = parse_device(device)
+    try:
+        dev = parse_device(device)
+    except DeviceError as exc:
+        raise DeviceError(f"draft model: {exc}") from exc
     if dtype == "auto":
         dtype = auto_draft_dtype(path, device)
     try:

@@ -132,6 +132,13 @@ FIRST_PROBE_DRAFTS = 2
 #: :meth:`DraftPolicy.choose`). With DECAY 0.9 a check that turned drafting off lapses after
 #: about 9 plain steps, so the policy probes again with one drafted step.
 REALIZED_MIN_WEIGHT = 2.0
+#: Most plain steps the policy waits before it may draft again after a drafted step that yielded
+#: no accepted draft while drafted steps realize fewer tokens per ms than plain ones: 1 after the
+#: first such step, doubling with each in a row up to this; none once a draft is accepted. The
+#: realized-rate check alone fades within a few plain steps, so a draft that is always wrong (a
+#: model of another training run with the same vocabulary) was tried every 4-5 steps: a
+#: new-user run measured decoding up to 25% slower than plain with one.
+MAX_PROBE_GAP = 64
 
 
 class DraftPolicy:
@@ -181,6 +188,7 @@ class DraftPolicy:
         self._draft_ms: list[float] = [max(prior_draft_ms, 0.0), 1.0]  # [mean ms per drafted token, weight]
         self._yield = {True: [0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0]}  # drafted? -> [tokens, ms, weight]
         self.steps_recorded = 0  # decode steps measured so far
+        self._gap = self._waited = 0  # plain steps to wait before drafting again, and plain steps since the last drafted
 
     @classmethod
     def for_route(cls, route, *, prior_acceptance: float = PRIOR_ACCEPTANCE,
@@ -197,6 +205,7 @@ class DraftPolicy:
         """A decode step of ``n_positions`` positions (1 + drafts) took ``ms`` of wall time.
         Every step also ages the older measurements by :data:`DECAY`."""
         self.steps_recorded += 1
+        self._waited = self._waited + 1 if n_positions == 1 else 0
         self._hits, self._trials = self._hits * DECAY, self._trials * DECAY
         for kind in self._yield.values():
             kind[:] = [x * DECAY for x in kind]
@@ -221,6 +230,10 @@ class DraftPolicy:
         kind[0] += tokens
         kind[1] += max(ms, 1e-3)
         kind[2] += 1.0
+        if drafted:  # no draft accepted, while drafted steps realized less than plain ones: wait longer
+            (dt, dms, _), (pt, pms, pw) = self._yield[True], self._yield[False]
+            losing = tokens <= 1 and pw > 0 and dt / dms < pt / pms
+            self._gap = min(MAX_PROBE_GAP, max(1, 2 * self._gap)) if losing else 0
 
     def realized_rates(self) -> tuple[float | None, float | None]:
         """Realized tokens per ms of ``(drafted, plain)`` decode steps; None where fewer than
@@ -269,7 +282,10 @@ class DraftPolicy:
     def choose(self, limit: int) -> int:
         """The draft length, 0 to ``limit``, of the next step: the best :meth:`rate`, or 0 when no
         ``k`` beats plain decoding by :data:`MIN_GAIN`, or when drafted steps realized fewer
-        tokens per ms than plain ones (:meth:`realized_rates`)."""
+        tokens per ms than plain ones (:meth:`realized_rates`), or while it waits after drafted
+        steps that lost (:data:`MAX_PROBE_GAP`)."""
+        if self._waited < self._gap:
+            return 0
         drafted, plain = self.realized_rates()
         if drafted is not None and plain is not None and drafted < plain:
             return 0  # drafting measured slower than plain decoding, whatever the model says

@@ -398,11 +398,9 @@ class Steps:
     def _dequeued(self, step: QueuedStep) -> None:
         """``step`` left its queue: its bytes no longer count as queued."""
         self.queued_bytes -= step.nbytes
-        left = self.queued_by_host.get(step.host, 0) - step.nbytes
+        left = self.queued_by_host.pop(step.host, 0) - step.nbytes
         if left > 0:
             self.queued_by_host[step.host] = left
-        else:
-            self.queued_by_host.pop(step.host, None)
 
     def discard_queued(self, conv: Conv) -> None:
         """Empty the queue of ``conv`` (closing): its steps no longer count as queued."""
