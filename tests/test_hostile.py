@@ -1407,7 +1407,61 @@ async def test_a_full_table_takes_a_peer_that_proves_its_key(tiny, monkeypatch):
         await assert_healthy(tiny, peers)
 
 
+async def test_identities_that_proved_their_keys_and_left_cannot_keep_a_newcomer_out(tiny):
+    """Found by an attack run: a full table evicted only unproven records, so 256 fresh keys that
+    each said hello as a peer, proved its key and hung up filled it for a minute (and again each
+    minute), and an honest peer that joined meanwhile was never listed. A record with no link and
+    no conversation is evictable once proven too; one with a link is not."""
+    from helpers.meshkit import start_peer
+
+    path, digest, tok, _ = tiny
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        for _ in range(peer_module.MAX_KNOWN_PEERS):
+            key = new_key()
+            raw = await Raw.connect(peer, role="peer", key=key, advert=rogue_advert(digest, key=key, ttl_s=60.0))
+            await raw.close()  # the record stays, proven; its link is gone
+        assert len(peer.table) == peer_module.MAX_KNOWN_PEERS
+        held_key = new_key()  # a proven identity that keeps its link is never evicted for a newcomer
+        held = await Raw.connect(peer, role="peer", key=held_key, advert=rogue_advert(digest, key=held_key, ttl_s=60.0))
+        honest = await start_peer(load_shard(path, LayerRange(0, 4)), weights_hash=digest, bootstrap=peer.addrs)
+        try:
+            async with asyncio.timeout(5.0):
+                while peer.table.get(honest.peer_id) is None:
+                    await asyncio.sleep(0.02)
+            assert len(peer.table) == peer_module.MAX_KNOWN_PEERS
+            assert peer.table.get(peer_id_of(held_key)) is not None
+        finally:
+            await honest.close()
+            await held.close()
+        for ad in peer.table.adverts():
+            peer.table.remove(ad.peer_id)
+        await assert_healthy(tiny, peers)
+
+
 # --------------------------------------------------------------------------- resources nobody counted
+async def test_get_tokenizer_is_rate_limited_per_client_host_over_its_connections(tiny, monkeypatch):
+    """An attack run took 170 bundles out of a hidden peer in 5 s by opening a fresh connection
+    for every two. One client host gets TOKENIZER_HOST_BURST over all its connections, then one
+    every TOKENIZER_HOST_EVERY_S; another host is served meanwhile."""
+    monkeypatch.setattr(peer_module, "TOKENIZER_HOST_BURST", 3)
+    monkeypatch.setattr(peer_module, "TOKENIZER_HOST_EVERY_S", 3600.0)
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        conns = [await Raw.connect(peer) for _ in range(2)]
+        other = await Raw.connect(peer, local_addr=("127.0.0.2", 0))
+        try:
+            for raw in (conns[0], conns[0], conns[1]):  # 2 per connection, 3 for the host
+                assert (await raw.request("get_tokenizer"))["t"] == "tokenizer"
+            assert await conns[1].error("get_tokenizer") == (
+                "rate_limited", "get_tokenizer: at most 3 from one client host, then one every 3600 s; "
+                                "keep the bundle you have")
+            assert (await other.request("get_tokenizer"))["t"] == "tokenizer"
+        finally:
+            for raw in (*conns, other):
+                await raw.close()
+
+
 async def test_get_tokenizer_is_rate_limited_per_connection(tiny):
     async with serving(tiny) as peers:
         peer = peers[0]

@@ -125,3 +125,31 @@ def test_a_bundle_from_the_network_renders_in_the_sandbox(tiny):
     assert tok.encode_chat(MESSAGES) == tiny[2].encode_chat(MESSAGES)
     with pytest.raises(TemplateError, match="chat template refused the messages: no"):
         Tokenizer(tok._tok, chat_template="{{ raise_exception('no') }}", sandbox=tok._sandbox).encode_chat(MESSAGES)
+
+
+async def test_the_client_keeps_a_bounded_number_of_tokenizers(monkeypatch):
+    """Found reading the code in an attack run: every (weights hash, tokenizer hash) the client
+    met kept its tokenizer (up to 64 MiB) for the life of a `serve`, so peers advertising many
+    models could grow it. The client keeps MAX_TOKENIZERS, the oldest dropped first."""
+    from types import SimpleNamespace
+
+    from meshinfer.client import mesh as mesh_module, tokenizer_trust
+
+    fetched = []
+
+    async def fetch(client, sources, weights_hash, agreed):
+        fetched.append(weights_hash)
+        return SimpleNamespace(weights_hash=weights_hash)
+
+    monkeypatch.setattr(tokenizer_trust, "fetch_tokenizer", fetch)
+    monkeypatch.setattr(tokenizer_trust, "agreed_tokenizer", lambda table, weights_hash: "t" + weights_hash)
+    client = MeshClient(["ws://127.0.0.1:1"])
+    first = SimpleNamespace(peer_id="p", weights_hash="w0")
+    routes = [SimpleNamespace(compat_key=(f"w{i}", "f32"), hops=[SimpleNamespace(peer=first)])
+              for i in range(mesh_module.MAX_TOKENIZERS + 4)]
+    for route in routes:
+        assert (await client.tokenizer(route)).weights_hash == route.compat_key[0]
+    assert len(client._tokenizers) == mesh_module.MAX_TOKENIZERS
+    await client.tokenizer(routes[-1])  # kept: not fetched again
+    await client.tokenizer(routes[0])  # dropped: fetched again
+    assert fetched == [r.compat_key[0] for r in routes] + ["w0"]

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 #: RTT probes per peer; the median is used.
 RTT_PROBES = 3
+#: Tokenizers a client keeps (one per weights hash and tokenizer hash; up to 64 MiB each, the
+#: oldest dropped first): peers that advertise many models cannot grow a long-running `serve`.
+MAX_TOKENIZERS = 8
 #: Failure backoff of a peer: 5 s after its first failure, doubling up to 5 minutes.
 BASE_BACKOFF_S, MAX_BACKOFF_S = 5.0, 300.0
 
@@ -219,8 +222,11 @@ class MeshClient(MeshLinks):
             sources = [first] + sorted((p for p in self.table.values() if p.weights_hash == weights_hash
                                         and p.tokenizer_sha256 == agreed and p.peer_id != first.peer_id),
                                        key=lambda p: self.rtts_ms.get(p.peer_id, math.inf))
-            self._tokenizers[key] = await tokenizer_trust.fetch_tokenizer(
-                self, sources[:tokenizer_trust.TOKENIZER_SOURCES], weights_hash, agreed)
+            tok = await tokenizer_trust.fetch_tokenizer(self, sources[:tokenizer_trust.TOKENIZER_SOURCES],
+                                                        weights_hash, agreed)
+            while len(self._tokenizers) >= MAX_TOKENIZERS:  # peers advertising many models cannot grow it
+                del self._tokenizers[next(iter(self._tokenizers))]
+            self._tokenizers[key] = tok
         if self.draft_model is not None:
             self.draft_model.check_vocabulary(self._tokenizers[key])
         return self._tokenizers[key]

@@ -363,9 +363,10 @@ class PeerTable:
 
         A record lives at most :data:`MAX_TTL_S` seconds whatever ``ttl_s`` it arrives with.
         ``proven``: the adverts' peers proved their keys in a handshake with this peer; when
-        the table is full such a peer evicts the unproven record closest to expiry whose id is
-        not in ``protected`` (peers with a link or a conversation here), and an unproven new
-        peer is dropped. So keys that cost an attacker nothing cannot push out the peers it talks to.
+        the table is full such a peer evicts the record closest to expiry whose id is not in
+        ``protected`` (peers with a link or a conversation here), an unproven one first, and an
+        unproven new peer is dropped. So keys that cost an attacker nothing cannot push out the
+        peers it talks to, nor keep out a peer that proves its key.
         """
         self.expire()
         now, taken, keep = self._clock(), 0, frozenset(protected)
@@ -384,12 +385,15 @@ class PeerTable:
         return taken
 
     def _evict(self, protected: frozenset[str]) -> bool:
-        """Drop the unproven, unprotected record closest to expiry; False when there is none."""
-        victims = [(until, pid) for pid, (_, until) in self._records.items()
-                   if pid not in self._proven and pid not in protected]
+        """Drop the unprotected record closest to expiry, an unproven one first; False when every
+        record is protected. A proven record is evictable too: keys are free, and an attack run
+        filled the table with identities that each proved its key once and hung up, which kept
+        out every peer that joined later for as long as they came back each minute."""
+        victims = [(pid in self._proven, until, pid) for pid, (_, until) in self._records.items()
+                   if pid not in protected]
         if not victims:
             return False
-        self.remove(min(victims)[1])
+        self.remove(min(victims)[2])
         return True
 
     def proven(self, peer_id: str) -> bool:
