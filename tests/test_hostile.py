@@ -1288,6 +1288,37 @@ async def test_next_hop_addresses_of_an_open_are_dialed_once_per_backoff(tiny, m
         await assert_healthy(tiny, peers)
 
 
+async def test_a_peer_on_the_internet_dials_no_loopback_or_private_address_learnt_from_others(tiny):
+    """The attack run's SSRF was only rate-limited: `open.next` and gossip could still point a
+    peer at any service on its own machine or network. A peer whose own addresses (advertised,
+    bootstrap) are public dials no loopback or private address learnt from others; the service
+    sees no request. (On loopback, as in the test above, loopback addresses stay dialable.)"""
+    async with serving(tiny, (0, 2, 4)) as peers, counting_service() as (url, hits):
+        peer = peers[0]
+        fake = peer_id_of(new_key())
+        raw = await Raw.connect(peer)
+        real, peer.addrs = peer.addrs, ("wss://peer.example.com:7700",)  # as if it listened on the Internet
+        try:
+            targets = [f"{url}/admin/delete?id=0", "ws://10.0.0.7:8080/x", "ws://[::ffff:127.0.0.1]:8080/y"]
+            reply = await raw.request("open", conv="ssrf", layers=[0, 2], max_tokens=16,
+                                      next={"peer_id": fake, "addrs": targets})
+            assert reply["t"] == "opened", reply
+            assert peer.conns.learnt_scopes == {"public", "name"}
+            await raw.send("step", conv="ssrf", seq=0, start=0, tokens=[1], want="token")
+            error = await raw.recv(timeout_s=10)
+            assert error["code"] == "peer_unavailable" and "learnt from another peer" in error["message"], error
+            with pytest.raises(Exception, match="a loopback address learnt from another peer, and this peer has no"):
+                await peer.conns.dial_one(targets[0], fake)
+            with pytest.raises(Exception, match="a private address learnt from another peer"):
+                await peer.conns.dial_one(targets[1], fake)
+            with pytest.raises(Exception, match="a loopback address"):
+                await peer.conns.dial_one(targets[2], fake)
+            assert hits == []
+        finally:
+            peer.addrs = real
+            await raw.close()
+
+
 @contextlib.contextmanager
 def silent_addresses(n: int):
     """``n`` ws:// URLs of one loopback listener that accepts TCP and never answers."""

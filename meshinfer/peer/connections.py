@@ -50,6 +50,16 @@ class Connections:
         self.dial_bucket = Bucket(limits.MAX_DIALS_PER_S, 2 * limits.MAX_DIALS_PER_S)
         self.host_connections: dict[str, int] = {}
 
+    @property
+    def learnt_scopes(self) -> set[str]:
+        """The scopes (``discovery.address_scope``) of addresses learnt from others that this peer
+        dials: public addresses and DNS names always; loopback and private ones only when an
+        address of its own (what it advertises, its bootstrap) is in the same scope. So a peer on
+        the Internet cannot be made to dial services on its own machine or network (an attack
+        run sent a service on loopback `GET /admin/delete?...` requests through `open.next`)."""
+        own = (*self.peer.addrs, *self.peer.settings.public_addrs, *self.peer.settings.bootstrap)
+        return {"public", "name"} | {discovery.address_scope(url) for url in own}
+
     async def listen(self, ssl_context, scheme: str) -> None:
         """Accept connections on ``host:port``; set the peer's ``addrs`` (``public_addrs``, else the bound
         address), ``port`` and ``_server`` (closed by ``Peer.close``)."""
@@ -220,6 +230,9 @@ class Connections:
         Raises:
             PeerUnavailable: not dialed (no token), unreachable, or the handshake failed.
         """
+        if expect_id is not None and (scope := discovery.address_scope(url)) not in self.learnt_scopes:
+            raise PeerUnavailable(f"{url}: not dialed; a {scope} address learnt from another peer, and this peer "
+                                  f"has no {scope} address of its own")
         if expect_id is not None and not self.dial_bucket.take(1):
             raise PeerUnavailable(f"{url}: not dialed; this peer dials at most {limits.MAX_DIALS_PER_S:g} learnt "
                                   f"addresses a second")

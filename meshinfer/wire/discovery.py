@@ -250,6 +250,25 @@ def endpoint(url: str) -> tuple[str, str, int]:
     return (scheme, "loopback" if loopback else host, port or (443 if scheme == "wss" else 80))
 
 
+def address_scope(url: str) -> str:
+    """Where a ws:// or wss:// URL's host lies: ``"loopback"`` (127.0.0.0/8, ::1, localhost),
+    ``"private"`` (RFC 1918, RFC 4193 unique-local, link-local, carrier-grade NAT 100.64.0.0/10,
+    and the unspecified 0.0.0.0 / ::), ``"public"`` (any other IP address) or ``"name"`` (a DNS
+    name: where it points is not known without resolving it)."""
+    host = endpoint(url)[1]
+    if host == "loopback":
+        return "loopback"
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return "name"
+    ip = (ip.ipv4_mapped or ip) if ip.version == 6 else ip
+    if ip.is_loopback:
+        return "loopback"
+    shared = ip.version == 4 and ip in ipaddress.ip_network("100.64.0.0/10")
+    return "private" if ip.is_private or ip.is_link_local or ip.is_unspecified or shared else "public"
+
+
 def auth_macs(mesh_key: bytes, welcome_nonce: bytes, hello_nonce: bytes, addr: str) -> dict:
     """The private-mesh fields of an ``auth``: ``mac`` (both nonces; for peers older than the
     bound proof), ``addr`` (the URL this side dialed) and ``bound_mac``, which covers ``addr``
