@@ -1186,9 +1186,11 @@ async def test_one_host_holds_at_most_its_share_of_queued_steps_and_another_is_s
 
 
 @pytest.mark.slow
-async def test_unread_client_of_relayed_errors_does_not_freeze_the_link_between_hops(tiny, monkeypatch):
+@pytest.mark.parametrize("role", ["client", "peer"])
+async def test_unread_client_of_relayed_errors_does_not_freeze_the_link_between_hops(tiny, monkeypatch, role):
     # The client opens conversations on the first hop only, so the second hop answers every step
-    # with an error that the first hop relays to this client, which never reads.
+    # with an error that the first hop relays to this client, which never reads. As "peer", it
+    # says hello with a throwaway key it proves (the second variant).
     monkeypatch.setattr(transport, "SEND_TIMEOUT_S", 5.0)
     limits = ClientLimits(conversations=64, steps_per_s=1e6, bytes_per_s=1e12, frames_per_s=1e9)
     async with serving(tiny, (0, 2, 4), client_limits=limits) as peers:
@@ -1198,7 +1200,13 @@ async def test_unread_client_of_relayed_errors_does_not_freeze_the_link_between_
                                       ping_interval=None, max_queue=1)
         convs = [f"{c:02d}" + "x" * 62 for c in range(16)]  # 64 characters: echoed in each error
         try:
-            await ws.send(pack("hello", role="client"))
+            if role == "client":
+                await ws.send(pack("hello", role="client"))
+            else:
+                key, raw = new_key(), Raw(ws, first.peer_id)
+                welcome = await raw.request("hello", role="peer", nonce=NONCE, advert=rogue_advert(first.weights_hash, key=key))
+                assert (await raw.request("auth", proof=key.sign(HELLO_LABEL + welcome["nonce"] + NONCE)))["t"] == "authed"
+                raw.reader.cancel()  # from now on nobody reads this socket
             shrink_send_buffer(first, ws.local_address[1])
             for conv in convs:
                 await ws.send(signed("open", first.peer_id, conv=conv, layers=[0, 2], max_tokens=CONTEXT,

@@ -159,6 +159,11 @@ def test_policy_waits_longer_and_longer_after_drafts_that_are_never_accepted():
     # drafts that start being accepted end the wait at the next probe
     ks = run(p, 2 * speculative.MAX_PROBE_GAP, lambda k: k)
     assert sum(1 for k in ks[-20:] if k) >= 15
+    # and a new generation (another prompt) carries no wait over from the last one's drafts
+    run(p, 60, lambda k: 0)
+    assert p._waited < p._gap  # waiting after fruitless drafts
+    p.new_text()
+    assert p._gap == p._waited == 0
 
 
 def test_policy_starts_from_the_priors():

@@ -48,6 +48,7 @@ class DecodeSteps:
             self.drafter = self.draft_model.drafter() if self.draft_model is not None else PromptLookup()
         if self.policy is None:
             self.policy = self.client.draft_policy(self.route, self.drafter, ahead=self.draft_ahead)
+        self.policy.new_text()  # another prompt: an earlier text's fruitless drafts say little of it
         return SpecStats(draft_tokens=self.draft_tokens, drafter=self.drafter.name)
 
     async def _decode_step(self, result: ChatResult, history: list[int], remaining: int,

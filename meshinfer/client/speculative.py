@@ -247,6 +247,12 @@ class DraftPolicy:
             mean, weight = self._draft_ms
             self._draft_ms = [(mean * weight + ms / drafted) / (weight + 1.0), min(weight + 1.0, 1.0 / (1 - DECAY))]
 
+    def new_text(self) -> None:
+        """A new generation starts (another prompt, maybe another kind of text): no wait carries
+        over from the last one's fruitless drafts (the policy is shared by a route's conversations,
+        and a wait grown on general chat kept prompt lookup off a following code edit)."""
+        self._gap = self._waited = 0
+
     # -- estimates -----------------------------------------------------------------------------
     @property
     def acceptance(self) -> float:
