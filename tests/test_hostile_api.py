@@ -237,6 +237,39 @@ async def test_malformed_text_and_deep_nesting_are_400_not_500(tiny, name, raw, 
     assert not [r for r in caplog.records if r.levelname == "ERROR" and r.name == "meshinfer.app.api"]
 
 
+async def test_a_runaway_chat_template_from_the_mesh_costs_serve_one_deadline_per_request(tiny):
+    """Issue 17: a chat template of nested 100000 x 100000 loops, served by the mesh's peers,
+    made every `serve` completion time out with a core at 100%, for good. `serve` renders a
+    template from the network in a sandbox child with a deadline: the request fails with a clear
+    400 after about that deadline, `/v1/models` answers meanwhile, and the next request is
+    refused the same way instead of queueing behind the first."""
+    from meshinfer.text.template_sandbox import RENDER_BASE_S
+
+    path, digest, tok, _ = tiny
+    runaway = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+    bundle = tok.to_bundle() | {"chat_template": runaway}
+    async with mesh(split(lambda r: load_shard(path, r), [0, 2, 4]), weights_hash=digest, bundle=bundle,
+                    advert_ttl_s=30.0) as peers, MeshClient(list(peers[0].addrs)) as client:
+        server = ApiServer(client, host="127.0.0.1", port=0)
+        await server.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                body = json.dumps({"model": digest, "messages": MESSAGES, "max_tokens": 1}).encode()
+                for _ in range(2):
+                    t0 = time.monotonic()
+                    job = asyncio.ensure_future(post(http, server, body))
+                    await asyncio.sleep(0.5)
+                    t1 = time.monotonic()
+                    async with http.get(f"{server.url}/models") as r:
+                        assert r.status == 200
+                    assert time.monotonic() - t1 < 1.5
+                    status, answer = await job
+                    assert status == 400 and "chat template did not finish within" in answer["error"]["message"], answer
+                    assert time.monotonic() - t0 < RENDER_BASE_S + 10
+        finally:
+            await server.close()
+
+
 def test_a_tiny_temperature_samples_the_argmax_not_garbage():
     """temperature 1e-300 passes every check (API: (0, 2]; wire: [0, 100]) but logits / T
     overflowed float32 to inf, softmax gave NaN, and the draw returned the last vocabulary id
