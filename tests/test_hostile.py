@@ -33,7 +33,7 @@ from helpers.hostile import (CONTEXT, MAX_STEP, NONCE, ROGUE_KEY, TASK_SLACK, VO
 from meshinfer.peer import limits as peer_module
 from meshinfer.wire import convkeys, protocol, transport, tensors
 from meshinfer.core.config import LayerRange
-from meshinfer.wire.discovery import (HELLO_LABEL, host_key, MAX_TTL_S, NONCE_BYTES, peer_id_of,
+from meshinfer.wire.discovery import (HELLO_LABEL, address_scope, host_key, MAX_TTL_S, NONCE_BYTES, peer_id_of,
     verify_advert)
 from meshinfer.core.errors import ProtocolError
 from meshinfer.engine.generate import load_shard
@@ -1294,6 +1294,37 @@ async def test_next_hop_addresses_of_an_open_are_dialed_once_per_backoff(tiny, m
         finally:
             await raw.close()
         await assert_healthy(tiny, peers)
+
+
+@pytest.mark.parametrize("url, scope", [
+    ("ws://127.0.0.1:1", "loopback"), ("wss://localhost.", "loopback"), ("wss://a.localhost", "loopback"),
+    ("ws://[::1]:1", "loopback"), ("ws://[::ffff:127.0.0.1]:1", "loopback"),
+    # found by an attack run: spellings the resolver reads as loopback, and the unspecified address
+    ("wss://127.1", "loopback"), ("wss://2130706433", "loopback"), ("wss://0x7f000001", "loopback"),
+    ("wss://017700000001", "loopback"), ("wss://0", "loopback"), ("ws://0.0.0.0:1", "loopback"),
+    ("ws://[::]:1", "loopback"), ("ws://[::ffff:0.0.0.0]:1", "loopback"),
+    ("ws://10.1.2.3", "private"), ("ws://[fd00::1]:1", "private"), ("ws://169.254.169.254/x", "private"),
+    ("ws://100.64.0.1", "private"), ("ws://vm:80", "private"), ("wss://printer.local", "private"),
+    ("wss://8.8.8.8", "public"), ("ws://[2001:4860::8888]:1", "public"), ("wss://example.com", "name"),
+])
+def test_address_scopes(url, scope):
+    assert address_scope(url) == scope
+
+
+def test_a_peer_bound_to_every_interface_takes_no_scope_from_its_stand_in_address():
+    """Found by an attack run: a peer listening on 0.0.0.0 without --public-addr advertises
+    ws://127.0.0.1:PORT as a stand-in, which gave a peer on the Internet loopback scope."""
+    from types import SimpleNamespace
+
+    from meshinfer.peer.connections import Connections
+
+    def scopes(host, public=(), bootstrap=()):
+        settings = SimpleNamespace(host=host, public_addrs=public, bootstrap=bootstrap)
+        return Connections(SimpleNamespace(addrs=("ws://127.0.0.1:7700",), settings=settings)).learnt_scopes
+
+    assert scopes("0.0.0.0") == {"public", "name"}
+    assert scopes("127.0.0.1") == {"public", "name", "loopback"}
+    assert scopes("0.0.0.0", bootstrap=("ws://10.0.0.2:7700",)) == {"public", "name", "private"}
 
 
 async def test_a_peer_on_the_internet_dials_no_loopback_or_private_address_learnt_from_others(tiny):

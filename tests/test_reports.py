@@ -100,28 +100,27 @@ def test_an_unproven_accusation_backs_the_accused_off_and_two_independent_witnes
     """``ReportLedger.accuse``: a hop's accusation of its previous hop with nothing the client
     can check replaces the accused, not the accuser, at the first; both at the accuser's second;
     the accuser alone after that. Only a peer accused by two independent witnesses is to be
-    banned: identities on one host other than the accused's (sybils, keys are free), or behind
-    relays, are one witness; on the accused's own host (a mesh on one machine) each counts."""
-    x, y = "198.51.100.7", "203.0.113.9"  # the accusers' host, the accused's
+    banned: identities on one host other than the accused's (sybils, keys are free) are one
+    witness, relayed ones none; on the accused's own host (a mesh on one machine) each counts."""
+    x, y, z = "198.51.100.7", "203.0.113.9", "192.0.2.4"  # the accusers' hosts, the accused's
     ledger = ReportLedger()
     assert ledger.accuse("liar", "p1", x, y) == (frozenset({"p1"}), False)
     assert ledger.accuse("liar", "p2", x, y) == (frozenset({"liar", "p2"}), False)
     assert ledger.accuse("liar", "p3", x, y) == (frozenset({"liar"}), False)  # its word moves nobody else
     assert ledger.accuse("sybil", "p3", x, y) == (frozenset({"p3"}), False)  # same host: one witness
-    assert ledger.accuse("relayed", "p3", reports.UNKNOWN_HOST, y) == (frozenset({"p3"}), True)  # a second one
-    assert ledger.accusers("p3") == {"liar", "sybil", "relayed"} and ledger.count("liar") == 3
-    assert ledger.accuser_hosts("p3") == {"liar": x, "sybil": x, "relayed": reports.UNKNOWN_HOST}
-    assert ledger.accuse("r1", "p4", reports.UNKNOWN_HOST, y) == (frozenset({"p4"}), False)
-    assert ledger.accuse("r2", "p4", reports.UNKNOWN_HOST, y) == (frozenset({"p4"}), False)  # relayed: one witness
+    assert ledger.accuse("relayed", "p3", reports.UNKNOWN_HOST, y) == (frozenset({"p3"}), False)  # none
+    assert ledger.accuse("other", "p3", z, y) == (frozenset({"p3"}), True)  # a second host: banned
+    assert ledger.accusers("p3") == {"liar", "sybil", "relayed", "other"} and ledger.count("liar") == 3
+    assert ledger.accuser_hosts("p3") == {"liar": x, "sybil": x, "relayed": reports.UNKNOWN_HOST, "other": z}
     assert ledger.accuse("n1", "p5", y, y) == (frozenset({"p5"}), False)
     assert ledger.accuse("n2", "p5", y, y) == (frozenset({"p5"}), True)  # one machine's mesh: one each
 
 
-def test_witnesses_count_one_per_other_host_and_one_per_peer_on_the_subjects_host():
+def test_witnesses_count_one_per_other_host_none_when_relayed_and_one_per_peer_on_the_subjects_host():
     """``reports.witnesses``: what the accusation ledger and the spot-check referees count."""
     u = reports.UNKNOWN_HOST
     assert reports.witnesses({"a": "h1", "b": "h1"}, "h2") == 1
     assert reports.witnesses({"a": "h1", "b": "h3"}, "h2") == 2
     assert reports.witnesses({"a": "h2", "b": "h2"}, "h2") == 2
-    assert reports.witnesses({"a": u, "b": u}, u) == 1 and reports.witnesses({"a": u, "b": "h1"}, "h1") == 2
-    assert reports.witnesses({}, "h1") == 0
+    assert reports.witnesses({"a": "h1", "b": u}, "h2") == 1  # one machine: one listening, one relayed
+    assert reports.witnesses({"a": u, "b": u}, u) == 0 and reports.witnesses({}, "h1") == 0

@@ -44,11 +44,12 @@ UNKNOWN_HOST = "?"
 def witnesses(hosts: dict[str, str], subject_host: str) -> int:
     """How many independent witnesses the peers of ``hosts`` (peer id -> host, as
     ``MeshLinks.host`` gives it) are against a peer on ``subject_host``: peers on one host other
-    than the subject's count once (keys are free: one machine can run many identities), and so
-    do all peers of unknown host (:data:`UNKNOWN_HOST`); peers on the subject's own host count
-    one each, since their host tells nothing apart (a mesh on one machine keeps one witness per
-    peer)."""
-    return len({h if h == UNKNOWN_HOST or h != subject_host else p for p, h in hosts.items()})
+    than the subject's count once (keys are free: one machine can run many identities); peers of
+    unknown host (:data:`UNKNOWN_HOST`: relayed) count not at all, since a hidden identity may run
+    on the same machine as any other (an attack run made one machine two witnesses, one identity
+    listening and one relayed); peers on the subject's own host count one each, since their host
+    tells nothing apart (a mesh on one machine keeps one witness per peer)."""
+    return len({h if h != subject_host else p for p, h in hosts.items() if h != UNKNOWN_HOST})
 
 
 @dataclass

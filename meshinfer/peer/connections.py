@@ -57,7 +57,9 @@ class Connections:
         address of its own (what it advertises, its bootstrap) is in the same scope. So a peer on
         the Internet cannot be made to dial services on its own machine or network (an attack
         run sent a service on loopback `GET /admin/delete?...` requests through `open.next`)."""
-        own = (*self.peer.addrs, *self.peer.settings.public_addrs, *self.peer.settings.bootstrap)
+        s = self.peer.settings
+        bound_all = s.host in ("0.0.0.0", "::", "") and not s.public_addrs  # advertises 127.0.0.1 as a stand-in
+        own = (*(() if bound_all else self.peer.addrs), *s.public_addrs, *s.bootstrap)
         return {"public", "name"} | {discovery.address_scope(url) for url in own}
 
     async def listen(self, ssl_context, scheme: str) -> None:

@@ -250,23 +250,49 @@ def endpoint(url: str) -> tuple[str, str, int]:
     return (scheme, "loopback" if loopback else host, port or (443 if scheme == "wss" else 80))
 
 
+#: Host names that mean this machine or its own network whatever a resolver says (RFC 6761
+#: reserves ``localhost`` and its subdomains; the others are common /etc/hosts and LAN names).
+LOOPBACK_NAMES, LOCAL_SUFFIXES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"), (
+    ".localhost", ".local", ".lan", ".internal", ".home.arpa", ".localdomain")
+
+
 def address_scope(url: str) -> str:
-    """Where a ws:// or wss:// URL's host lies: ``"loopback"`` (127.0.0.0/8, ::1, localhost),
-    ``"private"`` (RFC 1918, RFC 4193 unique-local, link-local, carrier-grade NAT 100.64.0.0/10,
-    and the unspecified 0.0.0.0 / ::), ``"public"`` (any other IP address) or ``"name"`` (a DNS
-    name: where it points is not known without resolving it)."""
+    """Where a ws:// or wss:// URL's host lies: ``"loopback"`` (127.0.0.0/8, ::1, the unspecified
+    0.0.0.0 and ::, which reach this machine, and :data:`LOOPBACK_NAMES`), ``"private"`` (RFC 1918,
+    RFC 4193 unique-local, link-local, carrier-grade NAT 100.64.0.0/10, single-label names and
+    :data:`LOCAL_SUFFIXES`), ``"public"`` (any other IP address) or ``"name"`` (another DNS name:
+    where it points is not known without resolving it). An IPv4 address in any spelling the
+    system resolver takes (``127.1``, ``2130706433``, ``0x7f000001``) counts as that address."""
     host = endpoint(url)[1]
     if host == "loopback":
         return "loopback"
+    bare = host.strip("[]").rstrip(".")
+    if bare in LOOPBACK_NAMES or bare.endswith(".localhost"):
+        return "loopback"
     try:
-        ip = ipaddress.ip_address(host.strip("[]"))
+        ip = ipaddress.ip_address(bare)
     except ValueError:
-        return "name"
+        ip = _inet_aton(bare)
+        if ip is None:
+            return "private" if "." not in bare or bare.endswith(LOCAL_SUFFIXES) else "name"
     ip = (ip.ipv4_mapped or ip) if ip.version == 6 else ip
-    if ip.is_loopback:
+    if ip.is_loopback or ip.is_unspecified:
         return "loopback"
     shared = ip.version == 4 and ip in ipaddress.ip_network("100.64.0.0/10")
-    return "private" if ip.is_private or ip.is_link_local or ip.is_unspecified or shared else "public"
+    return "private" if ip.is_private or ip.is_link_local or shared else "public"
+
+
+def _inet_aton(host: str) -> ipaddress.IPv4Address | None:
+    """``host`` read as the C resolver reads an IPv4 address (``inet_aton``: 1 to 4 parts, decimal,
+    octal or hex), or None when it is not one."""
+    import socket
+
+    if not host or not all(c in "0123456789abcdefx." for c in host) or not host[0].isdigit():
+        return None
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        return None
 
 
 def auth_macs(mesh_key: bytes, welcome_nonce: bytes, hello_nonce: bytes, addr: str) -> dict:

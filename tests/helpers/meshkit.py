@@ -71,7 +71,7 @@ class AlwaysDraft:
     def record_step(self, *args) -> None:
         pass
 
-    record_drafts = record_draft_cost = record_yield = record_step
+    record_drafts = record_draft_cost = record_yield = new_text = record_step
 
 
 def split(shard_factory, bounds: Sequence[int]) -> list[Shard]:
