@@ -45,6 +45,10 @@ TOLERANCE = {"f32": 1e-3, "bf16": 5e-2, "f16": 5e-2,
 #: Share of decode steps after which the client spot-checks one random hop (besides the
 #: check of every checkable hop after each prefill). 0 turns spot-checks off.
 DEFAULT_SPOT_CHECK_RATE = 0.05
+#: Third peers asked to settle one dispute, at most: each recomputes the hop's layers over the
+#: whole prefix, and only a referee independent of the side it agrees with settles it
+#: (:func:`_second_opinion`), so a few are tried before the dispute is left undecided.
+MAX_REFEREES = 3
 
 
 def relative_error(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -191,7 +195,7 @@ async def _second_opinion(conv, hop, checker, others: list, a: int, b: int, inpu
                           accusation: LyingPeer) -> None:
     """A checker disagreed with ``hop``: nobody is blamed on one peer's word, so that one lying
     checker cannot get an honest hop banned. Third peers that serve those layers recompute, one
-    at a time in random order, until one settles it: a referee settles the dispute when it and
+    at a time in random order (at most :data:`MAX_REFEREES`), until one settles it: a referee settles the dispute when it and
     the side it agrees with are two independent witnesses against the other side
     (``reports.witnesses``: identities on one machine other than the accused's, keys being
     free, are one witness; an attack run got an honest hop banned by two checkers on one host
@@ -209,7 +213,7 @@ async def _second_opinion(conv, hop, checker, others: list, a: int, b: int, inpu
     def independent(peers: list[str], accused: str) -> bool:
         return witnesses({p: host(p) for p in peers}, host(accused)) > 1
 
-    for referee in conv.audit.rng.sample(others, len(others)):
+    for referee in conv.audit.rng.sample(others, min(len(others), MAX_REFEREES)):
         got = await _verify(conv.client, referee, hop, a, b, inputs, None if claimed is None else claimed.shape[-1])
         try:
             _compare(conv.audit, conv.route, hop, referee, a, b, got, claimed)
