@@ -234,7 +234,8 @@ class Connections:
         """
         if expect_id is not None and (scope := discovery.address_scope(url)) not in self.learnt_scopes:
             raise PeerUnavailable(f"{url}: not dialed; a {scope} address learnt from another peer, and this peer "
-                                  f"has no {scope} address of its own")
+                                  f"has no {scope} address of its own (a peer on that network: pass --public-addr "
+                                  f"with this machine's address there)")
         if expect_id is not None and not self.dial_bucket.take(1):
             raise PeerUnavailable(f"{url}: not dialed; this peer dials at most {limits.MAX_DIALS_PER_S:g} learnt "
                                   f"addresses a second")
