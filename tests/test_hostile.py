@@ -35,7 +35,7 @@ from meshinfer.wire import convkeys, protocol, transport, tensors
 from meshinfer.core.config import LayerRange
 from meshinfer.wire.discovery import (HELLO_LABEL, address_scope, host_key, MAX_TTL_S, NONCE_BYTES, peer_id_of,
     verify_advert)
-from meshinfer.core.errors import ProtocolError
+from meshinfer.core.errors import PeerUnavailable, ProtocolError
 from meshinfer.engine.generate import load_shard
 from meshinfer.peer.conversations import STATEMENT_BYTES_PER_TOKEN
 from meshinfer.peer.node import ClientLimits
@@ -1309,6 +1309,25 @@ async def test_next_hop_addresses_of_an_open_are_dialed_once_per_backoff(tiny, m
 ])
 def test_address_scopes(url, scope):
     assert address_scope(url) == scope
+
+
+async def test_a_client_on_the_internet_dials_no_loopback_address_from_an_advert():
+    """The attack run noted that `serve` and `chat` dialed any address an advert listed. A client
+    dials a loopback or private address only when one of its --peers addresses is in that scope."""
+    from types import SimpleNamespace
+
+    from meshinfer.client.mesh import MeshClient
+
+    async with counting_service() as (url, hits):
+        fake = SimpleNamespace(peer_id=peer_id_of(new_key()), relays=(), addrs=(f"{url}/admin", "wss://127.1/x"))
+        client = MeshClient(["wss://peer.example.com:7700"])
+        with pytest.raises(PeerUnavailable, match="not dialed; a loopback address, and no --peers address"):
+            await client.link(fake)
+        assert hits == []
+        local = MeshClient([f"{url}/bootstrap"])  # a client of a local mesh still dials them
+        with pytest.raises(PeerUnavailable, match="HTTP 404|404"):
+            await local.link(SimpleNamespace(peer_id=fake.peer_id, relays=(), addrs=(f"{url}/admin",)))
+        assert len(hits) == 1
 
 
 def test_a_peer_bound_to_every_interface_takes_no_scope_from_its_stand_in_address():

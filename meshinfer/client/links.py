@@ -164,6 +164,10 @@ class MeshLinks:
         through the first of its relays that reaches it (relays inside their failure backoff are
         skipped).
 
+        A loopback or private address (``discovery.address_scope``) is dialed only when one of
+        this client's bootstrap addresses (``--peers``) is in the same scope: a `serve` on the
+        Internet cannot be pointed at services on its own machine or network by adverts.
+
         Raises:
             PeerUnavailable: no address or relay answers, or the answering peer has another id.
         """
@@ -179,9 +183,13 @@ class MeshLinks:
                 if not peer.addrs:
                     raise
         if link is None:
+            scopes = {"public", "name"} | {discovery.address_scope(url) for url in self.bootstrap}
+            refused = [url for url in peer.addrs if discovery.address_scope(url) not in scopes]
+            errors += [f"{url}: not dialed; a {discovery.address_scope(url)} address, and no --peers address "
+                       f"is in that scope" for url in refused]
             try:
-                link = await first_success([self._hello_as(url, peer.peer_id) for url in peer.addrs],
-                                           discard=lambda lk: lk.close())
+                link = await first_success([self._hello_as(url, peer.peer_id) for url in peer.addrs
+                                            if url not in refused], discard=lambda lk: lk.close())
             except PeerUnavailable as exc:
                 raise PeerUnavailable(f"cannot reach peer {peer.peer_id[:12]}: "
                                       + "; ".join(errors + [str(exc)])) from None
