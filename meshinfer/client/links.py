@@ -183,10 +183,11 @@ class MeshLinks:
                 if not peer.addrs:
                     raise
         if link is None:
-            scopes = {"public", "name"} | {discovery.address_scope(url) for url in self.bootstrap}
-            refused = [url for url in peer.addrs if discovery.address_scope(url) not in scopes]
-            errors += [f"{url}: not dialed; a {discovery.address_scope(url)} address, and no --peers address "
-                       f"is in that scope" for url in refused]
+            scopes, allowed = {url: discovery.address_scope(url) for url in peer.addrs}, \
+                discovery.dialable_scopes(self.bootstrap)
+            refused = [url for url, scope in scopes.items() if scope not in allowed]
+            errors += [f"{url}: not dialed; a {scopes[url]} address, and no --peers address is in that scope"
+                       for url in refused]
             try:
                 link = await first_success([self._hello_as(url, peer.peer_id) for url in peer.addrs
                                             if url not in refused], discard=lambda lk: lk.close())

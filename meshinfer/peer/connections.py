@@ -60,7 +60,7 @@ class Connections:
         s = self.peer.settings
         bound_all = s.host in ("0.0.0.0", "::", "") and not s.public_addrs  # advertises 127.0.0.1 as a stand-in
         own = (*(() if bound_all else self.peer.addrs), *s.public_addrs, *s.bootstrap)
-        return {"public", "name"} | {discovery.address_scope(url) for url in own}
+        return discovery.dialable_scopes(own)
 
     async def listen(self, ssl_context, scheme: str) -> None:
         """Accept connections on ``host:port``; set the peer's ``addrs`` (``public_addrs``, else the bound

@@ -282,6 +282,13 @@ def address_scope(url: str) -> str:
     return "private" if ip.is_private or ip.is_link_local or shared else "public"
 
 
+def dialable_scopes(own: Iterable[str]) -> set[str]:
+    """The scopes (:func:`address_scope`) of addresses learnt from others that a node whose own
+    addresses are ``own`` (URLs) dials: public addresses and DNS names always, loopback and
+    private ones only when one of its own is in the same scope."""
+    return {"public", "name"} | {address_scope(url) for url in own}
+
+
 def _inet_aton(host: str) -> ipaddress.IPv4Address | None:
     """``host`` read as the C resolver reads an IPv4 address (``inet_aton``: 1 to 4 parts, decimal,
     octal or hex), or None when it is not one."""
