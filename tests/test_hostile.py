@@ -1330,6 +1330,75 @@ async def test_a_client_on_the_internet_dials_no_loopback_address_from_an_advert
         assert len(hits) == 1
 
 
+def resolving(monkeypatch, names: dict[str, str]) -> None:
+    """Make the running loop's resolver answer each of ``names`` (host -> IP address), as a DNS
+    server an attacker controls would (rebinding: a public-looking name that points home)."""
+    loop = asyncio.get_running_loop()
+    real = loop.getaddrinfo
+
+    async def getaddrinfo(host, port, *args, **kwargs):
+        if host in names:
+            family = socket.AF_INET6 if ":" in names[host] else socket.AF_INET
+            return [(family, socket.SOCK_STREAM, 6, "", (names[host], port))]
+        return await real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+
+
+async def test_a_name_that_resolves_to_loopback_is_no_way_around_the_scopes(tiny, monkeypatch):
+    """The scopes checked the name as written, so a DNS name of an attacker's that resolves to
+    127.0.0.1 (or an /etc/hosts entry with a dot) reached services on the peer's own machine. A
+    learnt name is now resolved first and dialed at the address that was checked."""
+    from types import SimpleNamespace
+
+    from meshinfer.client.mesh import MeshClient
+
+    async with serving(tiny) as peers, counting_service() as (url, hits):
+        port = url.rsplit(":", 1)[1]
+        resolving(monkeypatch, {"home.attacker.example": "127.0.0.1", "lan.attacker.example": "10.0.0.7",
+                                "v6.attacker.example": "::1"})
+        peer, fake = peers[0], peer_id_of(new_key())
+        real, peer.addrs = peer.addrs, ("wss://peer.example.com:7700",)  # as if it listened on the Internet
+        try:
+            for name, scope in (("home", "loopback"), ("lan", "private"), ("v6", "loopback")):
+                with pytest.raises(PeerUnavailable, match=f"{name}.attacker.example resolves to .* \\({scope}\\)"):
+                    await peer.conns.dial_one(f"wss://{name}.attacker.example:{port}/admin", fake)
+        finally:
+            peer.addrs = real
+        advert = SimpleNamespace(peer_id=fake, relays=(), addrs=(f"ws://home.attacker.example:{port}/admin",))
+        with pytest.raises(PeerUnavailable, match="resolves to 127.0.0.1 \\(loopback\\)"):
+            await MeshClient(["wss://peer.example.com:7700"], insecure=True).link(advert)
+        assert hits == []
+        with pytest.raises(PeerUnavailable, match="404"):  # a client of a local mesh dials it, at the address checked
+            await MeshClient(peer.addrs, insecure=True).link(advert)
+        assert len(hits) == 1
+
+
+async def test_a_redirect_to_another_host_or_port_is_not_followed():
+    """websockets follows up to 10 redirects of the upgrade, to any host: a peer address (public,
+    so allowed) answering ``302 Location: ws://127.0.0.1:PORT/admin`` sent the node to a service
+    on its own machine whatever the scopes said."""
+    from meshinfer.client.mesh import MeshClient
+
+    async with counting_service() as (victim, hits):
+        async def redirect(reader, writer) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(f"HTTP/1.1 302 Found\r\nLocation: {victim}/admin/delete?id=1\r\n"
+                         f"Content-Length: 0\r\n\r\n".encode())
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(redirect, "127.0.0.1", 0)
+        try:
+            here = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            with pytest.raises(PeerUnavailable, match="redirect"):
+                await MeshClient([here]).refresh()
+            assert hits == []
+        finally:
+            server.close()
+            await server.wait_closed()
+
+
 def test_a_peer_bound_to_every_interface_takes_no_scope_from_its_stand_in_address():
     """Found by an attack run: a peer listening on 0.0.0.0 without --public-addr advertises
     ws://127.0.0.1:PORT as a stand-in, which gave a peer on the Internet loopback scope."""

@@ -695,3 +695,53 @@ async def test_a_relay_that_cuts_circuits_during_open_costs_a_backoff_not_the_co
     finally:
         for p in (spare, home, first, relay):
             await p.close()
+
+
+async def test_one_host_holds_at_most_its_share_of_a_hidden_peers_circuits(model, monkeypatch):
+    """An attack run took all 256 circuit slots of a hidden peer from one host in 0.75 s (4
+    connections to its relay, 64 circuits each). A relay forwards at most
+    ``MAX_CIRCUITS_PER_HOST_TO_PEER`` circuits from one client host to one hidden peer, over all
+    that host's connections; a client on another host still gets one. (Caps scaled down.)"""
+    import websockets
+
+    from meshinfer.client.links import CLIENT_MAX_FRAME_BYTES
+    from meshinfer.core.errors import MeshError
+    from meshinfer.peer import limits
+    from meshinfer.wire.transport import Link, circuit_link
+
+    path, digest, tok, *_ = model
+    public = await start_peer(load_shard(path, LayerRange(2, 4)), weights_hash=digest)
+    home = await hidden(path, digest, LayerRange(0, 2), public.addrs, bundle=tok.to_bundle())
+    monkeypatch.setattr(limits, "MAX_CIRCUITS_PER_HOST_TO_PEER", 3)
+    monkeypatch.setattr(limits, "MAX_CIRCUITS_PER_LINK", 2)
+    try:
+        await wait_relayed([public, home], [home])
+        async with MeshClient(list(public.addrs)) as client:
+            await client.refresh()
+            key = client.table[home.peer_id].public_key
+
+            async def circuit(carrier):
+                sock = carrier.open_circuit(home.peer_id, public_key=key, max_bytes=CLIENT_MAX_FRAME_BYTES)
+                link, advert, _ = await client._greet(circuit_link(sock, on_message=client._on_message,
+                                                                   name="relay://x"), "relay://x")
+                assert advert.peer_id == home.peer_id
+                return link
+
+            url = public.addrs[0]
+            first, (second, _, _) = await client.link(client.table[public.peer_id]), await client._hello(url)
+            held = [await circuit(first), await circuit(first), await circuit(second)]
+            with pytest.raises(MeshError):
+                await circuit(second)  # this host's fourth, on a connection with room for one more
+            assert len(public._forwards) == 3
+            ws = await websockets.connect(url, local_addr=("127.0.0.2", 0), max_size=CLIENT_MAX_FRAME_BYTES,
+                                          compression=None)
+            other = Link(ws, max_bytes=CLIENT_MAX_FRAME_BYTES, on_message=client._on_message, name=url)
+            other.reader = asyncio.get_running_loop().create_task(other.run())
+            other, _, _ = await client._greet(other, url)
+            held.append(await circuit(other))  # another host is served
+            assert len(public._forwards) == 4
+            for link in held + [second, other]:
+                await link.close()
+    finally:
+        await home.close()
+        await public.close()

@@ -113,10 +113,11 @@ class MeshLinks:
         elif msg_type == "ping":
             await link.send("pong", re=f.get("id", int, None))
 
-    async def _hello(self, url: str) -> tuple[Link, PeerAdvert, int]:
+    async def _hello(self, url: str, scopes: set[str] | None = None) -> tuple[Link, PeerAdvert, int]:
+        """Dial ``url`` (at an address in ``scopes``, ``transport.dial``) and shake hands."""
         link = await dial(url, max_bytes=CLIENT_MAX_FRAME_BYTES, on_message=self._on_message,
                           open_timeout_s=self.dial_timeout_s, insecure=self.insecure,
-                          tls_ca=self.tls_ca)
+                          tls_ca=self.tls_ca, scopes=scopes)
         return await self._greet(link, url)
 
     async def _greet(self, link: Link, url: str) -> tuple[Link, PeerAdvert, int]:
@@ -149,9 +150,10 @@ class MeshLinks:
         link.remote_id, link.role = advert.peer_id, "peer"
         return link, advert, link.info["max_step_tokens"]
 
-    async def _hello_as(self, url: str, peer_id: str) -> Link:
-        """:meth:`_hello` to ``url``, which must answer as ``peer_id`` (else ``PeerUnavailable``)."""
-        link, advert, _ = await self._hello(url)
+    async def _hello_as(self, url: str, peer_id: str, scopes: set[str]) -> Link:
+        """:meth:`_hello` to ``url`` (an advert's address, dialed at an address in ``scopes``),
+        which must answer as ``peer_id`` (else ``PeerUnavailable``)."""
+        link, advert, _ = await self._hello(url, scopes)
         if advert.peer_id != peer_id:
             await link.close()
             raise PeerUnavailable(f"{url} answered as peer {advert.peer_id[:12]}")
@@ -189,7 +191,7 @@ class MeshLinks:
             errors += [f"{url}: not dialed; a {scopes[url]} address, and no --peers address is in that scope"
                        for url in refused]
             try:
-                link = await first_success([self._hello_as(url, peer.peer_id) for url in peer.addrs
+                link = await first_success([self._hello_as(url, peer.peer_id, allowed) for url in peer.addrs
                                             if url not in refused], discard=lambda lk: lk.close())
             except PeerUnavailable as exc:
                 raise PeerUnavailable(f"cannot reach peer {peer.peer_id[:12]}: "

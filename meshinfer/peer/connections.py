@@ -241,7 +241,8 @@ class Connections:
                                   f"addresses a second")
         try:
             link = await dial(url, max_bytes=self.peer.max_frame_bytes, on_message=self.peer._on_message,
-                              insecure=self.peer.settings.insecure, tls_ca=self.peer.settings.tls_ca)
+                              insecure=self.peer.settings.insecure, tls_ca=self.peer.settings.tls_ca,
+                              scopes=None if expect_id is None else self.learnt_scopes)
         except InvalidInput as exc:
             raise PeerUnavailable(str(exc)) from exc
         link.info.update(dialed=True, bootstrap=url in self.peer.settings.bootstrap)

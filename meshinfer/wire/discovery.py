@@ -262,11 +262,20 @@ def address_scope(url: str) -> str:
     RFC 4193 unique-local, link-local, carrier-grade NAT 100.64.0.0/10, single-label names and
     :data:`LOCAL_SUFFIXES`), ``"public"`` (any other IP address) or ``"name"`` (another DNS name:
     where it points is not known without resolving it). An IPv4 address in any spelling the
-    system resolver takes (``127.1``, ``2130706433``, ``0x7f000001``) counts as that address."""
-    host = endpoint(url)[1]
+    system resolver takes (``127.1``, ``2130706433``, ``0x7f000001``) counts as that address.
+
+    A ``"name"`` is dialed at one of the addresses it resolves to, and only when that address's
+    own scope is allowed (``transport.dial``'s ``scopes``), so a name that resolves to loopback
+    (DNS rebinding, an /etc/hosts entry) is no way around the scopes."""
+    return host_scope(endpoint(url)[1])
+
+
+def host_scope(host: str) -> str:
+    """:func:`address_scope` of a bare host name or IP address (IPv6 with or without brackets,
+    with or without a ``%zone``), as ``getaddrinfo`` gives them."""
     if host == "loopback":
         return "loopback"
-    bare = host.strip("[]").rstrip(".")
+    bare = host.strip("[]").rstrip(".").lower()
     if bare in LOOPBACK_NAMES or bare.endswith(".localhost"):
         return "loopback"
     try:

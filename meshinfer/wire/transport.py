@@ -20,15 +20,17 @@ import asyncio
 import collections
 import itertools
 import logging
+import socket
 import ssl
 import time
-from typing import Any, Awaitable, Callable, Iterable, TypeVar
+from typing import Any, Awaitable, Callable, Collection, Iterable, TypeVar
 
 import websockets
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
+from websockets.uri import parse_uri
 
-from meshinfer.wire import protocol, tls
+from meshinfer.wire import discovery, protocol, tls
 from meshinfer.wire.circuit_seal import KX_BYTES, SEAL_OVERHEAD_BYTES, SIG_BYTES, CircuitSeal
 from meshinfer.core.errors import MeshError, PeerUnavailable, ProtocolError
 
@@ -558,9 +560,45 @@ def _dial_reason(url: str, exc: BaseException) -> str:
     return reason
 
 
+async def dial_target(url: str, scopes: Collection[str] | None) -> tuple[str, int]:
+    """The host and port to open a TCP connection to for ``url`` (ws:// or wss://).
+
+    With ``scopes`` None the URL's own host (the system resolver resolves it when connecting).
+    Else the host is resolved here (``getaddrinfo``) and the first address whose
+    ``discovery.host_scope`` is in ``scopes`` is returned, so the connection goes to the very
+    address that was checked: a DNS name of an advert that resolves to loopback or a private
+    network (DNS rebinding, an /etc/hosts entry) is not dialed by a node without an address of
+    its own there (``discovery.dialable_scopes``).
+
+    Raises:
+        PeerUnavailable: the name does not resolve, or to no address in ``scopes``.
+        websockets.exceptions.InvalidURI: ``url`` is not a ws:// or wss:// URL.
+    """
+    uri = parse_uri(url)
+    if scopes is None:
+        return uri.host, uri.port
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(uri.host, uri.port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise PeerUnavailable(f"cannot reach {url}: {uri.host} does not resolve ({exc})") from exc
+    found = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    for address in found:
+        if discovery.host_scope(address) in scopes:
+            return address, uri.port
+    shown = ", ".join(f"{a} ({discovery.host_scope(a)})" for a in found[:4])
+    raise PeerUnavailable(f"{url}: not dialed; {uri.host} resolves to {shown}, and this node has no address "
+                          f"of its own in that scope")
+
+
 async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s: float = 5.0,
-               insecure: bool = False, tls_ca: str | None = None) -> Link:
+               insecure: bool = False, tls_ca: str | None = None, scopes: Collection[str] | None = None) -> Link:
     """Open a websocket to ``url`` and start its reader task (kept in ``link.reader``).
+
+    The connection goes to the host of ``url`` itself (:func:`dial_target`; with ``scopes``, to
+    an address of it in one of those scopes), never through a proxy from the environment, and a
+    redirect to another host or port is refused (websockets follows none when the host is given):
+    a server that answers the upgrade with ``302 Location: ws://127.0.0.1:8080/admin`` cannot
+    point the node at a service the scopes keep it from.
 
     ``wss://`` checks no CA: ``link.tls_fingerprint`` holds the SHA-256 of the certificate the
     server presented, for the handshake to pin against the peer's signed advert. Plain ``ws://``
@@ -570,13 +608,17 @@ async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s:
 
     Raises:
         InvalidInput: plain ``ws://`` to another machine without ``insecure``; an unreadable ``tls_ca``.
-        PeerUnavailable: the address cannot be reached within ``open_timeout_s`` seconds.
+        PeerUnavailable: the address cannot be reached within ``open_timeout_s`` seconds (name
+            resolution included), or resolves to no address in ``scopes``.
     """
     tls.check_plain_url(url, insecure=insecure)
     ssl_context = tls.client_context(tls_ca) if url.startswith("wss://") else None
+    deadline = time.monotonic() + open_timeout_s
     try:
-        ws = await websockets.connect(url, max_size=max_bytes, open_timeout=open_timeout_s, ssl=ssl_context,
-                                      ping_interval=20, ping_timeout=20, compression=None)
+        host, port = await asyncio.wait_for(dial_target(url, scopes), open_timeout_s)
+        ws = await websockets.connect(url, max_size=max_bytes, open_timeout=max(0.1, deadline - time.monotonic()),
+                                      ssl=ssl_context, ping_interval=20, ping_timeout=20, compression=None,
+                                      proxy=None, host=host, port=port)
     except (OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException, ValueError) as exc:
         raise PeerUnavailable(f"cannot reach {url}: {_dial_reason(url, exc)}") from exc
     link = Link(ws, max_bytes=max_bytes, on_message=on_message, name=url)
