@@ -1330,25 +1330,31 @@ async def test_a_client_on_the_internet_dials_no_loopback_address_from_an_advert
         assert len(hits) == 1
 
 
-def resolving(monkeypatch, names: dict[str, str]) -> None:
-    """Make the running loop's resolver answer each of ``names`` (host -> IP address), as a DNS
-    server an attacker controls would (rebinding: a public-looking name that points home)."""
-    loop = asyncio.get_running_loop()
-    real = loop.getaddrinfo
+def resolving(monkeypatch, names: dict[str, object]) -> None:
+    """Make the system resolver answer each of ``names`` (host -> an IP address, a list of them,
+    or a ``threading.Event`` to block on until set, then fail), as a DNS server an attacker
+    controls would (rebinding: a public-looking name that points home; a server that never
+    answers)."""
+    real = socket.getaddrinfo
 
-    async def getaddrinfo(host, port, *args, **kwargs):
-        if host in names:
-            family = socket.AF_INET6 if ":" in names[host] else socket.AF_INET
-            return [(family, socket.SOCK_STREAM, 6, "", (names[host], port))]
-        return await real(host, port, *args, **kwargs)
+    def getaddrinfo(host, port, *args, **kwargs):
+        answer = names.get(host)
+        if answer is None:
+            return real(host, port, *args, **kwargs)
+        if isinstance(answer, threading.Event):
+            answer.wait(30)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port or 0))
+                for a in ([answer] if isinstance(answer, str) else answer)]
 
-    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
 
 async def test_a_name_that_resolves_to_loopback_is_no_way_around_the_scopes(tiny, monkeypatch):
     """The scopes checked the name as written, so a DNS name of an attacker's that resolves to
     127.0.0.1 (or an /etc/hosts entry with a dot) reached services on the peer's own machine. A
-    learnt name is now resolved first and dialed at the address that was checked."""
+    learnt name is now resolved first and dialed at an address that was checked; what it resolved
+    to stays out of the error (which reaches whoever named the address: an oracle of internal DNS)."""
     from types import SimpleNamespace
 
     from meshinfer.client.mesh import MeshClient
@@ -1356,22 +1362,128 @@ async def test_a_name_that_resolves_to_loopback_is_no_way_around_the_scopes(tiny
     async with serving(tiny) as peers, counting_service() as (url, hits):
         port = url.rsplit(":", 1)[1]
         resolving(monkeypatch, {"home.attacker.example": "127.0.0.1", "lan.attacker.example": "10.0.0.7",
-                                "v6.attacker.example": "::1"})
+                                "v6.attacker.example": "::1", "nat64.attacker.example": "64:ff9b::7f00:1",
+                                "both.attacker.example": ["10.0.0.7", "127.0.0.1"]})
         peer, fake = peers[0], peer_id_of(new_key())
         real, peer.addrs = peer.addrs, ("wss://peer.example.com:7700",)  # as if it listened on the Internet
         try:
-            for name, scope in (("home", "loopback"), ("lan", "private"), ("v6", "loopback")):
-                with pytest.raises(PeerUnavailable, match=f"{name}.attacker.example resolves to .* \\({scope}\\)"):
+            for name in ("home", "lan", "v6", "nat64", "both"):
+                with pytest.raises(PeerUnavailable, match=f"{name}.attacker.example resolves to no address") as info:
                     await peer.conns.dial_one(f"wss://{name}.attacker.example:{port}/admin", fake)
+                assert "127.0.0.1" not in str(info.value) and "10.0.0.7" not in str(info.value)
         finally:
             peer.addrs = real
         advert = SimpleNamespace(peer_id=fake, relays=(), addrs=(f"ws://home.attacker.example:{port}/admin",))
-        with pytest.raises(PeerUnavailable, match="resolves to 127.0.0.1 \\(loopback\\)"):
+        with pytest.raises(PeerUnavailable, match="resolves to no address this node dials"):
             await MeshClient(["wss://peer.example.com:7700"], insecure=True).link(advert)
         assert hits == []
         with pytest.raises(PeerUnavailable, match="404"):  # a client of a local mesh dials it, at the address checked
             await MeshClient(peer.addrs, insecure=True).link(advert)
         assert len(hits) == 1
+
+
+async def test_a_learnt_name_is_dialed_at_each_of_its_addresses_in_turn(tiny, monkeypatch):
+    """Found by an attack run: only the first address of a name was tried, so a dual-stack name
+    whose IPv6 address refuses (a peer bound to 0.0.0.0) could no longer be reached."""
+    async with serving(tiny, (0, 2, 4)) as peers:
+        port = peers[1].addrs[0].rsplit(":", 1)[1]
+        resolving(monkeypatch, {"dual.example.com": ["::1", "127.0.0.1"]})
+        monkeypatch.setattr(peers[0].settings, "insecure", True)
+        link = await peers[0].conns.dial_one(f"ws://dual.example.com:{port}", peers[1].peer_id)
+        assert link.remote_id == peers[1].peer_id
+
+
+async def test_names_whose_resolution_hangs_do_not_hold_up_dials_of_addresses(tiny, monkeypatch):
+    """Found by an attack run: every learnt address went through the event loop's default
+    executor to be resolved, IP literals too, so 8 names whose DNS never answers (one gossip
+    round) took all its threads and an honest peer's ``ws://127.0.0.1`` dial timed out. Names are
+    resolved on a small pool of their own, addresses not at all; a hanging name costs its dial
+    timeout and no more."""
+    from meshinfer.wire.transport import dial
+
+    stuck = threading.Event()
+    async with serving(tiny, (0, 2, 4)) as peers:
+        resolving(monkeypatch, {f"hang{i}.attacker.example": stuck for i in range(8)})
+        try:
+            hanging = [asyncio.ensure_future(dial(f"ws://hang{i}.attacker.example:80", max_bytes=1 << 20,
+                                                  on_message=None, open_timeout_s=1.0, insecure=True,
+                                                  scopes={"public", "name"})) for i in range(8)]
+            await asyncio.sleep(0.1)
+            t0 = time.monotonic()
+            honest = await dial(peers[1].addrs[0], max_bytes=1 << 20, on_message=None, open_timeout_s=1.0,
+                                scopes={"public", "name", "loopback"})
+            assert time.monotonic() - t0 < 0.9
+            await honest.close()
+            t0 = time.monotonic()
+            results = await asyncio.gather(*hanging, return_exceptions=True)
+            assert all(isinstance(r, PeerUnavailable) for r in results), results
+            assert time.monotonic() - t0 < 1.5
+            fine = await asyncio.wait_for(asyncio.to_thread(lambda: 42), 1.0)  # the default executor is free
+            assert fine == 42
+        finally:
+            stuck.set()
+
+
+async def test_a_node_named_by_dns_on_a_lan_dials_the_names_it_learns_there(tiny, monkeypatch):
+    """Names count by what they resolve to, so a mesh whose members are named by DNS on a LAN or a
+    VPN (names resolving to 10/8 or 100.64/10) would refuse each other's names. A node's own
+    names are resolved too, and give it their scopes."""
+    from types import SimpleNamespace
+
+    from meshinfer.client.mesh import MeshClient
+
+    async with serving(tiny) as peers, counting_service() as (url, hits):
+        port = url.rsplit(":", 1)[1]
+        resolving(monkeypatch, {"me.corp.example": "10.0.0.2", "other.corp.example": "127.0.0.1"})
+        peer, fake = peers[0], peer_id_of(new_key())
+        real, peer.addrs = peer.addrs, ("ws://me.corp.example:7700",)
+        try:
+            await peer.conns.resolve_own_names()
+            assert peer.conns.learnt_scopes == {"public", "name", "private"}
+        finally:
+            peer.addrs = real
+            peer.conns.own_name_scopes = set()
+        advert = SimpleNamespace(peer_id=fake, relays=(), addrs=(f"ws://other.corp.example:{port}/admin",))
+        with pytest.raises(PeerUnavailable, match="resolves to no address this node dials"):
+            await MeshClient(["ws://me.corp.example:7700"], insecure=True).link(advert)
+        assert hits == []
+        with pytest.raises(PeerUnavailable, match="404"):  # --peers named by a name that resolves to loopback
+            await MeshClient([f"ws://other.corp.example:{port}"], insecure=True).link(advert)
+        assert len(hits) == 1
+
+
+async def test_a_client_whose_bootstrap_is_down_asks_known_peers_within_its_scopes_at_once():
+    """Found by an attack run: when no --peers address answered, `refresh` fell back to every
+    address of every advert it held, with no scope check and one after the other, so adverts
+    sent `GET /api/v1/shutdown` with the attacker's credentials to a service on the client's
+    machine (200 requests a refresh from 50 adverts), and 12 silent addresses cost 12 dial
+    timeouts. Known peers are now asked as `link` dials them, up to FALLBACK_PEERS at once."""
+    from types import SimpleNamespace
+
+    from meshinfer.client.mesh import FALLBACK_PEERS, MeshClient
+
+    async with counting_service() as (url, hits):
+        client = MeshClient(["wss://peer.example.invalid:7700"], dial_timeout_s=1.0)
+        fakes = [SimpleNamespace(peer_id=peer_id_of(new_key()), relays=(),
+                                 addrs=(f"ws://admin:admin@127.0.0.1:{url.rsplit(':', 1)[1]}/api/v1/shutdown?i={i}",))
+                 for i in range(3)]
+        client.table = {f.peer_id: f for f in fakes}
+        with pytest.raises(PeerUnavailable, match="not dialed; a loopback address"):
+            await client.refresh()
+        assert hits == []
+    with silent_addresses(2 * FALLBACK_PEERS) as addrs:
+        down = socket.socket()
+        down.bind(("127.0.0.1", 0))
+        bootstrap = f"ws://127.0.0.1:{down.getsockname()[1]}"
+        down.close()  # nothing listens there: the bootstrap is down
+        client = MeshClient([bootstrap], dial_timeout_s=1.0)
+        client.table = {f.peer_id: f for f in (SimpleNamespace(peer_id=peer_id_of(new_key()), relays=(), addrs=(a,))
+                                               for a in addrs)}
+        t0 = time.monotonic()
+        with pytest.raises(PeerUnavailable, match="no bootstrap peer answered"):
+            await client.refresh()
+        assert time.monotonic() - t0 < 3.0  # one dial timeout, not 8 or 16
+        await client.close()
 
 
 async def test_a_redirect_to_another_host_or_port_is_not_followed():

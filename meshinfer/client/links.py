@@ -12,7 +12,7 @@ from meshinfer.client.reports import UNKNOWN_HOST
 from meshinfer.core.errors import MeshError, PeerUnavailable, Unauthenticated
 from meshinfer.wire import discovery
 from meshinfer.wire.protocol import PeerAdvert
-from meshinfer.wire.transport import Link, circuit_link, dial, first_success
+from meshinfer.wire.transport import Link, circuit_link, dial, first_success, name_scopes
 
 if TYPE_CHECKING:
     from meshinfer.client.conversation import Conversation
@@ -55,6 +55,9 @@ class MeshLinks:
 
     _links: dict[str, Link]
     _convs: dict[str, "Conversation"]
+    #: What the DNS names among ``bootstrap`` resolve to (``transport.name_scopes``), resolved
+    #: on the first dial of an advert's address.
+    _bootstrap_name_scopes: set[str] | None = None
 
     async def close(self) -> None:
         """Close every conversation and connection. Safe to call twice."""
@@ -185,8 +188,10 @@ class MeshLinks:
                 if not peer.addrs:
                     raise
         if link is None:
+            if self._bootstrap_name_scopes is None:
+                self._bootstrap_name_scopes = await name_scopes(self.bootstrap)
             scopes, allowed = {url: discovery.address_scope(url) for url in peer.addrs}, \
-                discovery.dialable_scopes(self.bootstrap)
+                discovery.dialable_scopes(self.bootstrap) | self._bootstrap_name_scopes
             refused = [url for url, scope in scopes.items() if scope not in allowed]
             errors += [f"{url}: not dialed; a {scopes[url]} address, and no --peers address is in that scope"
                        for url in refused]

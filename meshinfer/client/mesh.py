@@ -35,6 +35,9 @@ RTT_PROBES = 3
 #: Tokenizers a client keeps (one per weights hash and tokenizer hash; up to 64 MiB each, the
 #: oldest dropped first): peers that advertise many models cannot grow a long-running `serve`.
 MAX_TOKENIZERS = 8
+
+#: Peers of the table that :meth:`MeshClient.refresh` asks at once when no bootstrap peer answers.
+FALLBACK_PEERS = 8
 #: Failure backoff of a peer: 5 s after its first failure, doubling up to 5 minutes.
 BASE_BACKOFF_S, MAX_BACKOFF_S = 5.0, 300.0
 
@@ -117,7 +120,12 @@ class MeshClient(MeshLinks):
 
     # ------------------------------------------------------------------ discovery
     async def refresh(self) -> list[PeerAdvert]:
-        """Fetch the peer table from the first bootstrap peer that answers.
+        """Fetch the peer table from the first bootstrap peer that answers (``--peers``, one
+        after the other), else from a peer learnt before: up to :data:`FALLBACK_PEERS` of them,
+        the nearest first, asked at once (each at its addresses in this client's scopes or
+        through its relays, ``MeshLinks.link``), the first table that arrives kept. So when the
+        bootstrap peers are down, adverts cannot point the client at services on its own
+        machine, and silent peers cost one dial timeout, not one each.
 
         Adverts whose signature does not verify are ignored.
 
@@ -127,8 +135,7 @@ class MeshClient(MeshLinks):
                 without its key) or could not prove their keys.
         """
         errors, refused = [], False
-        known = [a for p in self.table.values() if p.peer_id not in self.backed_off() for a in p.addrs]
-        for url in dict.fromkeys(self.bootstrap + known):  # bootstrap first, then peers we learnt
+        for url in dict.fromkeys(self.bootstrap):
             try:
                 link, advert, _ = await self._hello(url)
             except MeshError as exc:
@@ -136,11 +143,9 @@ class MeshClient(MeshLinks):
                 refused |= isinstance(exc, Unauthenticated)
                 continue
             try:
-                _, f = await link.request("get_peers", timeout_s=self.request_timeout_s)
-                signed = [ad for ad in map(PeerAdvert.from_wire, f.get("adverts", list)) if discovery.verify_advert(ad)]
-                ads = [ad for ad in signed if self.allow_ids is None or ad.peer_id in self.allow_ids]
+                signed = await self._get_peers(link, url)
             except MeshError as exc:
-                errors.append(f"{url}: {exc}")
+                errors.append(str(exc))
                 await link.close()
                 continue
             old = self._links.get(advert.peer_id)
@@ -148,11 +153,56 @@ class MeshClient(MeshLinks):
                 self._links[advert.peer_id] = link
             else:
                 await link.close()
-            self.table = {ad.peer_id: ad for ad in ads}
-            self.not_allowed = frozenset(ad.peer_id for ad in signed) - set(self.table)
-            await self._prune_links()
-            return ads
-        raise (Unauthenticated if refused else PeerUnavailable)("no bootstrap peer answered: " + "; ".join(errors))
+            return await self._adopt(signed)
+        signed, refused_known = await self._ask_known_peers(errors)
+        if signed is not None:
+            return await self._adopt(signed)
+        raise (Unauthenticated if refused or refused_known else PeerUnavailable)(
+            "no bootstrap peer answered: " + "; ".join(errors))
+
+    async def _get_peers(self, link: Link, name: str) -> list[PeerAdvert]:
+        """The signed adverts ``link``'s peer lists (``get_peers``).
+
+        Raises:
+            PeerUnavailable: no answer, or a malformed one, naming ``name``.
+        """
+        try:
+            _, f = await link.request("get_peers", timeout_s=self.request_timeout_s)
+            return [ad for ad in map(PeerAdvert.from_wire, f.get("adverts", list)) if discovery.verify_advert(ad)]
+        except MeshError as exc:
+            raise PeerUnavailable(f"{name}: {exc}") from exc
+
+    async def _ask_known_peers(self, errors: list[str]) -> tuple[list[PeerAdvert] | None, bool]:
+        """``get_peers`` of up to :data:`FALLBACK_PEERS` peers of the table (nearest first, not
+        backed off) at once: (the first answer or None, whether a peer refused this client);
+        each failure is added to ``errors``."""
+        known = sorted((p for p in self.table.values() if p.peer_id not in self.backed_off()),
+                       key=lambda p: self.rtts_ms.get(p.peer_id, math.inf))[:FALLBACK_PEERS]
+
+        async def ask(peer: PeerAdvert) -> list[PeerAdvert]:
+            return await self._get_peers(await self.link(peer), f"peer {peer.peer_id[:12]}")
+
+        tasks, refused = [asyncio.ensure_future(ask(p)) for p in known], False
+        try:
+            for done in asyncio.as_completed(tasks):
+                try:
+                    return await done, refused
+                except MeshError as exc:
+                    errors.append(str(exc))
+                    refused |= isinstance(exc, Unauthenticated)
+            return None, refused
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _adopt(self, signed: list[PeerAdvert]) -> list[PeerAdvert]:
+        """Make ``signed`` (verified adverts) the table, less peers off ``allow_ids``; returns it."""
+        ads = [ad for ad in signed if self.allow_ids is None or ad.peer_id in self.allow_ids]
+        self.table = {ad.peer_id: ad for ad in ads}
+        self.not_allowed = frozenset(ad.peer_id for ad in signed) - set(self.table)
+        await self._prune_links()
+        return ads
 
     async def measure_rtts(self, peers: Sequence[PeerAdvert] | None = None) -> dict[str, float]:
         """Ping each peer :data:`RTT_PROBES` times; store and return the median RTT in ms."""

@@ -20,7 +20,7 @@ from meshinfer.core.logs import context
 from meshinfer.peer import limits
 from meshinfer.peer.limits import Bucket
 from meshinfer.wire import discovery
-from meshinfer.wire.transport import Link, circuit_link, dial, first_success
+from meshinfer.wire.transport import Link, circuit_link, dial, first_success, name_scopes
 
 if TYPE_CHECKING:  # pragma: no cover
     from meshinfer.peer.node import Peer
@@ -49,6 +49,19 @@ class Connections:
         self.dial_failures: dict[str, tuple[float, int]] = {}
         self.dial_bucket = Bucket(limits.MAX_DIALS_PER_S, 2 * limits.MAX_DIALS_PER_S)
         self.host_connections: dict[str, int] = {}
+        self.own_name_scopes: set[str] = set()  # what this peer's own DNS names resolve to (resolve_own_names)
+
+    def own_addrs(self) -> tuple[str, ...]:
+        """This peer's own addresses: what it advertises (not the 127.0.0.1 stand-in of a peer
+        bound to every interface without ``--public-addr``) and its bootstrap."""
+        s = self.peer.settings
+        bound_all = s.host in ("0.0.0.0", "::", "") and not s.public_addrs  # advertises 127.0.0.1 as a stand-in
+        return (*(() if bound_all else self.peer.addrs), *s.public_addrs, *s.bootstrap)
+
+    async def resolve_own_names(self) -> None:
+        """Resolve the DNS names among :meth:`own_addrs` once (``transport.name_scopes``): a
+        peer named on a LAN or VPN dials the names of that network it learns."""
+        self.own_name_scopes = await name_scopes(self.own_addrs())
 
     @property
     def learnt_scopes(self) -> set[str]:
@@ -56,11 +69,9 @@ class Connections:
         dials: public addresses and DNS names always; loopback and private ones only when an
         address of its own (what it advertises, its bootstrap) is in the same scope. So a peer on
         the Internet cannot be made to dial services on its own machine or network (an attack
-        run sent a service on loopback `GET /admin/delete?...` requests through `open.next`)."""
-        s = self.peer.settings
-        bound_all = s.host in ("0.0.0.0", "::", "") and not s.public_addrs  # advertises 127.0.0.1 as a stand-in
-        own = (*(() if bound_all else self.peer.addrs), *s.public_addrs, *s.bootstrap)
-        return discovery.dialable_scopes(own)
+        run sent a service on loopback `GET /admin/delete?...` requests through `open.next`). An
+        own address that is a DNS name counts with the scopes of what it resolved to."""
+        return discovery.dialable_scopes(self.own_addrs()) | self.own_name_scopes
 
     async def listen(self, ssl_context, scheme: str) -> None:
         """Accept connections on ``host:port``; set the peer's ``addrs`` (``public_addrs``, else the bound

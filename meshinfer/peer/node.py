@@ -258,6 +258,7 @@ class Peer(_Handlers):
             self.reachability_note = "it does not listen (--listen none)"
             if not s.bootstrap:
                 log.warning("--listen none without --peers: nobody can reach this peer")
+        await self.conns.resolve_own_names()
         self.state = protocol.READY
         self._seq += 1
         self._spawn(self.gossip.loop(), "gossip")

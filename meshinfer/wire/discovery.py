@@ -284,11 +284,47 @@ def host_scope(host: str) -> str:
         ip = _inet_aton(bare)
         if ip is None:
             return "private" if "." not in bare or bare.endswith(LOCAL_SUFFIXES) else "name"
-    ip = (ip.ipv4_mapped or ip) if ip.version == 6 else ip
+    if ip.is_loopback or ip.is_unspecified:
+        return "loopback"
+    if ip.version == 6 and ip in _NAT64_LOCAL:
+        return "private"
+    ip = _embedded_ipv4(ip) or ip
     if ip.is_loopback or ip.is_unspecified:
         return "loopback"
     shared = ip.version == 4 and ip in ipaddress.ip_network("100.64.0.0/10")
     return "private" if ip.is_private or ip.is_link_local or shared else "public"
+
+
+#: IPv6 prefixes that carry an IPv4 address in their last 32 bits: IPv4-mapped, SIIT
+#: (RFC 6052/7915 ``::ffff:0:0/96``), NAT64's well-known prefix (RFC 6052, ``64:ff9b::/96``:
+#: on an IPv6-only host with DNS64/NAT64 it reaches the IPv4 network it names) and the
+#: deprecated IPv4-compatible ``::/96``. 6to4 (``2002::/16``) embeds one after its first 16 bits.
+_V4_IN_LAST_32 = tuple(ipaddress.ip_network(n) for n in ("::ffff:0:0/96", "::ffff:0:0:0/96", "64:ff9b::/96", "::/96"))
+#: NAT64's local-use prefix (RFC 8215): where it leads is the operator's choice.
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
+
+
+def _embedded_ipv4(ip) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address carries (:data:`_V4_IN_LAST_32`, 6to4), else None."""
+    if ip.version != 6:
+        return None
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if any(ip in net for net in _V4_IN_LAST_32):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
+def ip_literal(host: str) -> str | None:
+    """``host`` (a URL's host, IPv6 with or without brackets) as the IP address it spells, in
+    standard form (``127.1`` and ``0x7f000001`` give ``127.0.0.1``; a ``%zone`` is kept), or
+    None for a DNS name."""
+    bare = host.strip("[]")
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        ip = _inet_aton(bare.rstrip(".").lower())
+        return None if ip is None else str(ip)
 
 
 def dialable_scopes(own: Iterable[str]) -> set[str]:

@@ -32,7 +32,7 @@ SELF_SIGNED_DAYS = 3650
 
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
-    host = host.strip("[]")
+    host = host.strip("[]").rstrip(".").lower()
     if host == "localhost":
         return True
     try:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import functools
 import itertools
 import logging
 import socket
@@ -560,45 +562,89 @@ def _dial_reason(url: str, exc: BaseException) -> str:
     return reason
 
 
-async def dial_target(url: str, scopes: Collection[str] | None) -> tuple[str, int]:
-    """The host and port to open a TCP connection to for ``url`` (ws:// or wss://).
+#: Threads that resolve learnt DNS names (``getaddrinfo`` blocks; a name whose servers never
+#: answer holds its thread for the resolver's own timeout). Their own pool, so that names an
+#: attacker makes hang cannot take the event loop's default executor from everything else.
+RESOLVER_THREADS = 4
+_resolver: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+async def _resolve(host: str, port: int) -> list[str]:
+    """The addresses ``host`` resolves to (``getaddrinfo``, TCP), in the resolver's order, on
+    the :data:`RESOLVER_THREADS` threads of the resolver's own pool."""
+    global _resolver
+    if _resolver is None:
+        _resolver = concurrent.futures.ThreadPoolExecutor(RESOLVER_THREADS, thread_name_prefix="resolve")
+    infos = await asyncio.get_running_loop().run_in_executor(
+        _resolver, functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM))
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+async def dial_targets(url: str, scopes: Collection[str] | None) -> tuple[list[str], int]:
+    """The hosts, in the order to try them, and the port to open a TCP connection to for ``url``
+    (ws:// or wss://).
 
     With ``scopes`` None the URL's own host (the system resolver resolves it when connecting).
-    Else the host is resolved here (``getaddrinfo``) and the first address whose
-    ``discovery.host_scope`` is in ``scopes`` is returned, so the connection goes to the very
-    address that was checked: a DNS name of an advert that resolves to loopback or a private
-    network (DNS rebinding, an /etc/hosts entry) is not dialed by a node without an address of
-    its own there (``discovery.dialable_scopes``).
+    Else an IP address (any spelling ``discovery.host_scope`` reads) must be in ``scopes``, and
+    a name is resolved here (:func:`_resolve`) to those of its addresses that are, so that the
+    connection goes to an address that was checked: a DNS name of an advert that resolves to
+    loopback or a private network (DNS rebinding, an /etc/hosts entry) is not dialed by a node
+    without an address of its own there (``discovery.dialable_scopes``). What a name resolved to
+    is logged here, never put in the error, which may reach the peer that named the address.
 
     Raises:
-        PeerUnavailable: the name does not resolve, or to no address in ``scopes``.
+        PeerUnavailable: not in ``scopes``, or a name that does not resolve to an address in them.
         websockets.exceptions.InvalidURI: ``url`` is not a ws:// or wss:// URL.
     """
     uri = parse_uri(url)
     if scopes is None:
-        return uri.host, uri.port
+        return [uri.host], uri.port
+    literal = discovery.ip_literal(uri.host)
+    if literal is not None:
+        if discovery.host_scope(literal) not in scopes:
+            raise PeerUnavailable(f"{url}: not dialed; a {discovery.host_scope(literal)} address, and this node has "
+                                  f"no address of its own in that scope")
+        return [literal], uri.port
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(uri.host, uri.port, type=socket.SOCK_STREAM)
+        found = await _resolve(uri.host, uri.port)
     except OSError as exc:
-        raise PeerUnavailable(f"cannot reach {url}: {uri.host} does not resolve ({exc})") from exc
-    found = list(dict.fromkeys(str(info[4][0]) for info in infos))
-    for address in found:
-        if discovery.host_scope(address) in scopes:
-            return address, uri.port
-    shown = ", ".join(f"{a} ({discovery.host_scope(a)})" for a in found[:4])
-    raise PeerUnavailable(f"{url}: not dialed; {uri.host} resolves to {shown}, and this node has no address "
-                          f"of its own in that scope")
+        log.info("%s: %s does not resolve (%s)", url, uri.host, exc)
+        found = []
+    allowed = [a for a in found if discovery.host_scope(a) in scopes]
+    if not allowed:
+        log.info("%s: not dialed; %s resolves to %s", url, uri.host,
+                 ", ".join(f"{a} ({discovery.host_scope(a)})" for a in found[:4]) or "nothing")
+        raise PeerUnavailable(f"{url}: not dialed; {uri.host} resolves to no address this node dials (a name "
+                              f"that points to loopback or a private network counts as that address)")
+    return allowed, uri.port
+
+
+async def name_scopes(urls: Iterable[str], timeout_s: float = 5.0) -> set[str]:
+    """The scopes (``discovery.host_scope``) of the addresses that the DNS names among ``urls``
+    (a node's own addresses) resolve to, so that a mesh whose members are named by DNS on a LAN
+    or VPN (names that resolve to private addresses) still dials the names it learns there.
+    Names that do not resolve within ``timeout_s`` seconds add nothing."""
+    names = {parse_uri(u).host for u in urls if discovery.address_scope(u) == "name"}
+
+    async def scopes(host: str) -> set[str]:
+        try:
+            return {discovery.host_scope(a) for a in await asyncio.wait_for(_resolve(host, 0), timeout_s)}
+        except (OSError, asyncio.TimeoutError) as exc:
+            log.info("own address %s does not resolve (%s)", host, exc)
+            return set()
+
+    return set().union(*await asyncio.gather(*(scopes(h) for h in names)))
 
 
 async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s: float = 5.0,
                insecure: bool = False, tls_ca: str | None = None, scopes: Collection[str] | None = None) -> Link:
     """Open a websocket to ``url`` and start its reader task (kept in ``link.reader``).
 
-    The connection goes to the host of ``url`` itself (:func:`dial_target`; with ``scopes``, to
-    an address of it in one of those scopes), never through a proxy from the environment, and a
-    redirect to another host or port is refused (websockets follows none when the host is given):
-    a server that answers the upgrade with ``302 Location: ws://127.0.0.1:8080/admin`` cannot
-    point the node at a service the scopes keep it from.
+    The connection goes to the host of ``url`` itself (:func:`dial_targets`; with ``scopes``, to
+    the first address of it in one of those scopes that answers), never through a proxy from the
+    environment, and a redirect to another host or port is refused (websockets follows none
+    when the host is given): a server that answers the upgrade with ``302 Location:
+    ws://127.0.0.1:8080/admin`` cannot point the node at a service the scopes keep it from.
 
     ``wss://`` checks no CA: ``link.tls_fingerprint`` holds the SHA-256 of the certificate the
     server presented, for the handshake to pin against the peer's signed advert. Plain ``ws://``
@@ -614,13 +660,21 @@ async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s:
     tls.check_plain_url(url, insecure=insecure)
     ssl_context = tls.client_context(tls_ca) if url.startswith("wss://") else None
     deadline = time.monotonic() + open_timeout_s
+    reasons = []
     try:
-        host, port = await asyncio.wait_for(dial_target(url, scopes), open_timeout_s)
-        ws = await websockets.connect(url, max_size=max_bytes, open_timeout=max(0.1, deadline - time.monotonic()),
-                                      ssl=ssl_context, ping_interval=20, ping_timeout=20, compression=None,
-                                      proxy=None, host=host, port=port)
+        hosts, port = await asyncio.wait_for(dial_targets(url, scopes), open_timeout_s)
+        for host in hosts:
+            try:
+                ws = await websockets.connect(url, max_size=max_bytes, open_timeout=max(0.1, deadline - time.monotonic()),
+                                              ssl=ssl_context, ping_interval=20, ping_timeout=20, compression=None,
+                                              proxy=None, host=host, port=port)
+                break
+            except (OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException, ValueError) as exc:
+                reasons.append(_dial_reason(url, exc))
+                if time.monotonic() >= deadline or host == hosts[-1]:
+                    raise
     except (OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException, ValueError) as exc:
-        raise PeerUnavailable(f"cannot reach {url}: {_dial_reason(url, exc)}") from exc
+        raise PeerUnavailable(f"cannot reach {url}: {'; '.join(reasons) or _dial_reason(url, exc)}") from exc
     link = Link(ws, max_bytes=max_bytes, on_message=on_message, name=url)
     link.tls_fingerprint = tls.peer_fingerprint(ws)
     link.reader = asyncio.get_running_loop().create_task(link.run(), name=f"link {url}")
