@@ -89,6 +89,10 @@ def free_port_base(count: int) -> int:
                                         "(or --tls-cert/--tls-key), or --insecure to serve plain ws://"),
     (["chat", "-p", "x", "--peers", "ws://10.0.0.5:7700"], "ws://10.0.0.5:7700 is plain ws:// to another "
                                                            "machine: frames would travel unencrypted"),
+    # found by a new-user run: join loaded the weights, said ready, then retried this every 2 s
+    (["join", "--layers", "0-1", "--peers", "ws://10.1.2.3:9510"], "ws://10.1.2.3:9510 is plain ws:// to another "
+                                                                   "machine"),
+    (["join", "--layers", ""], "--layers is empty: give an inclusive range such as 0-11, or auto"),
 ])
 def test_user_mistakes_give_one_line_errors(tiny_gguf, args, message):
     if "--model" not in args and args[0] != "chat":
@@ -742,3 +746,54 @@ def test_a_peer_learnt_while_planning_cannot_take_a_route_of_another_precision()
     assert message.endswith("asked for precision bf16, the mesh's peers compute at f32, gguf-a16 "
                             "and 50 other precision name(s)"), message[-300:]
     assert "\x1b" not in message and len(message) < 400
+
+
+async def test_status_and_chat_do_not_route_through_a_peer_the_client_cannot_reach(tiny, capsys):
+    """Found by a new-user run: with a peer killed (its advert still in the table until it
+    expires), `status --require-route` printed a complete route through it and exited 0 while
+    `chat` said only "layers 2-3 have no ready peer". Status now plans as chat does, over the
+    peers it reached, and chat's error says which ready peer it could not reach and why."""
+    import asyncio
+
+    from helpers.hostile import serving
+    from helpers.meshkit import crash
+    from meshinfer.app import cli
+    from meshinfer.client.mesh import MeshClient
+    from meshinfer.core.errors import NoRoute
+
+    async with serving(tiny, (0, 2, 4)) as peers:
+        await crash(peers[1])
+        assert peers[0].table.get(peers[1].peer_id) is not None  # not expired yet
+        code = await asyncio.to_thread(cli.main, ["status", "--peers", peers[0].addrs[0], "--require-route"])
+        out = capsys.readouterr().out
+        assert code == 1, out
+        assert "no complete route" in out and "unreachable" in out and "layers 2-3 have no usable peer" in out
+        async with MeshClient(list(peers[0].addrs)) as client:
+            with pytest.raises(NoRoute, match=f"peer {peers[1].peer_id[:12]} \\(layers 2-3\\) is ready but "
+                                              f"unreachable from this client: cannot reach"):
+                await client.plan()
+
+
+def test_the_first_errors_a_new_user_meets_say_what_to_do():
+    from types import SimpleNamespace
+
+    from meshinfer.app import cli
+    from meshinfer.core.errors import NoRoute, PeerUnavailable
+
+    default, given = SimpleNamespace(peers=cli.DEFAULT_PEERS), SimpleNamespace(peers="ws://127.0.0.1:9")
+    refused = PeerUnavailable("no bootstrap peer answered: cannot reach ws://127.0.0.1:7700: [Errno 111]")
+    assert "no --peers given" in cli._hint(default, refused) and "meshinfer join" in cli._hint(default, refused)
+    assert cli._hint(given, refused) == ""
+    assert "meshinfer join --layers" in cli._hint(given, NoRoute("no route: layers 2-3 have no ready peer"))
+    assert cli._hint(given, NoRoute("no route: layers 2-3 have no ready peer; peer ab is ready but unreachable")) == ""
+
+
+def test_every_name_that_means_this_machine_is_loopback_for_plain_ws():
+    """A new-user run: `localhost` passed, but the other names the scopes call loopback did not."""
+    from meshinfer.wire.tls import is_loopback
+
+    for host in ("localhost", "LOCALHOST", "localhost.", "localhost.localdomain", "ip6-localhost", "a.localhost",
+                 "127.0.0.2", "[::1]"):
+        assert is_loopback(host), host
+    for host in ("example.com", "10.0.0.1", "localhostx", "vm"):
+        assert not is_loopback(host), host

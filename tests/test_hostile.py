@@ -1450,6 +1450,13 @@ async def test_a_node_named_by_dns_on_a_lan_dials_the_names_it_learns_there(tiny
         with pytest.raises(PeerUnavailable, match="404"):  # --peers named by a name that resolves to loopback
             await MeshClient([f"ws://other.corp.example:{port}"], insecure=True).link(advert)
         assert len(hits) == 1
+        # a new-user run: `--peers ws://vm:PORT`, an /etc/hosts name of this machine, refused the
+        # 127.0.0.1 addresses its peers advertise (single-label names counted as private, unresolved)
+        resolving(monkeypatch, {"vm": "127.0.0.1"})
+        here = SimpleNamespace(peer_id=fake, relays=(), addrs=(f"ws://127.0.0.1:{port}/admin",))
+        with pytest.raises(PeerUnavailable, match="404"):
+            await MeshClient([f"ws://vm:{port}"], insecure=True).link(here)
+        assert len(hits) == 2
 
 
 async def test_a_client_whose_bootstrap_is_down_asks_known_peers_within_its_scopes_at_once():

@@ -50,7 +50,7 @@ EXAMPLES = {
     "chat": "examples:\n  meshinfer chat --peers ws://127.0.0.1:7700\n"
             "  meshinfer chat --peers wss://10.0.0.5:7700\n"
             "  meshinfer chat -p 'Explain RoPE in one paragraph' --json\n"
-            "  meshinfer chat --draft-model qwen2.5-0.5b-instruct-q4_k_m.gguf   # a small sibling drafts for a 7B mesh",
+            "  meshinfer chat --draft-model ~/models/qwen2.5-0.5b-instruct-q4_k_m.gguf   # a small sibling drafts for a 7B mesh",
     "serve": "examples:\n  meshinfer serve --peers ws://127.0.0.1:7700\n"
              "  meshinfer serve --peers wss://10.0.0.5:7700 --host 0.0.0.0 --port 8000 --api-key-file api.key\n"
              "  # then: OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='unused')",
@@ -338,6 +338,8 @@ def check_join_args(args) -> JoinPlan:
     auto = args.layers == "auto" or (args.layers is None and bool(bootstrap))
     if args.max_layers is not None and not auto:
         raise ValueError("--max-layers goes with --layers auto")
+    if args.layers is not None and not args.layers.strip():
+        raise ValueError("--layers is empty: give an inclusive range such as 0-11, or auto")
     layers = LayerRange.parse(args.layers) if args.layers and args.layers != "auto" else None
     num_layers = _model_layer_count(args.model)
     if layers is not None and num_layers is not None:
@@ -353,11 +355,14 @@ def check_join_args(args) -> JoinPlan:
 def _check_join_addresses(args) -> tuple[bool, str, int, tuple[str, ...], tuple[str, ...]]:
     """(listen, host, port, bootstrap urls, public urls) of ``join``, checked: address syntax,
     ``--listen none`` combinations, TLS files, no plain ws:// listener off loopback, a free port."""
-    from meshinfer.wire.tls import check_listen, client_context, server_context
+    from meshinfer.wire.tls import check_listen, check_plain_url, client_context, server_context
 
     listen = args.listen.strip().lower() != "none"
     host, port = _listen(args.listen) if listen else ("127.0.0.1", 0)
     bootstrap, public = tuple(_peers(args.peers)), tuple(_peers(args.public_addr))
+    if not args.insecure:
+        for url in bootstrap:  # a refusal that retrying cannot fix: say it before loading anything
+            check_plain_url(url, insecure=False)
     if not listen and not bootstrap:
         raise ValueError("--listen none needs --peers: a peer that does not listen is reached through the "
                          "peers it dials (its relays)")
@@ -846,7 +851,8 @@ async def _status(args) -> int:
                           tls_ca=args.tls_ca, allow_ids=_allow_ids(args)) as client:
         peers = await client.refresh()
         rtts = await client.measure_rtts()
-        groups = complete_routes_summary(peers, client_rtts_ms=rtts)
+        groups = complete_routes_summary(peers, client_rtts_ms=rtts,  # as chat plans: reachable peers only
+                                         exclude=frozenset(p.peer_id for p in peers if p.peer_id not in rtts))
         code = 1 if args.require_route and not any(g.route for g in groups) else 0
         if args.json:
             print(json.dumps({"peers": [dict(p.to_wire(), layers_inclusive=p.layers.cli(), rtt_ms=rtts.get(p.peer_id))
@@ -1301,8 +1307,19 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except (MeshError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc}{_hint(args, exc)}", file=sys.stderr)
         return 2
+
+
+def _hint(args, exc: BaseException) -> str:
+    """What to do next, for the errors a new user meets first ("" for the others)."""
+    text = str(exc)
+    if text.startswith("no bootstrap peer answered") and getattr(args, "peers", None) == DEFAULT_PEERS:
+        return (f" (no --peers given, so {DEFAULT_PEERS} was tried: start a peer with `meshinfer join --model "
+                f"FILE` or point --peers at one)")
+    if text.startswith("no route:") and "no ready peer" in text and "unreachable" not in text:
+        return " (start a peer for the missing layers: `meshinfer join --layers FIRST-LAST --peers ADDRESS`)"
+    return ""
 
 
 if __name__ == "__main__":  # pragma: no cover

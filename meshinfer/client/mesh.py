@@ -38,6 +38,8 @@ MAX_TOKENIZERS = 8
 
 #: Peers of the table that :meth:`MeshClient.refresh` asks at once when no bootstrap peer answers.
 FALLBACK_PEERS = 8
+#: Unreachable peers a no-route error names, with why (the rest are counted).
+MAX_UNREACHABLE_NOTES = 3
 #: Failure backoff of a peer: 5 s after its first failure, doubling up to 5 minutes.
 BASE_BACKOFF_S, MAX_BACKOFF_S = 5.0, 300.0
 
@@ -83,6 +85,7 @@ class MeshClient(MeshLinks):
         self.draft_model, self.draft_ahead = draft_model, draft_ahead
         self.table: dict[str, PeerAdvert] = {}
         self.rtts_ms: dict[str, float] = {}
+        self.unreachable: dict[str, str] = {}  # peer id -> why the last probe failed
         self._links: dict[str, Link] = {}
         self._convs: dict[str, "Conversation"] = {}
         self._tokenizers: dict[tuple[str, str], Tokenizer] = {}  # (weights hash, tokenizer hash) ->
@@ -215,9 +218,11 @@ class MeshClient(MeshLinks):
                     await link.request("ping", timeout_s=self.request_timeout_s)
                     samples.append((time.perf_counter() - t0) * 1e3)
                 self.rtts_ms[peer.peer_id] = statistics.median(samples)
+                self.unreachable.pop(peer.peer_id, None)
             except MeshError as exc:
                 log.info("peer %s unreachable: %s", peer.peer_id[:12], exc)
                 self.rtts_ms.pop(peer.peer_id, None)
+                self.unreachable[peer.peer_id] = str(exc)
 
         peers = list(self.table.values()) if peers is None else list(peers)
         await asyncio.gather(*(probe(p) for p in peers))
@@ -243,10 +248,16 @@ class MeshClient(MeshLinks):
                               min_free_kv_tokens=min_free_kv_tokens, checkable=self.spot_check_rate > 0,
                               trusted=self.allow_ids or frozenset())
         except NoRoute as exc:
-            if not self.not_allowed:
+            notes = [f"peer {pid[:12]} (layers {self.table[pid].layers.cli()}) is ready but unreachable from "
+                     f"this client: {self.unreachable.get(pid, 'no answer')[:300]}"
+                     for pid in sorted(unreachable)[:MAX_UNREACHABLE_NOTES]]
+            if len(unreachable) > MAX_UNREACHABLE_NOTES:
+                notes.append(f"{len(unreachable) - MAX_UNREACHABLE_NOTES} more unreachable peer(s)")
+            if self.not_allowed:
+                notes.append(f"{len(self.not_allowed)} more peer(s) in the mesh are not in --allow-keys")
+            if not notes:
                 raise
-            raise NoRoute(f"{exc}; {len(self.not_allowed)} more peer(s) in the mesh are not in "
-                          f"--allow-keys") from exc
+            raise NoRoute("; ".join([str(exc), *notes])) from exc
 
     async def tokenizer(self, route: Route) -> Tokenizer:
         """The route's tokenizer and chat template, checked before use.

@@ -31,9 +31,12 @@ SELF_SIGNED_DAYS = 3650
 
 
 def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
+    """True for loopback IP addresses (127.0.0.0/8, ::1) and the names that mean this machine
+    whatever a resolver says (``discovery.LOOPBACK_NAMES``, ``*.localhost``)."""
+    from meshinfer.wire.discovery import LOOPBACK_NAMES
+
     host = host.strip("[]").rstrip(".").lower()
-    if host == "localhost":
+    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback

@@ -620,11 +620,13 @@ async def dial_targets(url: str, scopes: Collection[str] | None) -> tuple[list[s
 
 
 async def name_scopes(urls: Iterable[str], timeout_s: float = 5.0) -> set[str]:
-    """The scopes (``discovery.host_scope``) of the addresses that the DNS names among ``urls``
+    """The scopes (``discovery.host_scope``) of the addresses that the host names among ``urls``
     (a node's own addresses) resolve to, so that a mesh whose members are named by DNS on a LAN
-    or VPN (names that resolve to private addresses) still dials the names it learns there.
+    or VPN (names that resolve to private addresses) still dials the names it learns there, and
+    ``--peers ws://MYHOST:PORT`` for an /etc/hosts name of this machine dials the loopback
+    addresses its peers advertise.
     Names that do not resolve within ``timeout_s`` seconds add nothing."""
-    names = {parse_uri(u).host for u in urls if discovery.address_scope(u) == "name"}
+    names = {h for h in (parse_uri(u).host for u in urls) if discovery.ip_literal(h) is None}
 
     async def scopes(host: str) -> set[str]:
         try:
