@@ -1303,7 +1303,7 @@ async def test_next_hop_addresses_of_an_open_are_dialed_once_per_backoff(tiny, m
     ("wss://127.1", "loopback"), ("wss://2130706433", "loopback"), ("wss://0x7f000001", "loopback"),
     ("wss://017700000001", "loopback"), ("wss://0", "loopback"), ("ws://0.0.0.0:1", "loopback"),
     ("ws://[::]:1", "loopback"), ("ws://[::ffff:0.0.0.0]:1", "loopback"),
-    ("ws://10.1.2.3", "private"), ("ws://[fd00::1]:1", "private"), ("ws://169.254.169.254/x", "private"),
+    ("ws://10.1.2.3", "private"), ("ws://[fd00::1]:1", "private"), ("ws://169.254.169.254/x", "link-local"),
     ("ws://100.64.0.1", "private"), ("ws://vm:80", "private"), ("wss://printer.local", "private"),
     ("wss://8.8.8.8", "public"), ("ws://[2001:4860::8888]:1", "public"), ("wss://example.com", "name"),
 ])
@@ -1404,7 +1404,14 @@ async def test_names_whose_resolution_hangs_do_not_hold_up_dials_of_addresses(ti
     stuck = threading.Event()
     async with serving(tiny, (0, 2, 4)) as peers:
         resolving(monkeypatch, {f"hang{i}.attacker.example": stuck for i in range(8)})
+        from meshinfer.wire import transport
         try:
+            same = [asyncio.ensure_future(dial("ws://hang0.attacker.example:80", max_bytes=1 << 20, on_message=None,
+                                               open_timeout_s=1.0, insecure=True, scopes={"public", "name"}))
+                    for _ in range(20)]
+            await asyncio.sleep(0.1)
+            assert len(transport._lookups) == 1  # one thread for a name, however many dials wait on it
+            await asyncio.gather(*same, return_exceptions=True)
             hanging = [asyncio.ensure_future(dial(f"ws://hang{i}.attacker.example:80", max_bytes=1 << 20,
                                                   on_message=None, open_timeout_s=1.0, insecure=True,
                                                   scopes={"public", "name"})) for i in range(8)]
@@ -1427,7 +1434,7 @@ async def test_names_whose_resolution_hangs_do_not_hold_up_dials_of_addresses(ti
 async def test_a_node_named_by_dns_on_a_lan_dials_the_names_it_learns_there(tiny, monkeypatch):
     """Names count by what they resolve to, so a mesh whose members are named by DNS on a LAN or a
     VPN (names resolving to 10/8 or 100.64/10) would refuse each other's names. A node's own
-    names are resolved too, and give it their scopes."""
+    names are resolved too: one that resolves to private addresses only gives private scope."""
     from types import SimpleNamespace
 
     from meshinfer.client.mesh import MeshClient
@@ -1447,16 +1454,71 @@ async def test_a_node_named_by_dns_on_a_lan_dials_the_names_it_learns_there(tiny
         with pytest.raises(PeerUnavailable, match="resolves to no address this node dials"):
             await MeshClient(["ws://me.corp.example:7700"], insecure=True).link(advert)
         assert hits == []
-        with pytest.raises(PeerUnavailable, match="404"):  # --peers named by a name that resolves to loopback
-            await MeshClient([f"ws://other.corp.example:{port}"], insecure=True).link(advert)
-        assert len(hits) == 1
-        # a new-user run: `--peers ws://vm:PORT`, an /etc/hosts name of this machine, refused the
-        # 127.0.0.1 addresses its peers advertise (single-label names counted as private, unresolved)
-        resolving(monkeypatch, {"vm": "127.0.0.1"})
-        here = SimpleNamespace(peer_id=fake, relays=(), addrs=(f"ws://127.0.0.1:{port}/admin",))
-        with pytest.raises(PeerUnavailable, match="404"):
-            await MeshClient([f"ws://vm:{port}"], insecure=True).link(here)
-        assert len(hits) == 2
+        with pytest.raises(PeerUnavailable, match="resolves to no address this node dials"):
+            await MeshClient([f"ws://other.corp.example:{port}"], insecure=True).link(advert)  # names give no loopback
+        assert hits == []
+
+
+async def test_own_names_never_open_loopback_or_link_local_and_private_only_when_wholly_private(tiny, monkeypatch):
+    """An attack run: own names gave the scopes of every address they resolved to, so a --peers
+    name with one loopback address among public ones (or 169.254.169.254, the cloud metadata
+    service), or a machine's own name at Debian's 127.0.1.1, opened the node's own services to
+    gossiped adverts. A name gives private scope only when all its addresses are private, and
+    never loopback or link-local; a learnt link-local address is dialed by nobody without one."""
+    from types import SimpleNamespace
+
+    from meshinfer.client.mesh import MeshClient
+    from meshinfer.wire.transport import name_scopes
+
+    resolving(monkeypatch, {"boot.example.com": ["93.184.215.14", "127.0.0.1"], "meta.example.com":
+                            ["93.184.215.14", "169.254.169.254"], "node1.example.com": "127.0.1.1",
+                            "vm": "127.0.0.1", "lan.corp.example": ["10.0.0.5", "10.0.0.6"],
+                            "mixed.corp.example": ["10.0.0.5", "93.184.215.14"]})
+    for name in ("boot.example.com", "meta.example.com", "node1.example.com", "vm", "mixed.corp.example"):
+        assert await name_scopes([f"wss://{name}:7700"]) == set(), name
+    assert await name_scopes(["wss://lan.corp.example:7700", "ws://x.example.com:1/#bad"]) == {"private"}
+    assert address_scope("ws://169.254.169.254/latest/meta-data/") == "link-local"
+    async with serving(tiny) as peers, counting_service() as (url, hits):
+        port = url.rsplit(":", 1)[1]
+        here = SimpleNamespace(peer_id=peer_id_of(new_key()), relays=(), addrs=(f"ws://127.0.0.1:{port}/admin",))
+        with pytest.raises(PeerUnavailable, match="not dialed; a loopback address"):
+            await MeshClient(["wss://boot.example.com:7700"], insecure=True).link(here)
+        with pytest.raises(PeerUnavailable, match="not dialed; a loopback address"):
+            await MeshClient([f"ws://vm:{port}"], insecure=True).link(here)  # use 127.0.0.1 or localhost
+        assert hits == []
+        peer = peers[0]
+        real, peer.addrs = peer.addrs, ("wss://10.0.0.9:7700",)  # a peer on a private network
+        try:
+            assert "private" in peer.conns.learnt_scopes and "link-local" not in peer.conns.learnt_scopes
+            with pytest.raises(PeerUnavailable, match="a link-local address learnt from another peer"):
+                await peer.conns.dial_one("ws://169.254.169.254/latest/meta-data/", peer_id_of(new_key()))
+        finally:
+            peer.addrs = real
+
+
+async def test_a_dial_tries_few_addresses_and_stops_at_the_first_server_that_answers(tiny, monkeypatch):
+    """An attack run: a name of 100 addresses made one dial 100 upgrade requests (gossip of 8
+    adverts: 2,540 in 3 s), and the errors listed what each address answered. A dial tries at
+    most MAX_ADDRESSES_PER_DIAL addresses, goes on only past addresses where nothing listens,
+    and an error of a learnt name names no address."""
+    from meshinfer.wire import transport
+
+    async with serving(tiny) as peers, counting_service() as (url, hits):
+        port = url.rsplit(":", 1)[1]
+        resolving(monkeypatch, {"many.example.com": [f"127.0.0.{i}" for i in range(1, 101)]})
+        peer = peers[0]
+        monkeypatch.setattr(peer.settings, "insecure", True)
+        with pytest.raises(PeerUnavailable, match="404") as info:
+            await peer.conns.dial_one(f"ws://many.example.com:{port}/admin", peer_id_of(new_key()))
+        assert len(hits) == 1 and "127.0.0" not in str(info.value)
+        down = socket.socket()
+        down.bind(("127.0.0.1", 0))
+        closed = down.getsockname()[1]
+        down.close()
+        with pytest.raises(PeerUnavailable) as info:
+            await peer.conns.dial_one(f"ws://many.example.com:{closed}/admin", peer_id_of(new_key()))
+        assert str(info.value).count("Connection refused") == transport.MAX_ADDRESSES_PER_DIAL, info.value
+        assert "127.0.0" not in str(info.value)
 
 
 async def test_a_client_whose_bootstrap_is_down_asks_known_peers_within_its_scopes_at_once():
@@ -1464,7 +1526,8 @@ async def test_a_client_whose_bootstrap_is_down_asks_known_peers_within_its_scop
     address of every advert it held, with no scope check and one after the other, so adverts
     sent `GET /api/v1/shutdown` with the attacker's credentials to a service on the client's
     machine (200 requests a refresh from 50 adverts), and 12 silent addresses cost 12 dial
-    timeouts. Known peers are now asked as `link` dials them, up to FALLBACK_PEERS at once."""
+    timeouts. Known peers are now asked as `link` dials them, up to FALLBACK_PEERS at once,
+    within twice the dial timeout."""
     from types import SimpleNamespace
 
     from meshinfer.client.mesh import FALLBACK_PEERS, MeshClient
@@ -1490,6 +1553,12 @@ async def test_a_client_whose_bootstrap_is_down_asks_known_peers_within_its_scop
         with pytest.raises(PeerUnavailable, match="no bootstrap peer answered"):
             await client.refresh()
         assert time.monotonic() - t0 < 3.0  # one dial timeout, not 8 or 16
+        # peers that did not answer are backed off, so the next refresh asks others (an attack
+        # run kept 8 fakes nearest and the honest peers behind them were never asked)
+        assert len(client.backed_off()) == FALLBACK_PEERS
+        with pytest.raises(PeerUnavailable, match="no bootstrap peer answered"):
+            await client.refresh()
+        assert len(client.backed_off()) == 2 * FALLBACK_PEERS
         await client.close()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from typing import TYPE_CHECKING
 
 from meshinfer.client.reports import UNKNOWN_HOST
@@ -33,6 +34,8 @@ DIAL_TIMEOUT_S = 5.0
 MAX_IDLE_LINKS = 32
 #: Seconds a pruned link may take to close before its socket is aborted.
 LINK_CLOSE_TIMEOUT_S = 1.0
+#: Seconds the scopes of the client's own DNS names (``--peers``) are kept before a new lookup.
+NAME_SCOPES_TTL_S = 60.0
 
 
 async def _shut(link: Link) -> None:
@@ -55,9 +58,10 @@ class MeshLinks:
 
     _links: dict[str, Link]
     _convs: dict[str, "Conversation"]
-    #: What the DNS names among ``bootstrap`` resolve to (``transport.name_scopes``), resolved
-    #: on the first dial of an advert's address.
-    _bootstrap_name_scopes: set[str] | None = None
+    #: The scopes the DNS names among ``bootstrap`` give (``transport.name_scopes``): one lookup
+    #: for all callers, made on a dial of an advert's address, and again after
+    #: :data:`NAME_SCOPES_TTL_S`; (the lookup, when it started).
+    _bootstrap_name_scopes: "tuple[asyncio.Task, float] | None" = None
 
     async def close(self) -> None:
         """Close every conversation and connection. Safe to call twice."""
@@ -188,10 +192,11 @@ class MeshLinks:
                 if not peer.addrs:
                     raise
         if link is None:
-            if self._bootstrap_name_scopes is None:
-                self._bootstrap_name_scopes = await name_scopes(self.bootstrap)
+            if self._bootstrap_name_scopes is None or (self._bootstrap_name_scopes[0].done() and time.monotonic()
+                                                       - self._bootstrap_name_scopes[1] > NAME_SCOPES_TTL_S):
+                self._bootstrap_name_scopes = (asyncio.ensure_future(name_scopes(self.bootstrap)), time.monotonic())
             scopes, allowed = {url: discovery.address_scope(url) for url in peer.addrs}, \
-                discovery.dialable_scopes(self.bootstrap) | self._bootstrap_name_scopes
+                discovery.dialable_scopes(self.bootstrap) | await asyncio.shield(self._bootstrap_name_scopes[0])
             refused = [url for url, scope in scopes.items() if scope not in allowed]
             errors += [f"{url}: not dialed; a {scopes[url]} address, and no --peers address is in that scope"
                        for url in refused]

@@ -177,22 +177,36 @@ class MeshClient(MeshLinks):
 
     async def _ask_known_peers(self, errors: list[str]) -> tuple[list[PeerAdvert] | None, bool]:
         """``get_peers`` of up to :data:`FALLBACK_PEERS` peers of the table (nearest first, not
-        backed off) at once: (the first answer or None, whether a peer refused this client);
-        each failure is added to ``errors``."""
+        backed off) at once, within ``2 * dial_timeout_s`` in all: (the first answer or None,
+        whether a peer refused this client); each failure is added to ``errors`` and backs the
+        peer off (``mark_failed``), so peers that never answer cannot keep the next refresh
+        from asking others."""
         known = sorted((p for p in self.table.values() if p.peer_id not in self.backed_off()),
                        key=lambda p: self.rtts_ms.get(p.peer_id, math.inf))[:FALLBACK_PEERS]
 
         async def ask(peer: PeerAdvert) -> list[PeerAdvert]:
-            return await self._get_peers(await self.link(peer), f"peer {peer.peer_id[:12]}")
+            try:
+                return await self._get_peers(await self.link(peer), f"peer {peer.peer_id[:12]}")
+            except MeshError:
+                self.mark_failed(peer.peer_id)
+                raise
 
         tasks, refused = [asyncio.ensure_future(ask(p)) for p in known], False
         try:
-            for done in asyncio.as_completed(tasks):
-                try:
-                    return await done, refused
-                except MeshError as exc:
-                    errors.append(str(exc))
-                    refused |= isinstance(exc, Unauthenticated)
+            async with asyncio.timeout(2 * self.dial_timeout_s):
+                for done in asyncio.as_completed(tasks):
+                    try:
+                        return await done, refused
+                    except MeshError as exc:
+                        errors.append(str(exc))
+                        refused |= isinstance(exc, Unauthenticated)
+            return None, refused
+        except TimeoutError:
+            errors.append(f"{sum(not t.done() for t in tasks)} known peer(s) did not answer within "
+                          f"{2 * self.dial_timeout_s:g} s")
+            for peer, task in zip(known, tasks):
+                if not task.done():
+                    self.mark_failed(peer.peer_id)
             return None, refused
         finally:
             for task in tasks:

@@ -59,8 +59,9 @@ class Connections:
         return (*(() if bound_all else self.peer.addrs), *s.public_addrs, *s.bootstrap)
 
     async def resolve_own_names(self) -> None:
-        """Resolve the DNS names among :meth:`own_addrs` once (``transport.name_scopes``): a
-        peer named on a LAN or VPN dials the names of that network it learns."""
+        """Resolve the DNS names among :meth:`own_addrs` once, in the background of start-up
+        (``transport.name_scopes``: private scope from names that resolve to private addresses
+        only): a peer named on a LAN or VPN dials the names of that network it learns."""
         self.own_name_scopes = await name_scopes(self.own_addrs())
 
     @property

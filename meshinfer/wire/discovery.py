@@ -258,10 +258,11 @@ LOOPBACK_NAMES, LOCAL_SUFFIXES = ("localhost", "localhost.localdomain", "ip6-loc
 
 def address_scope(url: str) -> str:
     """Where a ws:// or wss:// URL's host lies: ``"loopback"`` (127.0.0.0/8, ::1, the unspecified
-    0.0.0.0 and ::, which reach this machine, and :data:`LOOPBACK_NAMES`), ``"private"`` (RFC 1918,
-    RFC 4193 unique-local, link-local, carrier-grade NAT 100.64.0.0/10, single-label names and
-    :data:`LOCAL_SUFFIXES`), ``"public"`` (any other IP address) or ``"name"`` (another DNS name:
-    where it points is not known without resolving it). An IPv4 address in any spelling the
+    0.0.0.0 and ::, which reach this machine, and :data:`LOOPBACK_NAMES`), ``"link-local"``
+    (169.254.0.0/16, fe80::/10: the cloud metadata service 169.254.169.254 lives there),
+    ``"private"`` (RFC 1918, RFC 4193 unique-local, carrier-grade NAT 100.64.0.0/10, single-label
+    names and :data:`LOCAL_SUFFIXES`), ``"public"`` (any other IP address) or ``"name"`` (another
+    DNS name: where it points is not known without resolving it). An IPv4 address in any spelling the
     system resolver takes (``127.1``, ``2130706433``, ``0x7f000001``) counts as that address.
 
     A ``"name"`` is dialed at one of the addresses it resolves to, and only when that address's
@@ -292,7 +293,9 @@ def host_scope(host: str) -> str:
     if ip.is_loopback or ip.is_unspecified:
         return "loopback"
     shared = ip.version == 4 and ip in ipaddress.ip_network("100.64.0.0/10")
-    return "private" if ip.is_private or ip.is_link_local or shared else "public"
+    if ip.is_link_local:
+        return "link-local"
+    return "private" if ip.is_private or shared else "public"
 
 
 #: IPv6 prefixes that carry an IPv4 address in their last 32 bits: IPv4-mapped, SIIT
@@ -329,8 +332,9 @@ def ip_literal(host: str) -> str | None:
 
 def dialable_scopes(own: Iterable[str]) -> set[str]:
     """The scopes (:func:`address_scope`) of addresses learnt from others that a node whose own
-    addresses are ``own`` (URLs) dials: public addresses and DNS names always, loopback and
-    private ones only when one of its own is in the same scope."""
+    addresses are ``own`` (URLs) dials: public addresses and DNS names always, loopback,
+    link-local and private ones only when one of its own is in the same scope (own DNS names:
+    ``transport.name_scopes``)."""
     return {"public", "name"} | {address_scope(url) for url in own}
 
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import functools
 import itertools
 import logging
+import os
 import socket
 import ssl
 import time
@@ -549,10 +549,14 @@ def remote_error(f: Any) -> MeshError:
     return exc
 
 
-def _dial_reason(url: str, exc: BaseException) -> str:
+def _dial_reason(url: str, exc: BaseException, *, hide_address: bool = False) -> str:
     """Why dialing ``url`` failed, in words, with a hint when the scheme looks wrong: a TLS
-    handshake with a plain ``ws://`` peer, or a plain request to a ``wss://`` peer."""
+    handshake with a plain ``ws://`` peer, or a plain request to a ``wss://`` peer. With
+    ``hide_address`` a connection error gives its kind only (``Connection refused``), not the
+    address it names."""
     reason = str(exc) or type(exc).__name__
+    if hide_address and isinstance(exc, OSError):  # asyncio's strerror names the address
+        reason = os.strerror(exc.errno) if exc.errno else type(exc).__name__
     if url.startswith("wss://") and isinstance(exc, (ssl.SSLError, ConnectionResetError, EOFError)):
         return f"TLS handshake failed ({reason}); if the peer serves plain websockets, use ws://"
     if url.startswith("ws://") and isinstance(exc, websockets.exceptions.InvalidMessage):
@@ -565,24 +569,37 @@ def _dial_reason(url: str, exc: BaseException) -> str:
 #: Threads that resolve learnt DNS names (``getaddrinfo`` blocks; a name whose servers never
 #: answer holds its thread for the resolver's own timeout). Their own pool, so that names an
 #: attacker makes hang cannot take the event loop's default executor from everything else.
-RESOLVER_THREADS = 4
+RESOLVER_THREADS = 8
+#: Addresses of one name a dial tries, in the resolver's order (a name of 100 addresses made one
+#: dial of a learnt address 100 connections and upgrade requests: an attack run).
+MAX_ADDRESSES_PER_DIAL = 2
 _resolver: concurrent.futures.ThreadPoolExecutor | None = None
+_lookups: dict[tuple[str, int], concurrent.futures.Future] = {}
 
 
 async def _resolve(host: str, port: int) -> list[str]:
     """The addresses ``host`` resolves to (``getaddrinfo``, TCP), in the resolver's order, on
-    the :data:`RESOLVER_THREADS` threads of the resolver's own pool."""
+    the :data:`RESOLVER_THREADS` threads of the resolver's own pool; one lookup of a name at a
+    time, whoever asks (a name that hangs holds one thread, not one per dial of it).
+
+    Raises:
+        OSError, UnicodeError: the name does not resolve, or is not a valid name.
+    """
     global _resolver
     if _resolver is None:
         _resolver = concurrent.futures.ThreadPoolExecutor(RESOLVER_THREADS, thread_name_prefix="resolve")
-    infos = await asyncio.get_running_loop().run_in_executor(
-        _resolver, functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM))
+    key = (host, port)
+    lookup = _lookups.get(key)
+    if lookup is None:
+        lookup = _lookups[key] = _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+        lookup.add_done_callback(lambda f, k=key: _lookups.get(k) is f and _lookups.pop(k, None))
+    infos = await asyncio.wrap_future(lookup)
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
 async def dial_targets(url: str, scopes: Collection[str] | None) -> tuple[list[str], int]:
-    """The hosts, in the order to try them, and the port to open a TCP connection to for ``url``
-    (ws:// or wss://).
+    """The hosts, in the order to try them (at most :data:`MAX_ADDRESSES_PER_DIAL`), and the port
+    to open a TCP connection to for ``url`` (ws:// or wss://).
 
     With ``scopes`` None the URL's own host (the system resolver resolves it when connecting).
     Else an IP address (any spelling ``discovery.host_scope`` reads) must be in ``scopes``, and
@@ -607,10 +624,10 @@ async def dial_targets(url: str, scopes: Collection[str] | None) -> tuple[list[s
         return [literal], uri.port
     try:
         found = await _resolve(uri.host, uri.port)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # UnicodeError: a label over 63 characters
         log.info("%s: %s does not resolve (%s)", url, uri.host, exc)
         found = []
-    allowed = [a for a in found if discovery.host_scope(a) in scopes]
+    allowed = [a for a in found if discovery.host_scope(a) in scopes][:MAX_ADDRESSES_PER_DIAL]
     if not allowed:
         log.info("%s: not dialed; %s resolves to %s", url, uri.host,
                  ", ".join(f"{a} ({discovery.host_scope(a)})" for a in found[:4]) or "nothing")
@@ -620,22 +637,25 @@ async def dial_targets(url: str, scopes: Collection[str] | None) -> tuple[list[s
 
 
 async def name_scopes(urls: Iterable[str], timeout_s: float = 5.0) -> set[str]:
-    """The scopes (``discovery.host_scope``) of the addresses that the host names among ``urls``
-    (a node's own addresses) resolve to, so that a mesh whose members are named by DNS on a LAN
-    or VPN (names that resolve to private addresses) still dials the names it learns there, and
-    ``--peers ws://MYHOST:PORT`` for an /etc/hosts name of this machine dials the loopback
-    addresses its peers advertise.
-    Names that do not resolve within ``timeout_s`` seconds add nothing."""
-    names = {h for h in (parse_uri(u).host for u in urls) if discovery.ip_literal(h) is None}
-
-    async def scopes(host: str) -> set[str]:
+    """``{"private"}`` when a host name among ``urls`` (a node's own addresses) resolves to
+    private addresses only, else the empty set: a mesh whose members are named by DNS on a LAN
+    or VPN (names such as ``node1.corp.example`` for 10.0.0.5) dials the names it learns there.
+    A name never gives loopback or link-local scope (a machine's own name often resolves to
+    127.0.1.1 in /etc/hosts, and a name with one loopback address among public ones would open
+    the node's own services: an attack run), nor private scope when one of its addresses is
+    public. Names that do not resolve within ``timeout_s`` seconds, or are malformed, add nothing."""
+    async def scopes(url: str) -> set[str]:
         try:
-            return {discovery.host_scope(a) for a in await asyncio.wait_for(_resolve(host, 0), timeout_s)}
-        except (OSError, asyncio.TimeoutError) as exc:
-            log.info("own address %s does not resolve (%s)", host, exc)
+            host = parse_uri(url).host
+            if discovery.ip_literal(host) is not None:
+                return set()
+            found = {discovery.host_scope(a) for a in await asyncio.wait_for(_resolve(host, 0), timeout_s)}
+        except (OSError, ValueError, asyncio.TimeoutError, websockets.exceptions.WebSocketException) as exc:
+            log.info("own address %s does not resolve (%s)", url, exc)
             return set()
+        return found if found == {"private"} else set()
 
-    return set().union(*await asyncio.gather(*(scopes(h) for h in names)))
+    return set().union(*await asyncio.gather(*(scopes(u) for u in urls)))
 
 
 async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s: float = 5.0,
@@ -663,6 +683,8 @@ async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s:
     ssl_context = tls.client_context(tls_ca) if url.startswith("wss://") else None
     deadline = time.monotonic() + open_timeout_s
     reasons = []
+    # what a learnt name resolved to stays out of the error, which may reach whoever named it
+    hide = scopes is not None and discovery.ip_literal(discovery.endpoint(url)[1]) is None
     try:
         hosts, port = await asyncio.wait_for(dial_targets(url, scopes), open_timeout_s)
         for host in hosts:
@@ -671,12 +693,13 @@ async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s:
                                               ssl=ssl_context, ping_interval=20, ping_timeout=20, compression=None,
                                               proxy=None, host=host, port=port)
                 break
-            except (OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException, ValueError) as exc:
-                reasons.append(_dial_reason(url, exc))
+            except OSError as exc:  # nothing answers there: the name's next address (a server that answers ends it)
+                reasons.append(_dial_reason(url, exc, hide_address=hide))
                 if time.monotonic() >= deadline or host == hosts[-1]:
                     raise
     except (OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException, ValueError) as exc:
-        raise PeerUnavailable(f"cannot reach {url}: {'; '.join(reasons) or _dial_reason(url, exc)}") from exc
+        raise PeerUnavailable(f"cannot reach {url}: "
+                              f"{'; '.join(reasons) or _dial_reason(url, exc, hide_address=hide)}") from exc
     link = Link(ws, max_bytes=max_bytes, on_message=on_message, name=url)
     link.tls_fingerprint = tls.peer_fingerprint(ws)
     link.reader = asyncio.get_running_loop().create_task(link.run(), name=f"link {url}")
