@@ -797,3 +797,34 @@ def test_every_name_that_means_this_machine_is_loopback_for_plain_ws():
         assert is_loopback(host), host
     for host in ("example.com", "10.0.0.1", "localhostx", "vm"):
         assert not is_loopback(host), host
+
+
+async def test_chat_model_picks_one_of_several_models_in_the_mesh(tmp_path):
+    """A new-user run: with two models in one mesh, `chat` took the fastest and nothing let the
+    user choose. `--model` takes a known name or the start of a weights hash."""
+    from helpers.meshkit import file_hash, start_peer, wait_for_tables
+    from meshinfer.app import reply
+    from meshinfer.client.mesh import MeshClient
+
+    cfg = tiny_config("qwen2", context=128)
+    paths = [write_gguf(tmp_path / f"m{i}.gguf", cfg, random_weights(cfg, seed=40 + i)) for i in range(2)]
+    hashes = [file_hash(p) for p in paths]
+    first = await start_peer(load_shard(paths[0]), weights_hash=hashes[0],
+                             bundle=Tokenizer.from_gguf(paths[0]).to_bundle())
+    second = await start_peer(load_shard(paths[1]), weights_hash=hashes[1],
+                              bundle=Tokenizer.from_gguf(paths[1]).to_bundle(), bootstrap=first.addrs)
+    try:
+        await wait_for_tables([first, second])
+        async with MeshClient(list(first.addrs)) as client:
+            for h in hashes:
+                for name in (h[:8], h[:20].upper(), reply.model_id(h)):
+                    assert await reply.weights_for(client, name) == h, name
+                route, _ = await reply.plan_for(client, weights_hash=await reply.weights_for(client, h[:10]))
+                assert route.compat_key[0] == h and route.peer_ids == ((first if h == hashes[0] else second).peer_id,)
+            with pytest.raises(ValueError, match=f"no model this mesh serves \\(it serves .*sha256-{hashes[0][:16]}"):
+                await reply.weights_for(client, "qwen-not-here")
+            with pytest.raises(ValueError, match="no model this mesh serves"):
+                await reply.weights_for(client, hashes[0][:7])  # too short to name weights
+    finally:
+        await second.close()
+        await first.close()

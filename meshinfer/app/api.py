@@ -36,7 +36,7 @@ from aiohttp import web
 from meshinfer.core.errors import (CacheFull, ContextOverflow, IncompatibleDraft, IncompatiblePeer,
     InvalidInput, MeshError, NoRoute, PeerUnavailable, RateLimited, Unauthenticated)
 from meshinfer.app.meshview import MeshView
-from meshinfer.app.reply import check_prompt_fits, plan_for, reply
+from meshinfer.app.reply import check_prompt_fits, model_id, plan_for, reply
 from meshinfer.client.routing import Route, complete_routes_summary
 from meshinfer.core.sampling_params import SEED_MODULUS, SamplingParams
 from meshinfer.client.conversation import Conversation
@@ -401,16 +401,6 @@ def parse_chat_request(body: Any) -> ChatRequest:
 
 
 # --------------------------------------------------------------------------- models and routes
-def model_id(weights_hash: str) -> str:
-    """The stable id of the weights ``weights_hash``: a known model's name, else ``sha256-<16 hex>``."""
-    from meshinfer.engine.weights.registry import KNOWN_MODELS
-
-    for name, known in KNOWN_MODELS.items():
-        if known.sha256 == weights_hash:
-            return name
-    return f"sha256-{weights_hash[:16]}"
-
-
 class MeshModels:
     """The models a mesh serves and a cached route (with tokenizer) to each.
 

@@ -532,7 +532,7 @@ async def _chat(args) -> int:
 
 
 async def _chat_with(args, messages: list[dict], interactive: bool, draft) -> int:
-    from meshinfer.app.reply import check_prompt_fits, one_reply, plan_for
+    from meshinfer.app.reply import check_prompt_fits, model_id, one_reply, plan_for, weights_for
     from meshinfer.client.mesh import MeshClient
 
     _warn_plain(_peers(args.peers), args.insecure)
@@ -541,9 +541,11 @@ async def _chat_with(args, messages: list[dict], interactive: bool, draft) -> in
                           draft_ahead=_draft_ahead(args),
                           **_audit_options(args)) as client:
         # refuses a draft model with another vocabulary
-        route, tok = await plan_for(client, precision=args.precision)
+        weights = await weights_for(client, args.model) if args.model else None
+        route, tok = await plan_for(client, weights_hash=weights, precision=args.precision)
         if not args.json:
-            print(f"route: {route.describe()}", file=sys.stderr)
+            print(f"route ({model_id(route.compat_key[0])}, {route.compat_key[1]}): {route.describe()}",
+                  file=sys.stderr)
         if not interactive:
             check_prompt_fits(tok, messages, context_tokens=client.context_tokens(route), max_tokens=args.max_tokens)
             ids = tok.encode_chat(messages)
@@ -1217,6 +1219,10 @@ def _add_chat(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
     s.add_argument("--precision", choices=PRECISION_NAMES, default=_env("MESHINFER_PRECISION"),
                    help="use only peers computing at this precision (default: the fastest complete "
                         "route at any) [$MESHINFER_PRECISION]")
+    s.add_argument("--model", default=_env("MESHINFER_CHAT_MODEL"),
+                   help="use only peers of this model, when the mesh serves several: a known model's name or "
+                        "the start of its weights hash (`meshinfer status`, WEIGHTS) (default: the fastest "
+                        "complete route of any) [$MESHINFER_CHAT_MODEL]")
     _add_draft_flags(s)
     s.set_defaults(func=cmd_chat)
 

@@ -102,6 +102,44 @@ def _precisions_note(client: MeshClient, precision: str) -> str:
             + (f" and {others} other precision name(s)" if others else ""))
 
 
+def model_id(weights_hash: str) -> str:
+    """The stable id of the weights ``weights_hash``: a known model's name, else ``sha256-<16 hex>``."""
+    from meshinfer.engine.weights.registry import KNOWN_MODELS
+
+    for name, known in KNOWN_MODELS.items():
+        if known.sha256 == weights_hash:
+            return name
+    return f"sha256-{weights_hash[:16]}"
+
+
+async def weights_for(client: MeshClient, name: str) -> str:
+    """The weights hash ``chat --model NAME`` asks for: a known model's name, a :func:`model_id`
+    (``sha256-<hex>``), or the start of a weights hash (at least 8 hex digits) of a peer in the
+    mesh.
+
+    Raises:
+        ValueError: no such model in the mesh, or a prefix that several weights share; the
+            message lists the models the mesh serves.
+        PeerUnavailable: no bootstrap peer answered.
+    """
+    from meshinfer.engine.weights.registry import KNOWN_MODELS
+
+    if name in KNOWN_MODELS:
+        return KNOWN_MODELS[name].sha256
+    await client.refresh()
+    served = sorted({ad.weights_hash for ad in client.table.values()})
+    prefix = name.lower().removeprefix("sha256-")
+    found = [h for h in served if len(prefix) >= 8 and h.startswith(prefix)] if prefix.isalnum() else []
+    if len(found) == 1:
+        return found[0]
+    listing = ", ".join(model_id(h) for h in served) or "none"
+    if found:
+        raise ValueError(f"--model {name[:80]!r} is the start of {len(found)} weights hashes: give more of it "
+                         f"(the mesh serves {listing})")
+    raise ValueError(f"--model {name[:80]!r} is no model this mesh serves (it serves {listing}; a known model "
+                     f"name or the first 8 or more hex digits of a weights hash, as `meshinfer status` shows)")
+
+
 async def plan_for(client: MeshClient, *, weights_hash: str | None = None,
                    precision: str | None = None) -> tuple[Route, Tokenizer]:
     """Plan the fastest route and get its tokenizer: only over peers holding ``weights_hash``
