@@ -828,3 +828,14 @@ async def test_chat_model_picks_one_of_several_models_in_the_mesh(tmp_path):
     finally:
         await second.close()
         await first.close()
+
+
+def test_a_json_chat_that_fails_prints_its_error_as_json_too(capsys):
+    """A new-user run: `chat --json` printed errors on stderr only, nothing on stdout."""
+    from meshinfer.app import cli
+
+    assert cli.main(["chat", "-p", "x", "--peers", "ws://127.0.0.1:1", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("error: no bootstrap peer answered")
+    error = json.loads(out)["error"]
+    assert error["code"] == "peer_unavailable" and error["message"].startswith("no bootstrap peer answered")

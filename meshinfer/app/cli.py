@@ -1328,6 +1328,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (MeshError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}{_hint(args, exc)}", file=sys.stderr)
+        if getattr(args, "json", False):  # a script reading stdout gets the error too
+            print(json.dumps({"error": {"message": str(exc), "code": getattr(exc, "code", "invalid_input")}}))
         return 2
 
 

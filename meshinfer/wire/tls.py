@@ -56,7 +56,7 @@ def check_plain_url(url: str, *, insecure: bool) -> None:
     if not insecure:
         raise InvalidInput(f"{url} is plain ws:// to another machine: frames would travel unencrypted; "
                            f"use a wss:// peer or pass --insecure")
-    log.warning("plain ws:// to %s: frames travel unencrypted", url)
+    log.info("plain ws:// to %s: frames travel unencrypted", url)  # the CLI warns once, at start
 
 
 def check_listen(host: str, *, tls: bool, insecure: bool) -> None:
