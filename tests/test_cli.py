@@ -793,9 +793,9 @@ def test_every_name_that_means_this_machine_is_loopback_for_plain_ws():
     from meshinfer.wire.tls import is_loopback
 
     for host in ("localhost", "LOCALHOST", "localhost.", "localhost.localdomain", "ip6-localhost", "a.localhost",
-                 "127.0.0.2", "[::1]"):
+                 "127.0.0.2", "[::1]", "[::ffff:127.0.0.1]", "0x7f.1", "2130706433"):
         assert is_loopback(host), host
-    for host in ("example.com", "10.0.0.1", "localhostx", "vm"):
+    for host in ("example.com", "10.0.0.1", "localhostx", "vm", "0.0.0.0", "::", "[::]"):  # 0.0.0.0: every interface
         assert not is_loopback(host), host
 
 

@@ -1431,6 +1431,109 @@ async def test_names_whose_resolution_hangs_do_not_hold_up_dials_of_addresses(ti
             stuck.set()
 
 
+async def test_a_dial_that_gives_up_leaves_a_shared_lookup_to_the_others(monkeypatch):
+    """An attack run: two dials waiting on one lookup of a name, the lookup queued behind names
+    that hang; the first dial's timeout cancelled the lookup, and the second raised
+    CancelledError, which killed a hop's conversation worker and a client's plan."""
+    from meshinfer.wire import transport
+
+    stuck = threading.Event()
+    resolving(monkeypatch, {**{f"hang{i}.attacker.example": stuck for i in range(transport.RESOLVER_THREADS)},
+                            "shared.example.com": stuck})
+    try:
+        hanging = [asyncio.ensure_future(transport.dial_targets(f"ws://hang{i}.attacker.example:80", {"public"}))
+                   for i in range(transport.RESOLVER_THREADS)]
+        await asyncio.sleep(0.1)  # every resolver thread now waits on a hanging name
+        impatient = asyncio.ensure_future(asyncio.wait_for(
+            transport.dial_targets("ws://shared.example.com:80", {"public"}), 0.2))
+        patient = asyncio.ensure_future(transport.dial_targets("ws://SHARED.example.com.:81", {"public"}))
+        await asyncio.sleep(0.1)
+        assert len(transport._lookups) == transport.RESOLVER_THREADS + 1  # one lookup for both spellings and ports
+        with pytest.raises(asyncio.TimeoutError):
+            await impatient
+        assert not patient.done()
+        stuck.set()
+        with pytest.raises(PeerUnavailable, match="resolves to no address"):
+            await patient
+        await asyncio.gather(*hanging, return_exceptions=True)
+    finally:
+        stuck.set()
+
+
+async def test_a_deaf_peer_costs_a_dial_one_dial_timeout_and_a_short_close():
+    """An attack run: a peer that completes the upgrade and then reads nothing made a failed
+    hello cost the dial timeout plus websockets' 10 s close timeout, on every plan."""
+    from types import SimpleNamespace
+
+    from meshinfer.client.mesh import MeshClient
+    from meshinfer.wire.transport import DIAL_CLOSE_TIMEOUT_S
+
+    done = asyncio.Event()
+
+    async def deaf(ws) -> None:
+        ws.transport.pause_reading()
+        await done.wait()
+        ws.transport.abort()
+
+    async with websockets.serve(deaf, "127.0.0.1", 0) as server:
+        url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        advert = SimpleNamespace(peer_id=peer_id_of(new_key()), relays=(), addrs=(url,))
+        client = MeshClient([url], dial_timeout_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(PeerUnavailable):
+            await client.link(advert)
+        assert time.monotonic() - t0 < 1.0 + DIAL_CLOSE_TIMEOUT_S + 1.0
+        await client.close()
+        done.set()
+
+
+async def test_a_peer_whose_dns_is_down_at_start_gets_its_scope_when_it_comes_back(tiny, monkeypatch):
+    """An attack run: a peer's own names were resolved once, at start; a DNS down then left a LAN
+    peer named by DNS without private scope for good."""
+    from meshinfer.peer import limits
+
+    monkeypatch.setattr(limits, "OWN_NAMES_EVERY_S", 0.1)
+    down = threading.Event()  # set: the lookup fails at once
+    down.set()
+    names = {"me.corp.example": down}
+    resolving(monkeypatch, names)
+    async with serving(tiny) as peers:
+        peer = peers[0]
+        real, peer.addrs = peer.addrs, ("ws://me.corp.example:7700",)
+        task = asyncio.ensure_future(peer.conns.keep_own_names_resolved())
+        try:
+            await asyncio.sleep(0.3)
+            assert "private" not in peer.conns.learnt_scopes
+            names["me.corp.example"] = "10.0.0.2"  # the DNS is back
+            await asyncio.sleep(0.5)
+            assert "private" in peer.conns.learnt_scopes
+        finally:
+            task.cancel()
+            peer.addrs = real
+            peer.conns.own_name_scopes = set()
+
+
+def test_a_fallback_answer_adds_to_the_table_and_cannot_empty_it():
+    """An attack run: with the bootstrap down, one fake known peer answering `get_peers` with
+    nothing emptied the client's table, and every later plan failed."""
+    import dataclasses
+
+    from meshinfer.client.mesh import MeshClient
+    from meshinfer.wire.protocol import PeerAdvert
+
+    a, b = (PeerAdvert.from_wire(rogue_advert("00" * 32, key=new_key())) for _ in range(2))
+    client = MeshClient(["ws://127.0.0.1:1"])
+    client._prune_links = lambda: asyncio.sleep(0)
+    old = {a.peer_id: a, b.peer_id: b}
+    asyncio.run(client._adopt([], keep=old))
+    assert set(client.table) == {a.peer_id, b.peer_id}
+    newer, older = dataclasses.replace(b, seq=b.seq + 1), dataclasses.replace(b, seq=b.seq - 1)
+    asyncio.run(client._adopt([newer], keep=old))
+    assert client.table[b.peer_id] is newer
+    asyncio.run(client._adopt([older], keep=old))
+    assert client.table[b.peer_id] is b
+
+
 async def test_a_node_named_by_dns_on_a_lan_dials_the_names_it_learns_there(tiny, monkeypatch):
     """Names count by what they resolve to, so a mesh whose members are named by DNS on a LAN or a
     VPN (names resolving to 10/8 or 100.64/10) would refuse each other's names. A node's own

@@ -158,8 +158,8 @@ class MeshClient(MeshLinks):
                 await link.close()
             return await self._adopt(signed)
         signed, refused_known = await self._ask_known_peers(errors)
-        if signed is not None:
-            return await self._adopt(signed)
+        if signed is not None:  # added to what the client knew: one answer cannot empty or eclipse the table
+            return await self._adopt(signed, keep=self.table)
         raise (Unauthenticated if refused or refused_known else PeerUnavailable)(
             "no bootstrap peer answered: " + "; ".join(errors))
 
@@ -213,10 +213,17 @@ class MeshClient(MeshLinks):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _adopt(self, signed: list[PeerAdvert]) -> list[PeerAdvert]:
-        """Make ``signed`` (verified adverts) the table, less peers off ``allow_ids``; returns it."""
+    async def _adopt(self, signed: list[PeerAdvert], keep: dict[str, PeerAdvert] | None = None) -> list[PeerAdvert]:
+        """Make ``signed`` (verified adverts, over those of ``keep``) the table, less peers off
+        ``allow_ids``; returns it. An advert of ``keep`` is replaced only by a newer one of the
+        same peer (``seq``)."""
         ads = [ad for ad in signed if self.allow_ids is None or ad.peer_id in self.allow_ids]
-        self.table = {ad.peer_id: ad for ad in ads}
+        table = dict(keep or {})
+        for ad in ads:
+            if ad.peer_id not in table or ad.seq >= table[ad.peer_id].seq:
+                table[ad.peer_id] = ad
+        self.table = table
+        ads = list(table.values())
         self.not_allowed = frozenset(ad.peer_id for ad in signed) - set(self.table)
         await self._prune_links()
         return ads

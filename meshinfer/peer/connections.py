@@ -59,10 +59,21 @@ class Connections:
         return (*(() if bound_all else self.peer.addrs), *s.public_addrs, *s.bootstrap)
 
     async def resolve_own_names(self) -> None:
-        """Resolve the DNS names among :meth:`own_addrs` once, in the background of start-up
-        (``transport.name_scopes``: private scope from names that resolve to private addresses
-        only): a peer named on a LAN or VPN dials the names of that network it learns."""
+        """Resolve the DNS names among :meth:`own_addrs` (``transport.name_scopes``: private scope
+        from names that resolve to private addresses only): a peer named on a LAN or VPN dials
+        the names of that network it learns."""
         self.own_name_scopes = await name_scopes(self.own_addrs())
+
+    async def keep_own_names_resolved(self) -> None:
+        """:meth:`resolve_own_names` now and every :data:`limits.OWN_NAMES_EVERY_S` while the
+        peer has names of its own (a DNS that is down at start-up must not leave a LAN peer
+        without its scope for good)."""
+        while True:
+            await self.resolve_own_names()
+            if all(discovery.ip_literal(discovery.endpoint(u)[1]) is not None or discovery.endpoint(u)[1] == "loopback"
+                   for u in self.own_addrs()):
+                return
+            await asyncio.sleep(limits.OWN_NAMES_EVERY_S)
 
     @property
     def learnt_scopes(self) -> set[str]:

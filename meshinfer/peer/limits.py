@@ -108,6 +108,8 @@ CLIENT_REQUESTS = frozenset({"open", "verify", "get_log", "truncate", "get_token
 #: Circuits one connection may have a relay forward at once, and circuits a relay forwards to
 #: one hidden peer, all openers together (each circuit costs a few map entries; its frames go
 #: through the bounded outboxes of the two links).
+#: Seconds between lookups of a peer's own DNS names (``Connections.keep_own_names_resolved``).
+OWN_NAMES_EVERY_S = 60.0
 MAX_CIRCUITS_PER_LINK, MAX_CIRCUITS_PER_PEER = 64, 256
 #: Circuits one client host may hold through a relay to one hidden peer (over all its
 #: connections): a quarter of the hidden peer's, so one host cannot take them all (an attack

@@ -258,7 +258,7 @@ class Peer(_Handlers):
             self.reachability_note = "it does not listen (--listen none)"
             if not s.bootstrap:
                 log.warning("--listen none without --peers: nobody can reach this peer")
-        self._spawn(self.conns.resolve_own_names(), "resolve own names")  # a name that hangs must not hold up start
+        self._spawn(self.conns.keep_own_names_resolved(), "resolve own names")  # a name that hangs must not hold up start
         self.state = protocol.READY
         self._seq += 1
         self._spawn(self.gossip.loop(), "gossip")

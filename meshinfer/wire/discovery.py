@@ -295,7 +295,8 @@ def host_scope(host: str) -> str:
     shared = ip.version == 4 and ip in ipaddress.ip_network("100.64.0.0/10")
     if ip.is_link_local:
         return "link-local"
-    return "private" if ip.is_private or shared else "public"
+    odd = ip.is_multicast or ip.is_reserved or (ip.version == 6 and ip.is_site_local)  # never a peer on the Internet
+    return "private" if ip.is_private or shared or odd else "public"
 
 
 #: IPv6 prefixes that carry an IPv4 address in their last 32 bits: IPv4-mapped, SIIT

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import ipaddress
 import logging
 import os
 import ssl
@@ -31,17 +30,13 @@ SELF_SIGNED_DAYS = 3650
 
 
 def is_loopback(host: str) -> bool:
-    """True for loopback IP addresses (127.0.0.0/8, ::1) and the names that mean this machine
-    whatever a resolver says (``discovery.LOOPBACK_NAMES``, ``*.localhost``)."""
-    from meshinfer.wire.discovery import LOOPBACK_NAMES
+    """True for what ``discovery.host_scope`` calls loopback: loopback IP addresses in any
+    spelling (127.0.0.0/8, ::1, ``::ffff:127.0.0.1``, ``0x7f.1``) and the names that mean this
+    machine whatever a resolver says (``discovery.LOOPBACK_NAMES``, ``*.localhost``); not the
+    unspecified 0.0.0.0 and ::, which a listener binds on every interface."""
+    from meshinfer.wire.discovery import host_scope, ip_literal
 
-    host = host.strip("[]").rstrip(".").lower()
-    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return ip_literal(host) not in ("0.0.0.0", "::") and host_scope(host) == "loopback"
 
 
 def check_plain_url(url: str, *, insecure: bool) -> None:

@@ -555,7 +555,7 @@ def _dial_reason(url: str, exc: BaseException, *, hide_address: bool = False) ->
     ``hide_address`` a connection error gives its kind only (``Connection refused``), not the
     address it names."""
     reason = str(exc) or type(exc).__name__
-    if hide_address and isinstance(exc, OSError):  # asyncio's strerror names the address
+    if hide_address and isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError):  # asyncio's names it
         reason = os.strerror(exc.errno) if exc.errno else type(exc).__name__
     if url.startswith("wss://") and isinstance(exc, (ssl.SSLError, ConnectionResetError, EOFError)):
         return f"TLS handshake failed ({reason}); if the peer serves plain websockets, use ws://"
@@ -566,6 +566,10 @@ def _dial_reason(url: str, exc: BaseException, *, hide_address: bool = False) ->
     return reason
 
 
+#: Seconds closing a dialed connection waits for the other side's close frame (websockets'
+#: default is 10): a peer that completes the upgrade and then reads nothing made every failed
+#: hello cost the dial timeout plus 10 s (an attack run).
+DIAL_CLOSE_TIMEOUT_S = 1.0
 #: Threads that resolve learnt DNS names (``getaddrinfo`` blocks; a name whose servers never
 #: answer holds its thread for the resolver's own timeout). Their own pool, so that names an
 #: attacker makes hang cannot take the event loop's default executor from everything else.
@@ -574,13 +578,15 @@ RESOLVER_THREADS = 8
 #: dial of a learnt address 100 connections and upgrade requests: an attack run).
 MAX_ADDRESSES_PER_DIAL = 2
 _resolver: concurrent.futures.ThreadPoolExecutor | None = None
-_lookups: dict[tuple[str, int], concurrent.futures.Future] = {}
+_lookups: dict[str, concurrent.futures.Future] = {}
 
 
-async def _resolve(host: str, port: int) -> list[str]:
+async def _resolve(host: str) -> list[str]:
     """The addresses ``host`` resolves to (``getaddrinfo``, TCP), in the resolver's order, on
     the :data:`RESOLVER_THREADS` threads of the resolver's own pool; one lookup of a name at a
-    time, whoever asks (a name that hangs holds one thread, not one per dial of it).
+    time (case and a trailing dot aside), whoever asks and for whichever port (a name that hangs
+    holds one thread, not one per dial of it). A caller that stops waiting (its dial timed out)
+    leaves the lookup to the others.
 
     Raises:
         OSError, UnicodeError: the name does not resolve, or is not a valid name.
@@ -588,12 +594,13 @@ async def _resolve(host: str, port: int) -> list[str]:
     global _resolver
     if _resolver is None:
         _resolver = concurrent.futures.ThreadPoolExecutor(RESOLVER_THREADS, thread_name_prefix="resolve")
-    key = (host, port)
+    key = host.lower().rstrip(".")
     lookup = _lookups.get(key)
     if lookup is None:
-        lookup = _lookups[key] = _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+        lookup = _lookups[key] = _resolver.submit(socket.getaddrinfo, key, None, type=socket.SOCK_STREAM)
         lookup.add_done_callback(lambda f, k=key: _lookups.get(k) is f and _lookups.pop(k, None))
-    infos = await asyncio.wrap_future(lookup)
+    # shielded: cancelling one waiter (its dial's timeout) must not cancel the lookup under the others
+    infos = await asyncio.shield(asyncio.wrap_future(lookup))
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
@@ -623,7 +630,7 @@ async def dial_targets(url: str, scopes: Collection[str] | None) -> tuple[list[s
                                   f"no address of its own in that scope")
         return [literal], uri.port
     try:
-        found = await _resolve(uri.host, uri.port)
+        found = await _resolve(uri.host)
     except (OSError, ValueError) as exc:  # UnicodeError: a label over 63 characters
         log.info("%s: %s does not resolve (%s)", url, uri.host, exc)
         found = []
@@ -649,7 +656,7 @@ async def name_scopes(urls: Iterable[str], timeout_s: float = 5.0) -> set[str]:
             host = parse_uri(url).host
             if discovery.ip_literal(host) is not None:
                 return set()
-            found = {discovery.host_scope(a) for a in await asyncio.wait_for(_resolve(host, 0), timeout_s)}
+            found = {discovery.host_scope(a) for a in await asyncio.wait_for(_resolve(host), timeout_s)}
         except (OSError, ValueError, asyncio.TimeoutError, websockets.exceptions.WebSocketException) as exc:
             log.info("own address %s does not resolve (%s)", url, exc)
             return set()
@@ -684,14 +691,15 @@ async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s:
     deadline = time.monotonic() + open_timeout_s
     reasons = []
     # what a learnt name resolved to stays out of the error, which may reach whoever named it
-    hide = scopes is not None and discovery.ip_literal(discovery.endpoint(url)[1]) is None
+    hide = scopes is not None and discovery.ip_literal(discovery.endpoint(url)[1]) is None \
+        and discovery.endpoint(url)[1] != "loopback"
     try:
         hosts, port = await asyncio.wait_for(dial_targets(url, scopes), open_timeout_s)
         for host in hosts:
             try:
                 ws = await websockets.connect(url, max_size=max_bytes, open_timeout=max(0.1, deadline - time.monotonic()),
                                               ssl=ssl_context, ping_interval=20, ping_timeout=20, compression=None,
-                                              proxy=None, host=host, port=port)
+                                              proxy=None, host=host, port=port, close_timeout=DIAL_CLOSE_TIMEOUT_S)
                 break
             except OSError as exc:  # nothing answers there: the name's next address (a server that answers ends it)
                 reasons.append(_dial_reason(url, exc, hide_address=hide))
