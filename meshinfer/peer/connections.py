@@ -49,7 +49,7 @@ class Connections:
         self.dial_failures: dict[str, tuple[float, int]] = {}
         self.dial_bucket = Bucket(limits.MAX_DIALS_PER_S, 2 * limits.MAX_DIALS_PER_S)
         self.host_connections: dict[str, int] = {}
-        self.own_name_scopes: set[str] = set()  # what this peer's own DNS names resolve to (resolve_own_names)
+        self.own_name_scopes: set[str] = set()  # the scope this peer's own DNS names give (resolve_own_names)
 
     def own_addrs(self) -> tuple[str, ...]:
         """This peer's own addresses: what it advertises (not the 127.0.0.1 stand-in of a peer
@@ -82,7 +82,8 @@ class Connections:
         address of its own (what it advertises, its bootstrap) is in the same scope. So a peer on
         the Internet cannot be made to dial services on its own machine or network (an attack
         run sent a service on loopback `GET /admin/delete?...` requests through `open.next`). An
-        own address that is a DNS name counts with the scopes of what it resolved to."""
+        own DNS name gives private scope when all its addresses are private, and never loopback
+        or link-local (:meth:`resolve_own_names`)."""
         return discovery.dialable_scopes(self.own_addrs()) | self.own_name_scopes
 
     async def listen(self, ssl_context, scheme: str) -> None:
