@@ -131,21 +131,15 @@ def _peers(text: str | None) -> list[str]:
             port, host = -1, None
         if not host or port is not None and not 1 <= port <= 65535:
             raise ValueError(f"peer address {u!r} has no host or a port outside 1-65535")
-        try:  # what the websocket library and the resolver take (an attack run crashed join with these)
-            from websockets.uri import parse_uri
+        from websockets.exceptions import InvalidURI  # late: the CLI starts without loading websockets
+        from websockets.uri import parse_uri
 
+        try:  # what the websocket library and the resolver take (an attack run crashed join with these)
             parse_uri(u)
             host.encode("idna")
-        except (ValueError, UnicodeError, _invalid_uri()) as exc:
+        except (ValueError, UnicodeError, InvalidURI) as exc:
             raise ValueError(f"peer address {u!r} is not a valid ws:// or wss:// URL ({exc})") from None
     return urls
-
-
-def _invalid_uri() -> type[Exception]:
-    """websockets' ``InvalidURI`` (imported late: the CLI starts without loading websockets)."""
-    from websockets.exceptions import InvalidURI
-
-    return InvalidURI
 
 
 def _mesh_key(args) -> bytes | None:

@@ -691,8 +691,8 @@ async def dial(url: str, *, max_bytes: int, on_message: Handler, open_timeout_s:
     deadline = time.monotonic() + open_timeout_s
     reasons = []
     # what a learnt name resolved to stays out of the error, which may reach whoever named it
-    hide = scopes is not None and discovery.ip_literal(discovery.endpoint(url)[1]) is None \
-        and discovery.endpoint(url)[1] != "loopback"
+    named = discovery.endpoint(url)[1]
+    hide = scopes is not None and named != "loopback" and discovery.ip_literal(named) is None
     try:
         hosts, port = await asyncio.wait_for(dial_targets(url, scopes), open_timeout_s)
         for host in hosts:
