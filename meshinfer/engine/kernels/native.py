@@ -1,4 +1,6 @@
-"""Build and load the C kernels of ``gguf_blocks.c`` (products from a GGUF file's own blocks).
+"""Build and load the C kernels: ``gguf_blocks.c`` (products from a GGUF file's own blocks, and
+the f32 precision's few-row products) and ``step_ops.c`` (RMSNorm, RoPE and attention of a
+decode or verification step), one library.
 
 The library is compiled once per source, compiler and CPU with the system C compiler
 (``cc``, or ``$CC``) into ``$MESHINFER_HOME/kernels`` (default ``~/.cache/meshinfer/kernels``)
@@ -25,7 +27,8 @@ from pathlib import Path
 
 log = logging.getLogger("meshinfer.kernels")
 
-SOURCE = Path(__file__).with_name("gguf_blocks.c")
+#: The C sources, compiled together into one library.
+SOURCES = (Path(__file__).with_name("gguf_blocks.c"), Path(__file__).with_name("step_ops.c"))
 #: Compiler flags. ``-march=native``: the library is built on the machine that runs it (AVX2
 #: and FMA where the CPU has them; a portable scalar path otherwise). ``-ffp-contract=off``
 #: keeps each dequantized weight the exact float32 result gguf-py computes (see the source).
@@ -54,7 +57,7 @@ def library_path(cc: str) -> Path:
     """Where the library for this source, compiler and CPU lives (built or not)."""
     home = Path(os.environ.get("MESHINFER_HOME") or Path.home() / ".cache" / "meshinfer")
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), cc.encode(), " ".join(CFLAGS).encode(), _cpu_signature().encode(),
+    for part in (*(src.read_bytes() for src in SOURCES), cc.encode(), " ".join(CFLAGS).encode(), _cpu_signature().encode(),
                  platform.machine().encode()):
         h.update(part)
         h.update(b"\0")
@@ -62,7 +65,7 @@ def library_path(cc: str) -> Path:
 
 
 def build(cc: str, out: Path, flags: list[str] | None = None) -> None:
-    """Compile ``gguf_blocks.c`` to ``out`` (atomically: a temporary file, then a rename) with
+    """Compile :data:`SOURCES` to ``out`` (atomically: a temporary file, then a rename) with
     ``flags`` (default :data:`CFLAGS`; tests build the portable path without ``-march``).
 
     Raises:
@@ -73,7 +76,7 @@ def build(cc: str, out: Path, flags: list[str] | None = None) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *(CFLAGS if flags is None else flags), str(SOURCE), "-o", tmp], check=True,
+        subprocess.run([cc, *(CFLAGS if flags is None else flags), *map(str, SOURCES), "-o", tmp], check=True,
                        capture_output=True,
                        timeout=BUILD_TIMEOUT_S)
         with open(tmp, "rb") as f:  # on disk before the rename: a crash never leaves a short library at `out`
@@ -95,6 +98,12 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for f in (lib.mi_matmul_many, lib.mi_round_activations, lib.mi_matmul_f32, lib.mi_matmul, lib.mi_matmul_q8, lib.mi_matmul_q16, lib.mi_dequantize, lib.mi_supports, lib.mi_supports_q8, lib.mi_simd):
         f.restype = i32
     lib.mi_supports.argtypes = lib.mi_supports_q8.argtypes = [i32]
+    lib.mi_rmsnorm.argtypes = [p, i64, i64, p, ctypes.c_float, p]
+    lib.mi_rope.argtypes = [p, i64, i64, i64, i64, p, p, i64, p]
+    lib.mi_attention.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i32]
+    lib.mi_swiglu.argtypes = [p, p, i64, p]
+    for f in (lib.mi_rmsnorm, lib.mi_rope, lib.mi_attention, lib.mi_swiglu):
+        f.restype = i32
     return lib
 
 

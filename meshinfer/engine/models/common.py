@@ -1,6 +1,8 @@
 """Pieces shared by Llama-family decoders: RMSNorm, RoPE, causal attention with a KV cache.
 
-Pure torch: nothing here logs, prints, awaits or touches files.
+Pure computation: nothing here logs, prints, awaits or touches files. float32 on the CPU goes
+through the C kernels where they are built (``engine/kernels``: few-row products, RMSNorm, RoPE,
+step attention); the torch operations below are the definition and the path everywhere else.
 Shape vocabulary: B batch, T new tokens, S cached + new length, H / Hkv query / key-value
 heads, D head dim, C hidden width, V vocabulary.
 """
@@ -14,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from meshinfer.core.config import ModelConfig
+from meshinfer.engine.kernels import step_ops
 from meshinfer.engine.kernels.blocks import matmul_f32
 
 #: Query rows per attention call during prefill: bounds score memory to H * 256 * S floats
@@ -92,10 +95,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = step_ops.rms_norm(x, self.weight, self.eps)  # float32 on the CPU: one C call
+        if y is not None:
+            return y
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's product (Shazeer 2020): ``silu(gate) * up``, ``(..., N)`` each -> ``(..., N)``.
+    A float32 CPU step of a few rows runs as one C call (``step_ops.swiglu``)."""
+    y = step_ops.swiglu(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])) if gate.dim() else None
+    return F.silu(gate) * up if y is None else y.view(gate.shape)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, *,
@@ -147,7 +160,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate-half RoPE: ``x`` ``(B, H, T, D)``, ``cos/sin`` ``(T, R)`` -> ``(B, H, T, D)``.
 
     With ``R < D`` (partial rotary) only the first ``R`` dims rotate; the rest pass through.
+    float32 on the CPU, laid out as attention's projections leave q and k, goes through one C
+    call (``step_ops.rope``) that gives the same bits as the torch operations below.
     """
+    y = step_ops.rope(x, cos, sin)
+    if y is not None:
+        return y
     if cos.shape[-1] < x.shape[-1]:
         r = cos.shape[-1]
         return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
@@ -168,9 +186,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
             (HF ``sliding_window_overlay``; Phi-3, Mistral-style models).
 
     Returns:
-        ``(B, H, T, D)``. Queries are processed :data:`ATTENTION_QUERY_CHUNK` rows at a time,
-        so memory stays ``O(chunk * S)`` rather than ``O(T * S)``.
+        ``(B, H, T, D)``. float32 on the CPU with at most ``step_ops.ATTENTION_MAX_QUERIES``
+        queries (decode and verification steps) runs in C, each query alone
+        (``step_ops.attention``). Otherwise queries are processed :data:`ATTENTION_QUERY_CHUNK`
+        rows at a time, so memory stays ``O(chunk * S)`` rather than ``O(T * S)``.
     """
+    y = step_ops.attention(q, k, v, start, window=window)  # float32 CPU steps of a few positions
+    if y is not None:
+        return y
     T, S = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if T == 1:  # decode: the one query may see every cached key (the last `window` of them)

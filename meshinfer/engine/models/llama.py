@@ -18,12 +18,11 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from meshinfer.core.config import LayerRange, ModelConfig
 from meshinfer.core.errors import InvalidInput, PositionError, StepAbandoned, WeightsError
 from meshinfer.engine.models.common import (LayerCache, Linear, RMSNorm, apply_rope, causal_attention,
-                                            rope_tables)
+                                            rope_tables, swiglu)
 from meshinfer.engine.models.gguf_linear import project_many
 from meshinfer.engine.models.quant import Precision, quantize_modules
 
@@ -99,7 +98,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project_many(x, (self.gate_proj, self.up_proj))  # one kernel call at gguf*
-        return self.down_proj(F.silu(gate) * up)  # (B, T, C)
+        return self.down_proj(swiglu(gate, up))  # (B, T, C)
 
 
 class Block(nn.Module):

@@ -1,0 +1,126 @@
+"""The C step operations (RMSNorm, RoPE, attention, SwiGLU) against their torch definitions.
+
+``engine/kernels/step_ops.py`` claims: RoPE equal to torch's operations bit for bit; RMSNorm,
+attention and SwiGLU equal up to summation order / exp's last bit; each row (query) computed
+alone, so a verification step gives each position what a one-position step gives it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from meshinfer.engine.kernels import native, step_ops
+from meshinfer.engine.models import common
+
+
+
+def test_the_library_is_built():
+    assert native.library() is not None, "the C kernels did not build: deploy/install.sh needs cc"
+
+
+def torch_rope(x, cos, sin):
+    """common.apply_rope's torch operations (the definition)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((torch_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
+    half = r // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def torch_attention(q, k, v, start, window=0):
+    """Causal GQA attention with an explicit mask, through torch's SDPA."""
+    T, S = q.shape[2], k.shape[2]
+    qpos = start + torch.arange(T)[:, None]
+    kpos = torch.arange(S)[None, :]
+    mask = kpos <= qpos
+    if window:
+        mask &= kpos > qpos - window
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@pytest.mark.parametrize("rotary", [64, 32])
+def test_rope_equals_the_torch_operations_bit_for_bit(rotary):
+    torch.manual_seed(0)
+    B, T, H, D = 2, 5, 14, 64
+    x = torch.randn(B, T, H, D).transpose(1, 2)  # (B, H, T, D), as the projections leave q
+    cos, sin = common.rope_cos_sin(torch.arange(7, 7 + T), rotary, 1e6, torch.float32)
+    got = step_ops.rope(x, cos, sin)
+    assert got is not None and got.shape == (B, H, T, D)
+    assert torch.equal(got, torch_rope(x, cos, sin))
+
+
+def test_rope_declines_layouts_and_dtypes_it_does_not_take():
+    x = torch.randn(1, 4, 3, 8)  # (B, H, T, D) contiguous: not a transposed (B, T, H, D)
+    cos, sin = common.rope_cos_sin(torch.arange(3), 8, 1e4, torch.float32)
+    assert step_ops.rope(x, cos, sin) is None
+    assert step_ops.rope(x.transpose(1, 2).contiguous().transpose(1, 2).double(), cos.double(), sin.double()) is None
+    # and common.apply_rope then computes it with torch
+    assert torch.equal(common.apply_rope(x, cos, sin), torch_rope(x, cos, sin))
+
+
+def test_rms_norm_matches_the_float32_formula():
+    torch.manual_seed(1)
+    x, w = torch.randn(3, 7, 896) * 5, torch.randn(896)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    got = step_ops.rms_norm(x, w, 1e-6)
+    assert got is not None and got.shape == x.shape
+    assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
+    assert step_ops.rms_norm(x.double(), w.double(), 1e-6) is None
+
+
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("T", [1, 9])
+def test_attention_matches_sdpa_over_cache_views(T, window):
+    torch.manual_seed(2)
+    B, H, Hkv, D, start = 2, 14, 2, 64, 23
+    q = torch.randn(B, T, H, D).transpose(1, 2)
+    cache_k, cache_v = torch.randn(B, Hkv, 64, D), torch.randn(B, Hkv, 64, D)  # capacity 64, as KVCache grows
+    k, v = cache_k[:, :, :start + T], cache_v[:, :, :start + T]  # strided views
+    got = step_ops.attention(q, k, v, start, window=window)
+    assert got is not None and got.shape == (B, H, T, D)
+    assert torch.allclose(got, torch_attention(q, k, v, start, window), rtol=1e-5, atol=1e-6)
+
+
+def test_each_query_of_a_verification_step_equals_its_own_one_position_step():
+    torch.manual_seed(3)
+    B, H, Hkv, D, start, T = 1, 8, 2, 32, 40, 17
+    q = torch.randn(B, T, H, D).transpose(1, 2)
+    k, v = torch.randn(B, Hkv, start + T, D), torch.randn(B, Hkv, start + T, D)
+    whole = step_ops.attention(q, k, v, start)
+    for t in range(T):
+        one = step_ops.attention(q[:, :, t:t + 1], k[:, :, :start + t + 1], v[:, :, :start + t + 1], start + t)
+        assert torch.equal(one[:, :, 0], whole[:, :, t]), f"position {start + t}"
+
+
+def test_attention_declines_long_passes_and_bad_sizes():
+    q = torch.randn(1, 2, step_ops.ATTENTION_MAX_QUERIES + 1, 8)
+    k = v = torch.randn(1, 2, q.shape[2], 8)
+    assert step_ops.attention(q, k, v, 0) is None  # a prefill: torch's SDPA
+    q1 = torch.randn(1, 2, 1, 8)
+    assert step_ops.attention(q1, k, v, 0) is None  # S != start + T
+    assert step_ops.attention(torch.randn(1, 3, 1, 8), k[:, :, :1], v[:, :, :1], 0) is None  # 3 heads over 2
+    # causal_attention still answers through torch
+    assert torch.allclose(common.causal_attention(q, k, v, 0), torch_attention(q, k, v, 0), atol=1e-6)
+
+
+def test_a_nan_query_gives_nan_for_that_query_only():
+    q = torch.randn(1, 2, 3, 8)
+    q[0, 1, 2, 0] = float("nan")
+    k = v = torch.randn(1, 2, 3, 8)
+    out = step_ops.attention(q, k, v, 0)
+    assert out[0, 1, 2].isnan().all()
+    out[0, 1, 2] = 0
+    assert not out.isnan().any()
+
+
+def test_swiglu_matches_silu_times_up():
+    torch.manual_seed(4)
+    g, u = torch.randn(3, 4864) * 4, torch.randn(3, 4864)
+    got = step_ops.swiglu(g, u)
+    assert got is not None
+    assert torch.allclose(got, F.silu(g) * u, rtol=1e-6, atol=1e-7)
+    assert step_ops.swiglu(torch.randn(step_ops.ATTENTION_MAX_QUERIES + 1, 8), torch.randn(step_ops.ATTENTION_MAX_QUERIES + 1, 8)) is None
+    assert torch.allclose(common.swiglu(g.view(1, 3, -1), u.view(1, 3, -1)), (F.silu(g) * u).view(1, 3, -1),
+                          rtol=1e-6, atol=1e-7)
