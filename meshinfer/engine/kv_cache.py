@@ -95,6 +95,14 @@ class KVCache:
         cv[:, :, self.length:end] = v
         return ck[:, :, :end], cv[:, :, :end]
 
+    def storage(self, layer: int, n_new: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``layer``'s whole key and value storage ``(B, Hkv, capacity, D)``, for a kernel that
+        writes ``n_new`` positions after ``length`` itself (``kernels.layer_step``); None when
+        they do not fit the capacity (``reserve`` first) or the layer is not held."""
+        if layer not in self._kv or self.length + n_new > self.capacity:
+            return None
+        return self._kv[layer]
+
     def commit(self, n_new: int) -> None:
         """Mark ``n_new`` tokens written by the last forward pass as valid."""
         self.length += n_new

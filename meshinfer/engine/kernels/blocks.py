@@ -162,6 +162,13 @@ class FusedProduct:
                         (ctypes.c_void_p * n)(*(None if b is None else b.data_ptr() for b in biases)))
         self._args = (bits, n, *(ctypes.addressof(a) for a in self._arrays), self.in_features)
 
+    @property
+    def args(self) -> tuple:
+        """The prepared leading arguments of ``mi_matmul_many`` (activation bits, weight count,
+        addresses of the types, data pointers, row counts and biases, and ``K``): valid while
+        this object lives."""
+        return self._args
+
     @classmethod
     def make(cls, ws: Sequence[QuantBlocks], biases: Sequence[torch.Tensor | None],
              act_bits: int) -> "FusedProduct | None":

@@ -156,3 +156,108 @@ int mi_swiglu(const float *g, const float *u, int64_t n, float *out) {
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------ one whole layer */
+
+/* gguf_blocks.c: products of one input with up to 4 weights stored as GGUF blocks. */
+int mi_matmul_many(int act_bits, int nt, const int *types, const uint8_t *const *ws, const int64_t *ns,
+                   const float *const *biases, int64_t k, const float *x, int64_t m, float *y, int nthreads);
+
+/* One mi_matmul_many call's weights, as its arguments (k: the input width). */
+struct mi_product {
+    int act_bits, nt;
+    const int *types;
+    const uint8_t *const *ws;
+    const int64_t *ns;
+    const float *const *biases;
+    int64_t k;
+};
+
+/* A Llama-family pre-norm decoder layer (Llama, Qwen2, SmolLM2, Mistral): q/k/v (with their
+ * biases, if any), o, gate/up and down as GGUF-block products; the two RMSNorm weights
+ * (hidden,) and their eps; hidden width C, H query heads and Hkv key/value heads of width D,
+ * the attention scale, and window 0 or a sliding window. */
+struct mi_layer {
+    struct mi_product qkv, o, gate_up, down;
+    const float *norm_in, *norm_post;
+    float eps, scale;
+    int64_t hidden, heads, kv_heads, head_dim, inter, window;
+};
+
+static int product(const struct mi_product *p, const float *x, int64_t m, float *y, int nthreads) {
+    return mi_matmul_many(p->act_bits, p->nt, p->types, p->ws, p->ns, p->biases, p->k, x, m, y, nthreads);
+}
+
+/* Floats of scratch mi_layer_step needs for t positions. */
+static int64_t layer_scratch(const struct mi_layer *L, int64_t t) {
+    int64_t C = L->hidden, HD = L->heads * L->head_dim, KD = L->kv_heads * L->head_dim;
+    int64_t attn = (HD + 2 * KD) + (HD + KD) + 2 * (HD > C ? HD : C), mlp = 3 * L->inter + C;
+    return t * (C + (attn > mlp ? attn : mlp));
+}
+
+/* x += o(attention(rope(q), rope(k) and v written into the cache)) for h = norm(x) (t, C);
+ * kc, vc: (Hkv, cap, D). s: scratch. Each step is the function the separate path calls. */
+static int attention_half(const struct mi_layer *L, float *x, const float *h, int64_t t, const float *cos,
+                          const float *sin, int64_t r, float *kc, float *vc, int64_t cap, int64_t start,
+                          float *s, int nthreads) {
+    int64_t H = L->heads, Hkv = L->kv_heads, D = L->head_dim, C = L->hidden, HD = H * D;
+    float *q = s, *k = q + t * HD, *v = k + t * Hkv * D;  /* (t, n) blocks of the product */
+    float *qr = v + t * Hkv * D, *kr = qr + t * HD;        /* after RoPE: (t, H, D), (t, Hkv, D) */
+    float *att = kr + t * Hkv * D, *y = att + t * (HD > C ? HD : C); /* (H, t, D); o's (t, C) */
+    int rc = product(&L->qkv, h, t, q, nthreads);
+    if (rc) return rc;
+    if (mi_rope(q, t, H, D, t, cos, sin, r, qr) || mi_rope(k, t, Hkv, D, t, cos, sin, r, kr)) return -1;
+    for (int64_t i = 0; i < t; i++)
+        for (int64_t g = 0; g < Hkv; g++)
+            for (int64_t e = 0; e < D; e++) {
+                kc[(g * cap + start + i) * D + e] = kr[(i * Hkv + g) * D + e];
+                vc[(g * cap + start + i) * D + e] = v[(i * Hkv + g) * D + e];
+            }
+    const int64_t qs[3] = {0, D, HD}, cs[3] = {0, cap * D, D};
+    rc = mi_attention(qr, qs, kc, cs, vc, cs, 1, H, Hkv, t, start + t, D, start, L->window, L->scale, att, nthreads);
+    if (rc) return rc;
+    for (int64_t i = 0; i < t; i++) /* (H, t, D) -> (t, H * D), into q's space */
+        for (int64_t g = 0; g < H; g++)
+            for (int64_t e = 0; e < D; e++) q[(i * H + g) * D + e] = att[(g * t + i) * D + e];
+    rc = product(&L->o, q, t, y, nthreads);
+    if (rc) return rc;
+    for (int64_t i = 0; i < t * C; i++) x[i] = x[i] + y[i];
+    return 0;
+}
+
+/* x += down(silu(gate(h)) * up(h)) for h = norm(x) (t, C). s: scratch. */
+static int mlp_half(const struct mi_layer *L, float *x, const float *h, int64_t t, float *s, int nthreads) {
+    int64_t I = L->inter, C = L->hidden;
+    float *gu = s, *a = gu + 2 * t * I, *y = a + t * I; /* gate (t, I) then up (t, I); silu * up; down's */
+    int rc = product(&L->gate_up, h, t, gu, nthreads);
+    if (rc) return rc;
+    mi_swiglu(gu, gu + t * I, t * I, a);
+    rc = product(&L->down, a, t, y, nthreads);
+    if (rc) return rc;
+    for (int64_t i = 0; i < t * C; i++) x[i] = x[i] + y[i];
+    return 0;
+}
+
+/* One decoder layer over t new positions of one sequence, in place on x (t, C) float32:
+ * h = x + attention(norm_in(x)), then x = h + mlp(norm_post(h)), writing the new keys and
+ * values at positions start .. start + t - 1 of kc, vc (Hkv, cap, D) float32 (the positions
+ * before hold the sequence's earlier keys). cos, sin: (t, r) for the t positions.
+ * The same functions in the same order as the layer computed one operation at a time
+ * (mi_rmsnorm, mi_matmul_many, mi_rope, mi_attention, mi_swiglu, float32 adds), so the result
+ * is equal bit for bit; one call instead of about twenty.
+ * Returns 0; -1 for sizes that do not fit (start + t > cap, an odd r, ...) or what
+ * mi_matmul_many refuses; -2 when scratch memory cannot be had. x may be partly updated on
+ * an error. */
+int mi_layer_step(const struct mi_layer *L, float *x, int64_t t, const float *cos, const float *sin, int64_t r,
+                  float *kc, float *vc, int64_t cap, int64_t start, int nthreads) {
+    if (t < 1 || start < 0 || start + t > cap || L->heads % L->kv_heads || r > L->head_dim || r % 2) return -1;
+    float *h = (float *)malloc((size_t)layer_scratch(L, t) * sizeof(float));
+    if (!h) return -2;
+    float *s = h + t * L->hidden;
+    int rc = mi_rmsnorm(x, t, L->hidden, L->norm_in, L->eps, h);
+    if (!rc) rc = attention_half(L, x, h, t, cos, sin, r, kc, vc, cap, start, s, nthreads);
+    if (!rc) rc = mi_rmsnorm(x, t, L->hidden, L->norm_post, L->eps, h);
+    if (!rc) rc = mlp_half(L, x, h, t, s, nthreads);
+    free(h);
+    return rc;
+}

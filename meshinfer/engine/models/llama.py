@@ -23,7 +23,9 @@ from meshinfer.core.config import LayerRange, ModelConfig
 from meshinfer.core.errors import InvalidInput, PositionError, StepAbandoned, WeightsError
 from meshinfer.engine.models.common import (LayerCache, Linear, RMSNorm, apply_rope, causal_attention,
                                             rope_tables, swiglu)
-from meshinfer.engine.models.gguf_linear import project_many
+from meshinfer.engine.kernels.layer_step import LayerStep
+from meshinfer.engine.kernels.step_ops import ATTENTION_MAX_QUERIES
+from meshinfer.engine.models.gguf_linear import GGUFLinear, project_many
 from meshinfer.engine.models.quant import Precision, quantize_modules
 
 
@@ -117,8 +119,55 @@ class Block(nn.Module):
         self.mlp = mlp(cfg)
 
     def forward(self, x, cos, sin, start, cache, layer):  # (B, T, C) -> (B, T, C)
+        y = self._one_call(x, cos, sin, start, cache, layer)
+        if y is not None:
+            return y
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, start, cache, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _one_call(self, x, cos, sin, start, cache, layer) -> torch.Tensor | None:
+        """The layer as one C call (``kernels.layer_step``, equal bit for bit to the path
+        above) for a step of one sequence of at most ``step_ops.ATTENTION_MAX_QUERIES``
+        positions, float32 on the CPU, at a gguf precision, with a KV cache that has room;
+        None otherwise."""
+        if (x.dim() != 3 or x.shape[0] != 1 or not 1 <= x.shape[1] <= ATTENTION_MAX_QUERIES
+                or x.dtype != torch.float32 or x.device.type != "cpu" or cos.dim() != 2
+                or not hasattr(cache, "storage")):
+            return None
+        step = self._layer_step()
+        kv = cache.storage(layer, x.shape[1]) if step is not None else None
+        if kv is None or kv[0].dtype != torch.float32 or kv[0].shape[0] != 1:
+            return None
+        return step(x, cos, sin, start, *kv)
+
+    def _layer_step(self) -> LayerStep | None:
+        """This layer's prepared :class:`LayerStep`, or None where it does not apply: another
+        family's attention or feed-forward, projections that are not GGUF blocks sharing fused
+        calls (``GGUFLinear.fused``), norms that are not float32. Made once, and again when a
+        weight changes (the fused products are then new objects)."""
+        attn, mlp = self.self_attn, self.mlp
+        if (type(attn) is not Attention or type(mlp) is not MLP or type(self.input_layernorm) is not RMSNorm
+                or type(self.post_attention_layernorm) is not RMSNorm or not isinstance(attn.q_proj, GGUFLinear)
+                or not all(isinstance(m, GGUFLinear) for m in (attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+                                                               mlp.up_proj, mlp.down_proj))):
+            return None
+        products = (attn.q_proj.fused((attn.k_proj, attn.v_proj)), attn.o_proj.fused(),
+                    mlp.gate_proj.fused((mlp.up_proj,)), mlp.down_proj.fused())
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        key = (*map(id, products), *map(id, norms))
+        kept = self.__dict__.get("_kept_step")
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        step = None
+        if all(p is not None for p in products) and all(n.dtype == torch.float32 and n.device.type == "cpu"
+                                                         and n.is_contiguous() for n in norms):
+            try:
+                step = LayerStep(products, norms, self.input_layernorm.eps, heads=attn.n_heads,
+                                 kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, window=attn.window or 0)
+            except ValueError:
+                step = None
+        self.__dict__["_kept_step"] = (key, step)
+        return step
 
     def forward_ragged(self, x, cos, sin, segments, layer):  # (1, N, C) -> (1, N, C), see Attention
         h = x + self.self_attn.forward_ragged(self.input_layernorm(x), cos, sin, segments, layer)

@@ -1,0 +1,88 @@
+"""A whole Llama-family decoder layer of a decode or verification step as one C call
+(``mi_layer_step`` in ``step_ops.c``).
+
+Why: at the gguf precisions a decode step of the default model made about 20 Python-level
+operations per layer (4 products, 2 norms, 2 RoPE, the cache write, attention, SwiGLU, 2
+residual adds, views), each tens of microseconds of dispatch on this project's 2-core machine
+while the kernels' other thread spins: several milliseconds of a 35-45 ms step
+(docs/performance.md, "Around the projections"). One call runs the same C functions in the same
+order, so its result equals the operation-by-operation path bit for bit
+(tests/test_step_ops.py).
+
+Pure computation: nothing here logs or prints.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import torch
+
+from meshinfer.engine.kernels import native
+from meshinfer.engine.kernels.blocks import FusedProduct
+
+_i64, _p = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Product(ctypes.Structure):
+    """``struct mi_product``: one ``mi_matmul_many`` call's weights."""
+    _fields_ = [("act_bits", ctypes.c_int), ("nt", ctypes.c_int), ("types", _p), ("ws", _p), ("ns", _p),
+                ("biases", _p), ("k", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    """``struct mi_layer``."""
+    _fields_ = [("qkv", _Product), ("o", _Product), ("gate_up", _Product), ("down", _Product),
+                ("norm_in", _p), ("norm_post", _p), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("inter", _i64),
+                ("window", _i64)]
+
+
+class LayerStep:
+    """One layer's prepared call: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``, with q/k/v,
+    o, gate/up and down as :class:`FusedProduct` s (their prepared arguments) and the two
+    RMSNorm weights ``(C,)`` float32.
+
+    Args:
+        products: the q/k/v, o, gate/up and down products, in that order.
+        norms: the input and post-attention RMSNorm weights, ``(C,)`` float32 contiguous, CPU.
+        eps: the RMSNorm epsilon.
+        heads, kv_heads, head_dim: H, Hkv, D.
+        window: 0, or the sliding window in positions.
+
+    Raises:
+        ValueError: sizes that do not fit together (the products' widths against C, H, Hkv, D).
+    """
+
+    def __init__(self, products: Sequence[FusedProduct], norms: Sequence[torch.Tensor], eps: float, *,
+                 heads: int, kv_heads: int, head_dim: int, window: int = 0) -> None:
+        qkv, o, gate_up, down = products
+        C = norms[0].shape[0]
+        inter = gate_up.out_features[0]
+        if (qkv.out_features != (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim) or qkv.in_features != C
+                or o.out_features != (C,) or o.in_features != heads * head_dim or gate_up.in_features != C
+                or gate_up.out_features != (inter, inter) or down.in_features != inter or down.out_features != (C,)
+                or any(n.shape != (C,) or n.dtype != torch.float32 or not n.is_contiguous() for n in norms)):
+            raise ValueError("the layer's products and norms do not fit one Llama-family layer")
+        self.products, self.norms = tuple(products), tuple(norms)  # kept: the struct points into them
+        self.hidden = C
+        self._layer = _Layer(*(_Product(*p.args) for p in products), norms[0].data_ptr(), norms[1].data_ptr(),
+                             eps, head_dim ** -0.5, C, heads, kv_heads, head_dim, inter, window)
+        self._ref = ctypes.byref(self._layer)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+        """The layer over ``x`` ``(1, T, C)`` float32 at positions ``start .. start+T-1``, with
+        ``cos/sin`` ``(T, R)`` float32 and the layer's KV storage ``k_cache, v_cache``
+        ``(1, Hkv, capacity, D)`` float32 contiguous, whose first ``start`` positions hold the
+        earlier keys and values; the new ones are written after them. Returns ``(1, T, C)``
+        (``x`` itself is not changed), or None when the kernel refused (sizes: the caller then
+        runs the layer operation by operation)."""
+        out = x.contiguous().clone()
+        T = out.shape[1]
+        cos, sin = cos.contiguous(), sin.contiguous()
+        rc = native.library().mi_layer_step(self._ref, out.data_ptr(), T, cos.data_ptr(), sin.data_ptr(),
+                                            cos.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
+                                            k_cache.shape[2], start, torch.get_num_threads())
+        return None if rc else out

@@ -1,0 +1,116 @@
+"""A Llama-family layer as one C call (``kernels.layer_step``): the same bits as the layer run
+operation by operation, for decode and verification steps, at every gguf precision; used only
+where it applies, and the caller's input is left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as G
+
+from meshinfer.engine.generate import load_shard
+from meshinfer.engine.kernels import layer_step, native
+from meshinfer.engine.kv_cache import KVCache
+from meshinfer.engine.models import llama
+
+
+def quantized_tiny(tmp_path, arch: str):
+    """A tiny model (4 layers, 32 wide) whose projections are Q8_0, Q5_0, Q4_0 and Q4_1."""
+    from helpers.tiny import random_weights, tiny_config, write_gguf
+
+    cfg = tiny_config(arch)
+    kinds = {"q_proj": G.Q8_0, "k_proj": G.Q5_0, "v_proj": G.Q4_0, "o_proj": G.Q4_1, "gate_proj": G.Q5_0,
+             "up_proj": G.Q8_0, "down_proj": G.Q4_1, "embed_tokens": G.Q8_0, "lm_head": G.Q8_0}
+
+    def quantize(name: str):
+        return next((q for part, q in kinds.items() if f"{part}.weight" in name), None)
+    return write_gguf(tmp_path / f"tiny-{arch}.gguf", cfg, random_weights(cfg, seed=7), quantize=quantize)
+
+
+def new_cache(shard) -> KVCache:
+    cfg = shard.cfg
+    return KVCache(shard.range, cfg.num_key_value_heads, cfg.head_dim, max_tokens=cfg.max_position_embeddings)
+
+
+def steps(shard):
+    """A 40-token prefill (too long for one call: operation by operation), four decode steps and
+    a 5-position verification step; every output and the final KV cache."""
+    cache = new_cache(shard)
+    outs = [shard(torch.arange(3, 43).unsqueeze(0), 0, cache, logits="all")]
+    for t in range(4):
+        outs.append(shard(torch.tensor([[60 + t]]), cache.length, cache))
+    outs.append(shard(torch.tensor([[7, 8, 9, 10, 11]]), cache.length, cache, logits="all"))
+    return outs, cache
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("precision", ["gguf", "gguf-a16", "gguf-a8"])
+def test_one_call_equals_the_layer_operation_by_operation(tmp_path, monkeypatch, arch, precision):
+    assert native.library() is not None, "the C kernels did not build"
+    shard = load_shard(quantized_tiny(tmp_path, arch), dtype=precision)
+    taken = []
+    real = layer_step.LayerStep.__call__
+    monkeypatch.setattr(layer_step.LayerStep, "__call__",
+                        lambda self, *a: (lambda y: taken.append(y is not None) or y)(real(self, *a)))
+    fast, fast_cache = steps(shard)
+    assert taken and all(taken) and len(taken) == 5 * len(shard.layers)  # the 4 decode + 1 verification steps
+    monkeypatch.setattr(llama.Block, "_one_call", lambda self, *a: None)
+    slow, slow_cache = steps(shard)
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
+    for layer in range(4):
+        k1, v1 = fast_cache.storage(layer, 0)
+        k2, v2 = slow_cache.storage(layer, 0)
+        n = fast_cache.length
+        assert torch.equal(k1[:, :, :n], k2[:, :, :n]) and torch.equal(v1[:, :, :n], v2[:, :, :n])
+
+
+def test_the_input_hidden_states_are_not_changed(tmp_path):
+    shard = load_shard(quantized_tiny(tmp_path, "qwen2"), dtype="gguf-a16")
+    cache = new_cache(shard)
+    shard(torch.arange(3, 10).unsqueeze(0), 0, cache)
+    block = shard.layers["0"]
+    x = torch.randn(1, 1, 32)
+    before = x.clone()
+    cos, sin = llama.rope_tables(shard.cfg, torch.tensor([7]), 8, torch.float32)
+    cache.reserve(1)
+    y = block(x, cos, sin, 7, cache, 0)
+    assert torch.equal(x, before) and not torch.equal(y, x)
+
+
+def test_the_layer_runs_operation_by_operation_where_one_call_does_not_apply(tmp_path, monkeypatch):
+    shard = load_shard(quantized_tiny(tmp_path, "qwen2"), dtype="gguf-a8")
+    calls = []
+    monkeypatch.setattr(layer_step.LayerStep, "__call__", lambda self, *a: calls.append(1))
+    cache = new_cache(shard)
+    shard(torch.arange(3, 43).unsqueeze(0), 0, cache)  # 40 positions: longer than one call takes
+    shard(torch.tensor([[5]]), cache.length, None)  # no cache
+    two = KVCache(shard.range, 2, 8, batch=2)
+    shard(torch.tensor([[5], [6]]), 0, two)  # two sequences in one cache
+    assert calls == []
+    f32 = load_shard(quantized_tiny(tmp_path, "qwen2"), dtype="f32")  # float weights: no GGUF blocks
+    f32(torch.tensor([[5]]), 0, new_cache(f32))
+    assert calls == []
+
+
+def test_cache_storage_is_offered_only_with_room():
+    cache = KVCache(llama.LayerRange(0, 2), 2, 8, max_tokens=512)
+    assert cache.storage(0, 1) is None  # nothing reserved yet
+    cache.reserve(3)
+    k, v = cache.storage(1, 3)
+    assert k.shape == v.shape == (1, 2, cache.capacity, 8)
+    assert cache.storage(1, cache.capacity + 1) is None
+    assert cache.storage(5, 1) is None  # a layer it does not hold
+
+
+def test_a_layer_whose_sizes_do_not_fit_is_refused(tmp_path):
+    shard = load_shard(quantized_tiny(tmp_path, "qwen2"), dtype="gguf")
+    block = shard.layers["0"]
+    attn, mlp = block.self_attn, block.mlp
+    products = (attn.q_proj.fused((attn.k_proj, attn.v_proj)), attn.o_proj.fused(),
+                mlp.gate_proj.fused((mlp.up_proj,)), mlp.down_proj.fused())
+    norms = (block.input_layernorm.weight, block.post_attention_layernorm.weight)
+    with pytest.raises(ValueError, match="do not fit"):
+        layer_step.LayerStep(products, norms, 1e-6, heads=2, kv_heads=2, head_dim=8)  # 4 heads in the file
+    with pytest.raises(ValueError, match="do not fit"):
+        layer_step.LayerStep(products[::-1], norms, 1e-6, heads=4, kv_heads=2, head_dim=8)
