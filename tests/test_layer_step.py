@@ -1,6 +1,6 @@
 """A Llama-family layer as one C call (``kernels.layer_step``): the same bits as the layer run
-operation by operation, for decode and verification steps, at every gguf precision; used only
-where it applies, and the caller's input is left alone."""
+operation by operation, for decode and verification steps, at every gguf precision and f32;
+used only where it applies, and the caller's input is left alone."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as G
 
 from meshinfer.engine.generate import load_shard
 from meshinfer.engine.kernels import layer_step, native
+from meshinfer.engine.kernels.blocks import F32_KERNEL_MAX_ROWS
 from meshinfer.engine.kv_cache import KVCache
 from meshinfer.engine.models import llama
 
@@ -29,7 +30,8 @@ def quantized_tiny(tmp_path, arch: str):
 
 def new_cache(shard) -> KVCache:
     cfg = shard.cfg
-    return KVCache(shard.range, cfg.num_key_value_heads, cfg.head_dim, max_tokens=cfg.max_position_embeddings)
+    return KVCache(shard.range, cfg.num_key_value_heads, cfg.head_dim, dtype=shard.dtype,
+                   max_tokens=cfg.max_position_embeddings)
 
 
 def steps(shard):
@@ -44,7 +46,7 @@ def steps(shard):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-@pytest.mark.parametrize("precision", ["gguf", "gguf-a16", "gguf-a8"])
+@pytest.mark.parametrize("precision", ["gguf", "gguf-a16", "gguf-a8", "f32"])
 def test_one_call_equals_the_layer_operation_by_operation(tmp_path, monkeypatch, arch, precision):
     assert native.library() is not None, "the C kernels did not build"
     shard = load_shard(quantized_tiny(tmp_path, arch), dtype=precision)
@@ -88,9 +90,14 @@ def test_the_layer_runs_operation_by_operation_where_one_call_does_not_apply(tmp
     two = KVCache(shard.range, 2, 8, batch=2)
     shard(torch.tensor([[5], [6]]), 0, two)  # two sequences in one cache
     assert calls == []
-    f32 = load_shard(quantized_tiny(tmp_path, "qwen2"), dtype="f32")  # float weights: no GGUF blocks
-    f32(torch.tensor([[5]]), 0, new_cache(f32))
+    bf16 = load_shard(quantized_tiny(tmp_path, "qwen2"), dtype="bf16")  # bfloat16 hidden states
+    bf16(torch.tensor([[5]]), 0, new_cache(bf16))
     assert calls == []
+    f32 = load_shard(quantized_tiny(tmp_path, "qwen2"), dtype="f32")
+    f32(torch.arange(3, 3 + F32_KERNEL_MAX_ROWS + 1).unsqueeze(0), 0, new_cache(f32))  # past the f32 kernel's rows
+    assert calls == []
+    f32(torch.arange(3, 3 + F32_KERNEL_MAX_ROWS).unsqueeze(0), 0, new_cache(f32))
+    assert len(calls) == len(f32.layers)
 
 
 def test_cache_storage_is_offered_only_with_room():

@@ -124,3 +124,32 @@ def test_swiglu_matches_silu_times_up():
     assert step_ops.swiglu(torch.randn(step_ops.ATTENTION_MAX_QUERIES + 1, 8), torch.randn(step_ops.ATTENTION_MAX_QUERIES + 1, 8)) is None
     assert torch.allclose(common.swiglu(g.view(1, 3, -1), u.view(1, 3, -1)), (F.silu(g) * u).view(1, 3, -1),
                           rtol=1e-6, atol=1e-7)
+
+
+def test_the_portable_build_computes_the_same(tmp_path):
+    """Built without ``-march`` (no AVX2), the step operations take their scalar paths: RoPE the
+    same bits, RMSNorm and attention within summation order of the AVX2 build's."""
+    import ctypes
+    import shutil
+
+    out = tmp_path / "portable.so"
+    native.build(shutil.which("cc"), out, flags=[f for f in native.CFLAGS if not f.startswith("-march")])
+    plib = native.bind(ctypes.CDLL(str(out)))
+    assert plib.mi_simd() == 0
+    torch.manual_seed(5)
+    x, w = torch.randn(2, 3, 64), torch.randn(64)
+    y = torch.empty_like(x)
+    assert plib.mi_rmsnorm(x.data_ptr(), 6, 64, w.data_ptr(), ctypes.c_float(1e-6), y.data_ptr()) == 0
+    assert torch.allclose(y, step_ops.rms_norm(x, w, 1e-6), rtol=1e-6, atol=1e-6)
+    q = torch.randn(1, 3, 4, 16)  # (B, T, H, D) contiguous
+    cos, sin = common.rope_cos_sin(torch.arange(3), 16, 1e4, torch.float32)
+    r = torch.empty_like(q)
+    assert plib.mi_rope(q.data_ptr(), 3, 4, 16, 3, cos.data_ptr(), sin.data_ptr(), 16, r.data_ptr()) == 0
+    assert torch.equal(r.transpose(1, 2), torch_rope(q.transpose(1, 2), cos, sin))
+    qh = q.transpose(1, 2)  # (1, 4, 3, 16)
+    k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
+    att = torch.empty(1, 4, 3, 16)
+    strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (qh, k, v)]
+    assert plib.mi_attention(qh.data_ptr(), strides[0], k.data_ptr(), strides[1], v.data_ptr(), strides[2],
+                             1, 4, 2, 3, 3, 16, 0, 0, ctypes.c_float(0.25), att.data_ptr(), 1) == 0
+    assert torch.allclose(att, torch_attention(qh, k, v, 0), rtol=1e-5, atol=1e-6)

@@ -1,5 +1,5 @@
 """A whole Llama-family decoder layer of a decode or verification step as one C call
-(``mi_layer_step`` in ``step_ops.c``).
+(``mi_layer_step`` in ``step_ops.c``), at the gguf precisions and at f32.
 
 Why: at the gguf precisions a decode step of the default model made about 20 Python-level
 operations per layer (4 products, 2 norms, 2 RoPE, the cache write, attention, SwiGLU, 2
@@ -20,7 +20,8 @@ from typing import Sequence
 import torch
 
 from meshinfer.engine.kernels import native
-from meshinfer.engine.kernels.blocks import FusedProduct
+from meshinfer.engine.kernels.blocks import F32_KERNEL_MAX_ROWS, FusedProduct
+from meshinfer.engine.kernels.step_ops import ATTENTION_MAX_QUERIES
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 
@@ -39,10 +40,45 @@ class _Layer(ctypes.Structure):
                 ("window", _i64)]
 
 
+class F32Product:
+    """Float32 weights ``W_t`` ``(N_t, K)`` (and biases ``(N_t,)`` or None) that share one input,
+    as a :class:`LayerStep` product: each ``x @ W_t.T`` through ``mi_matmul_f32`` (the f32
+    precision's few-row kernel, ``blocks.matmul_f32``), then its bias added, as ``common.linear``
+    computes it. :meth:`make` returns None where that kernel would not take them."""
+
+    #: Most rows per step: where ``common.linear`` stops using the kernel.
+    max_rows = F32_KERNEL_MAX_ROWS
+
+    def __init__(self, ws: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> None:
+        n = len(ws)
+        self.in_features, self.out_features = ws[0].shape[1], tuple(w.shape[0] for w in ws)
+        self._keep = (tuple(ws), tuple(biases))
+        self._arrays = ((ctypes.c_void_p * n)(*(w.data_ptr() for w in ws)), (ctypes.c_int64 * n)(*self.out_features),
+                        (ctypes.c_void_p * n)(*(None if b is None else b.data_ptr() for b in biases)))
+        self.args = (0, n, None, *(ctypes.addressof(a) for a in self._arrays), self.in_features)
+
+    @classmethod
+    def make(cls, ws: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> "F32Product | None":
+        """The product of ``ws`` with ``biases``, or None: not float32 contiguous on the CPU, widths
+        that differ or are not a multiple of 8, no kernels (or built without AVX2)."""
+        lib = native.library()
+        if lib is None or not lib.mi_simd() or not ws or len(biases) != len(ws):
+            return None
+        for w, b in zip(ws, biases):
+            if (w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or not w.is_contiguous()
+                    or w.shape[1] != ws[0].shape[1] or w.shape[1] % 8):
+                return None
+            if b is not None and (b.dtype != torch.float32 or b.device.type != "cpu" or not b.is_contiguous()
+                                  or b.shape != (w.shape[0],)):
+                return None
+        return cls(ws, biases)
+
+
 class LayerStep:
     """One layer's prepared call: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``, with q/k/v,
-    o, gate/up and down as :class:`FusedProduct` s (their prepared arguments) and the two
-    RMSNorm weights ``(C,)`` float32.
+    o, gate/up and down as :class:`FusedProduct` s (GGUF blocks) or :class:`F32Product` s, and
+    the two RMSNorm weights ``(C,)`` float32. ``max_rows``: the most positions one call takes
+    (the products' own limit, or ``step_ops.ATTENTION_MAX_QUERIES``).
 
     Args:
         products: the q/k/v, o, gate/up and down products, in that order.
@@ -55,7 +91,7 @@ class LayerStep:
         ValueError: sizes that do not fit together (the products' widths against C, H, Hkv, D).
     """
 
-    def __init__(self, products: Sequence[FusedProduct], norms: Sequence[torch.Tensor], eps: float, *,
+    def __init__(self, products: Sequence[FusedProduct | F32Product], norms: Sequence[torch.Tensor], eps: float, *,
                  heads: int, kv_heads: int, head_dim: int, window: int = 0) -> None:
         qkv, o, gate_up, down = products
         C = norms[0].shape[0]
@@ -67,6 +103,7 @@ class LayerStep:
             raise ValueError("the layer's products and norms do not fit one Llama-family layer")
         self.products, self.norms = tuple(products), tuple(norms)  # kept: the struct points into them
         self.hidden = C
+        self.max_rows = min([ATTENTION_MAX_QUERIES, *(getattr(p, "max_rows", ATTENTION_MAX_QUERIES) for p in products)])
         self._layer = _Layer(*(_Product(*p.args) for p in products), norms[0].data_ptr(), norms[1].data_ptr(),
                              eps, head_dim ** -0.5, C, heads, kv_heads, head_dim, inter, window)
         self._ref = ctypes.byref(self._layer)

@@ -163,7 +163,8 @@ int mi_swiglu(const float *g, const float *u, int64_t n, float *out) {
 int mi_matmul_many(int act_bits, int nt, const int *types, const uint8_t *const *ws, const int64_t *ns,
                    const float *const *biases, int64_t k, const float *x, int64_t m, float *y, int nthreads);
 
-/* One mi_matmul_many call's weights, as its arguments (k: the input width). */
+/* One mi_matmul_many call's weights, as its arguments (k: the input width); act_bits 0:
+ * float32 weight rows (see product). */
 struct mi_product {
     int act_bits, nt;
     const int *types;
@@ -174,7 +175,7 @@ struct mi_product {
 };
 
 /* A Llama-family pre-norm decoder layer (Llama, Qwen2, SmolLM2, Mistral): q/k/v (with their
- * biases, if any), o, gate/up and down as GGUF-block products; the two RMSNorm weights
+ * biases, if any), o, gate/up and down as GGUF-block or float32 products; the two RMSNorm weights
  * (hidden,) and their eps; hidden width C, H query heads and Hkv key/value heads of width D,
  * the attention scale, and window 0 or a sliding window. */
 struct mi_layer {
@@ -184,8 +185,25 @@ struct mi_layer {
     int64_t hidden, heads, kv_heads, head_dim, inter, window;
 };
 
+/* gguf_blocks.c: a float32 product of a few rows (the f32 precision's kernel). */
+int mi_matmul_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int nthreads);
+
+/* y = x (m, k) @ W_t^T (+ b_t) for each weight of p, as mi_matmul_many lays them out: (m, n_t)
+ * blocks one after another. act_bits 0 marks float32 weights (ws: (n_t, k) float32 rows): one
+ * mi_matmul_f32 per weight, then the bias added, as the f32 precision's linear does. */
 static int product(const struct mi_product *p, const float *x, int64_t m, float *y, int nthreads) {
-    return mi_matmul_many(p->act_bits, p->nt, p->types, p->ws, p->ns, p->biases, p->k, x, m, y, nthreads);
+    if (p->act_bits != 0)
+        return mi_matmul_many(p->act_bits, p->nt, p->types, p->ws, p->ns, p->biases, p->k, x, m, y, nthreads);
+    for (int t = 0; t < p->nt; t++) {
+        int64_t n = p->ns[t];
+        if (mi_matmul_f32((const float *)p->ws[t], n, p->k, x, m, y, nthreads)) return -1;
+        const float *b = p->biases ? p->biases[t] : NULL;
+        if (b)
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t j = 0; j < n; j++) y[i * n + j] = y[i * n + j] + b[j];
+        y += m * n;
+    }
+    return 0;
 }
 
 /* Floats of scratch mi_layer_step needs for t positions. */

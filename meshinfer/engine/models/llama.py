@@ -23,8 +23,7 @@ from meshinfer.core.config import LayerRange, ModelConfig
 from meshinfer.core.errors import InvalidInput, PositionError, StepAbandoned, WeightsError
 from meshinfer.engine.models.common import (LayerCache, Linear, RMSNorm, apply_rope, causal_attention,
                                             rope_tables, swiglu)
-from meshinfer.engine.kernels.layer_step import LayerStep
-from meshinfer.engine.kernels.step_ops import ATTENTION_MAX_QUERIES
+from meshinfer.engine.kernels.layer_step import F32Product, LayerStep
 from meshinfer.engine.models.gguf_linear import GGUFLinear, project_many
 from meshinfer.engine.models.quant import Precision, quantize_modules
 
@@ -127,40 +126,53 @@ class Block(nn.Module):
 
     def _one_call(self, x, cos, sin, start, cache, layer) -> torch.Tensor | None:
         """The layer as one C call (``kernels.layer_step``, equal bit for bit to the path
-        above) for a step of one sequence of at most ``step_ops.ATTENTION_MAX_QUERIES``
-        positions, float32 on the CPU, at a gguf precision, with a KV cache that has room;
-        None otherwise."""
-        if (x.dim() != 3 or x.shape[0] != 1 or not 1 <= x.shape[1] <= ATTENTION_MAX_QUERIES
-                or x.dtype != torch.float32 or x.device.type != "cpu" or cos.dim() != 2
-                or not hasattr(cache, "storage")):
+        above) for a step of one sequence of a few positions (``LayerStep.max_rows``), float32
+        on the CPU, at a gguf precision or f32, with a KV cache that has room; None otherwise."""
+        if (x.dim() != 3 or x.shape[0] != 1 or x.dtype != torch.float32 or x.device.type != "cpu"
+                or cos.dim() != 2 or not hasattr(cache, "storage")):
             return None
         step = self._layer_step()
-        kv = cache.storage(layer, x.shape[1]) if step is not None else None
+        if step is None or not 1 <= x.shape[1] <= step.max_rows:
+            return None
+        kv = cache.storage(layer, x.shape[1])
         if kv is None or kv[0].dtype != torch.float32 or kv[0].shape[0] != 1:
             return None
         return step(x, cos, sin, start, *kv)
 
+    def _products(self) -> tuple | None:
+        """q/k/v, o, gate/up and down as one-call products: GGUF blocks sharing fused calls
+        (``GGUFLinear.fused``) or float32 weights (``F32Product``); None for anything else."""
+        attn, mlp = self.self_attn, self.mlp
+        groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,))
+        mods = [m for g in groups for m in g]
+        if all(isinstance(m, GGUFLinear) for m in mods):
+            return tuple(g[0].fused(g[1:]) for g in groups)
+        if all(type(m) is Linear for m in mods):
+            kept = self.__dict__.get("_kept_f32")
+            tensors = tuple((m.weight, m.bias) for m in mods)
+            if kept is None or any(a is not b for x, y in zip(kept[0], tensors) for a, b in zip(x, y)):
+                made = tuple(F32Product.make([m.weight for m in g], [m.bias for m in g]) for g in groups)
+                self.__dict__["_kept_f32"] = kept = (tensors, made)
+            return kept[1]
+        return None
+
     def _layer_step(self) -> LayerStep | None:
         """This layer's prepared :class:`LayerStep`, or None where it does not apply: another
-        family's attention or feed-forward, projections that are not GGUF blocks sharing fused
-        calls (``GGUFLinear.fused``), norms that are not float32. Made once, and again when a
-        weight changes (the fused products are then new objects)."""
-        attn, mlp = self.self_attn, self.mlp
-        if (type(attn) is not Attention or type(mlp) is not MLP or type(self.input_layernorm) is not RMSNorm
-                or type(self.post_attention_layernorm) is not RMSNorm or not isinstance(attn.q_proj, GGUFLinear)
-                or not all(isinstance(m, GGUFLinear) for m in (attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
-                                                               mlp.up_proj, mlp.down_proj))):
+        family's attention or feed-forward, projections of another kind (``_products``), norms
+        that are not float32. Made once, and again when a weight changes."""
+        if (type(self.self_attn) is not Attention or type(self.mlp) is not MLP
+                or type(self.input_layernorm) is not RMSNorm or type(self.post_attention_layernorm) is not RMSNorm):
             return None
-        products = (attn.q_proj.fused((attn.k_proj, attn.v_proj)), attn.o_proj.fused(),
-                    mlp.gate_proj.fused((mlp.up_proj,)), mlp.down_proj.fused())
+        products = self._products()
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-        key = (*map(id, products), *map(id, norms))
+        key = None if products is None else (*map(id, products), *map(id, norms))
         kept = self.__dict__.get("_kept_step")
         if kept is not None and kept[0] == key:
             return kept[1]
         step = None
-        if all(p is not None for p in products) and all(n.dtype == torch.float32 and n.device.type == "cpu"
-                                                         and n.is_contiguous() for n in norms):
+        if key is not None and all(p is not None for p in products) and all(
+                n.dtype == torch.float32 and n.device.type == "cpu" and n.is_contiguous() for n in norms):
+            attn = self.self_attn
             try:
                 step = LayerStep(products, norms, self.input_layernorm.eps, heads=attn.n_heads,
                                  kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, window=attn.window or 0)
@@ -168,10 +180,6 @@ class Block(nn.Module):
                 step = None
         self.__dict__["_kept_step"] = (key, step)
         return step
-
-    def forward_ragged(self, x, cos, sin, segments, layer):  # (1, N, C) -> (1, N, C), see Attention
-        h = x + self.self_attn.forward_ragged(self.input_layernorm(x), cos, sin, segments, layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 @dataclass(frozen=True)
