@@ -124,6 +124,10 @@ class Block(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, start, cache, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_ragged(self, x, cos, sin, segments, layer):  # (1, N, C) -> (1, N, C), see Attention
+        h = x + self.self_attn.forward_ragged(self.input_layernorm(x), cos, sin, segments, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
     def _one_call(self, x, cos, sin, start, cache, layer) -> torch.Tensor | None:
         """The layer as one C call (``kernels.layer_step``, equal bit for bit to the path
         above) for a step of one sequence of a few positions (``LayerStep.max_rows``), float32
