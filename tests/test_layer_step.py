@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as G
 
 from meshinfer.engine.generate import load_shard
 from meshinfer.engine.kernels import layer_step, native
+from meshinfer.engine.kernels import blocks as kb
 from meshinfer.engine.kernels.blocks import F32_KERNEL_MAX_ROWS
 from meshinfer.engine.kv_cache import KVCache
 from meshinfer.engine.models import llama
@@ -121,3 +122,17 @@ def test_a_layer_whose_sizes_do_not_fit_is_refused(tmp_path):
         layer_step.LayerStep(products, norms, 1e-6, heads=2, kv_heads=2, head_dim=8)  # 4 heads in the file
     with pytest.raises(ValueError, match="do not fit"):
         layer_step.LayerStep(products[::-1], norms, 1e-6, heads=4, kv_heads=2, head_dim=8)
+
+
+def test_a_changed_weight_or_norm_is_seen(tmp_path, monkeypatch):
+    shard = load_shard(quantized_tiny(tmp_path, "qwen2"), dtype="gguf-a16")
+    steps(shard)  # the layers' one-call steps are made and kept
+    block = shard.layers["1"]
+    down = block.mlp.down_proj
+    down.set_blocks(kb.QuantBlocks(down.qtype, torch.flip(down.blocks, [0]).contiguous(), down.in_features))
+    block.input_layernorm.weight = torch.nn.Parameter(block.input_layernorm.weight * 2, requires_grad=False)
+    block.self_attn.q_proj.bias = block.self_attn.q_proj.bias + 1
+    fast, _ = steps(shard)
+    monkeypatch.setattr(llama.Block, "_one_call", lambda self, *a: None)
+    slow, _ = steps(shard)
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))

@@ -152,29 +152,35 @@ class Block(nn.Module):
         if all(isinstance(m, GGUFLinear) for m in mods):
             return tuple(g[0].fused(g[1:]) for g in groups)
         if all(type(m) is Linear for m in mods):
-            kept = self.__dict__.get("_kept_f32")
-            tensors = tuple((m.weight, m.bias) for m in mods)
-            if kept is None or any(a is not b for x, y in zip(kept[0], tensors) for a, b in zip(x, y)):
-                made = tuple(F32Product.make([m.weight for m in g], [m.bias for m in g]) for g in groups)
-                self.__dict__["_kept_f32"] = kept = (tensors, made)
-            return kept[1]
+            return tuple(F32Product.make([m.weight for m in g], [m.bias for m in g]) for g in groups)
         return None
+
+    def _state(self) -> list:
+        """What this layer's :class:`LayerStep` depends on, read straight from the modules'
+        dictionaries (nn.Module's attribute lookup made the check cost about 40 us a layer): each
+        sub-module's weight, bias, blocks, block type, activation bits and eps, as objects."""
+        attn, mlp = self._modules["self_attn"], self._modules["mlp"]
+        mods = (self._modules["input_layernorm"], self._modules["post_attention_layernorm"],
+                *(attn._modules[n] for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                *(mlp._modules[n] for n in ("gate_proj", "up_proj", "down_proj")))
+        return [v for m in mods for d in (m._parameters, m._buffers, m.__dict__)
+                for v in (d.get("weight"), d.get("bias"), d.get("blocks"), d.get("qtype"), d.get("act_bits"), d.get("eps"))]
 
     def _layer_step(self) -> LayerStep | None:
         """This layer's prepared :class:`LayerStep`, or None where it does not apply: another
         family's attention or feed-forward, projections of another kind (``_products``), norms
-        that are not float32. Made once, and again when a weight changes."""
-        if (type(self.self_attn) is not Attention or type(self.mlp) is not MLP
-                or type(self.input_layernorm) is not RMSNorm or type(self.post_attention_layernorm) is not RMSNorm):
+        that are not float32. Made once, and again when a weight, bias or norm changes."""
+        mods = self._modules
+        if (type(mods["self_attn"]) is not Attention or type(mods["mlp"]) is not MLP
+                or type(mods["input_layernorm"]) is not RMSNorm or type(mods["post_attention_layernorm"]) is not RMSNorm):
             return None
-        products = self._products()
-        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-        key = None if products is None else (*map(id, products), *map(id, norms))
+        state = self._state()
         kept = self.__dict__.get("_kept_step")
-        if kept is not None and kept[0] == key:
+        if kept is not None and all(a is b for a, b in zip(kept[0], state)):
             return kept[1]
+        products, norms = self._products(), (self.input_layernorm.weight, self.post_attention_layernorm.weight)
         step = None
-        if key is not None and all(p is not None for p in products) and all(
+        if products is not None and all(p is not None for p in products) and all(
                 n.dtype == torch.float32 and n.device.type == "cpu" and n.is_contiguous() for n in norms):
             attn = self.self_attn
             try:
@@ -182,7 +188,7 @@ class Block(nn.Module):
                                  kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, window=attn.window or 0)
             except ValueError:
                 step = None
-        self.__dict__["_kept_step"] = (key, step)
+        self.__dict__["_kept_step"] = (state, step)
         return step
 
 
