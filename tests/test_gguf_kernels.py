@@ -417,3 +417,32 @@ def test_join_sizes_a_gguf_peer_by_memory():
     for precision in ("gguf", "gguf-a16", "gguf-a8"):
         assert layers_that_fit(cfg, precision, 10 ** 9) >= 4
     assert layers_that_fit(cfg, "gguf-a16", 1) == 1
+
+
+@pytest.mark.parametrize("refused", [("-fopenmp",), ("-fopenmp", "-march=native")])
+def test_a_compiler_without_openmp_or_march_still_builds_the_kernels(monkeypatch, tmp_path, caplog, refused):
+    """Apple's clang has no OpenMP: the kernels build without it (one thread), with one warning;
+    a compiler that also refuses -march=native builds the portable path."""
+    import shutil
+
+    fake = tmp_path / "cc"
+    checks = " ".join(f'[ "$a" = "{flag}" ] && exit 1;' for flag in refused)
+    fake.write_text(f'#!/bin/sh\nfor a in "$@"; do {checks} done\nexec {shutil.which("cc")} "$@"\n')
+    fake.chmod(0o755)
+    simd = native.library().mi_simd()  # what this CPU gets with every flag
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("MESHINFER_HOME", str(tmp_path / "home"))
+    native.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="meshinfer.kernels"):
+            lib = native.library()
+        assert lib is not None
+        assert len(caplog.records) == 1 and "built without " + " ".join(refused) in caplog.records[0].getMessage()
+        assert lib.mi_simd() == (0 if "-march=native" in refused else simd)
+        raw = random_blocks("Q5_0", 9, 64, seed=3)
+        want = quants.dequantize(raw, G.Q5_0).reshape(9, 64).astype(np.float32)
+        x, y = torch.randn(2, 64), torch.empty(2, 9)
+        assert lib.mi_matmul(kb.KERNEL_TYPES["Q5_0"], raw.ctypes.data, 9, 64, x.data_ptr(), 2, y.data_ptr(), 2) == 0
+        assert torch.allclose(y, x @ torch.from_numpy(want).T, rtol=1e-5, atol=1e-5)
+    finally:
+        native.library.cache_clear()

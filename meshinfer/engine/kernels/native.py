@@ -33,6 +33,10 @@ SOURCES = (Path(__file__).with_name("gguf_blocks.c"), Path(__file__).with_name("
 #: and FMA where the CPU has them; a portable scalar path otherwise). ``-ffp-contract=off``
 #: keeps each dequantized weight the exact float32 result gguf-py computes (see the source).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
+#: Flags left out, in turn, when a build with all of :data:`CFLAGS` fails: a compiler without
+#: OpenMP (Apple's clang) still builds the kernels, on one thread; one that does not take
+#: ``-march=native`` builds the portable path. ``-fopenmp`` only enables the sources' pragmas.
+FALLBACK_DROPS = (("-fopenmp",), ("-fopenmp", "-march=native"))
 #: Seconds the compiler may take before the build counts as failed.
 BUILD_TIMEOUT_S = 120
 
@@ -108,6 +112,24 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def build_with_fallbacks(cc: str, out: Path) -> tuple[str, ...]:
+    """:func:`build` with :data:`CFLAGS`, else without each set of :data:`FALLBACK_DROPS` in
+    turn; returns the flags left out (empty when none were).
+
+    Raises:
+        the last build's error when every attempt failed (see :func:`build`).
+    """
+    attempts = ((), *FALLBACK_DROPS)
+    for i, drop in enumerate(attempts):
+        try:
+            build(cc, out, [f for f in CFLAGS if f not in drop])
+            return drop
+        except subprocess.SubprocessError:
+            if i == len(attempts) - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 @cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, building it first if needed; None (after one warning line)
@@ -122,7 +144,12 @@ def library() -> ctypes.CDLL | None:
     path = library_path(cc)
     try:
         if not path.exists():
-            build(cc, path)
+            dropped = build_with_fallbacks(cc, path)
+            if dropped:
+                log.warning("the C kernels were built without %s (the compiler refused %s): %s",
+                            " ".join(dropped), "it" if len(dropped) == 1 else "them",
+                            "one thread per product" if "-march=native" not in dropped
+                            else "one thread, no SIMD: slower than with a compiler that has OpenMP")
         try:
             return bind(ctypes.CDLL(str(path)))
         except (OSError, AttributeError):  # a library left broken at that path (an older crash): build it again, once
