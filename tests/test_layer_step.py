@@ -136,3 +136,21 @@ def test_a_changed_weight_or_norm_is_seen(tmp_path, monkeypatch):
     monkeypatch.setattr(llama.Block, "_one_call", lambda self, *a: None)
     slow, _ = steps(shard)
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+
+
+def test_tensors_of_other_sizes_are_not_given_to_the_kernel(tmp_path):
+    """The kernel reads cos/sin and writes the cache by the layer's sizes: a table of another
+    length, a cache of other heads or width, or a non-contiguous cache gets None (torch then)."""
+    shard = load_shard(quantized_tiny(tmp_path, "qwen2"), dtype="gguf-a8")
+    step = shard.layers["0"]._layer_step()
+    assert step is not None
+    x = torch.randn(1, 2, 32)
+    cos, sin = llama.rope_tables(shard.cfg, torch.tensor([4, 5]), 6, torch.float32)
+    k, v = torch.zeros(1, 2, 16, 8), torch.zeros(1, 2, 16, 8)
+    assert step(x, cos, sin, 4, k, v) is not None
+    assert step(x, cos[:1], sin[:1], 4, k, v) is None
+    assert step(x, cos, sin, 4, torch.zeros(1, 1, 16, 8), torch.zeros(1, 1, 16, 8)) is None
+    assert step(x, cos, sin, 4, torch.zeros(1, 2, 16, 4), torch.zeros(1, 2, 16, 4)) is None
+    wide = torch.zeros(1, 2, 16, 16)
+    assert step(x, cos, sin, 4, wide[..., :8], wide[..., 8:]) is None
+    assert step(x, cos, sin, 15, k, v) is None  # positions 15, 16: past the capacity of 16

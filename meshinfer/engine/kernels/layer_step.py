@@ -114,10 +114,16 @@ class LayerStep:
         ``cos/sin`` ``(T, R)`` float32 and the layer's KV storage ``k_cache, v_cache``
         ``(1, Hkv, capacity, D)`` float32 contiguous, whose first ``start`` positions hold the
         earlier keys and values; the new ones are written after them. Returns ``(1, T, C)``
-        (``x`` itself is not changed), or None when the kernel refused (sizes: the caller then
-        runs the layer operation by operation)."""
+        (``x`` itself is not changed), or None for tensors of other sizes, dtypes or layouts, or
+        when the kernel refused (the caller then runs the layer operation by operation)."""
+        T, L = x.shape[1], self._layer
+        kv_shape = (1, L.kv_heads, k_cache.shape[2] if k_cache.dim() == 4 else -1, L.head_dim)
+        if (x.shape != (1, T, self.hidden) or cos.shape != (T, cos.shape[-1]) or sin.shape != cos.shape
+                or cos.dtype != torch.float32 or sin.dtype != torch.float32 or tuple(k_cache.shape) != kv_shape
+                or v_cache.shape != k_cache.shape or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+                or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32):
+            return None  # the kernel reads and writes by these sizes: anything else goes through torch
         out = x.contiguous().clone()
-        T = out.shape[1]
         cos, sin = cos.contiguous(), sin.contiguous()
         rc = native.library().mi_layer_step(self._ref, out.data_ptr(), T, cos.data_ptr(), sin.data_ptr(),
                                             cos.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
