@@ -94,7 +94,7 @@ async def test_a_reply_says_which_hops_nobody_verified(tiny):
     async with tiny_api(tiny) as (peers, server, api):
         status, body = await raw_post(server, {"model": model_id(digest), "messages": MESSAGES, "max_tokens": 3})
         _, _, _, chunks = await streamed(api, model=model_id(digest), messages=MESSAGES, max_tokens=3)
-    why = "no other peer serves these layers, so nothing can check them"
+    why = "no other peer serves these layers at f32 with these weights, so nothing can check them"
     assert status == 200 and body["meshinfer"]["detections"] == [] and body["meshinfer"]["unverified"] == [
         {"peer": peers[0].peer_id, "layers": "0-1", "reason": why},
         {"peer": peers[1].peer_id, "layers": "2-3", "reason": why}]

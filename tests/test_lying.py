@@ -337,7 +337,7 @@ async def test_a_lone_peer_advertising_every_layer_at_no_cost_is_checked_and_cau
             assert conv.route.peer_ids == (a.peer_id, b.peer_id) and liar.peer_id in client.backed_off()
             assert not {a.peer_id, b.peer_id} & client.backed_off()
             assert out.unverified == [  # no twin left for either hop: the result says so
-                {"peer": h.peer_id, "layers": h.layers.cli(), "reason": "no other peer serves these layers, "
+                {"peer": h.peer_id, "layers": h.layers.cli(), "reason": "no other peer serves these layers at f32 with these weights, "
                  "so nothing can check them"} for h in conv.route.hops]
     finally:
         for p in peers:
@@ -1129,3 +1129,25 @@ async def test_two_identities_on_one_host_accusing_a_peer_cannot_get_it_banned(t
         for p in peers:
             await p.close()
     assert until != math.inf  # two identities on one host are one witness: no ban
+
+
+def test_an_unverified_hop_says_why_in_the_words_a_user_can_act_on(monkeypatch):
+    """The reasons name the precision a twin must serve, and a conversation longer than one
+    step frame says it cannot be checked rather than 'not checked yet' (a new user's run)."""
+    from types import SimpleNamespace
+
+    from meshinfer.client import conversation, spotcheck
+
+    hop = SimpleNamespace(peer_id="p" * 64, layers=LayerRange(0, 12))
+    conv = SimpleNamespace(
+        client=SimpleNamespace(allow_ids=None, backed_off=lambda: set()),
+        route=SimpleNamespace(hops=(hop,), compat_key=("w" * 64, "gguf-a16", 1, 24, "cpu")),
+        audit=SimpleNamespace(mark=lambda h: 0, disputed_by=lambda p, off: [], rate=0.1),
+        sampling=None, cached=[1] * 600, max_step_tokens=512)
+    monkeypatch.setattr(spotcheck, "alternates", lambda client, route, h: [])
+    assert conversation.Conversation.unverified_hops(conv)[0]["reason"] == (
+        "no other peer serves these layers at gguf-a16 with these weights, so nothing can check them")
+    monkeypatch.setattr(spotcheck, "alternates", lambda client, route, h: ["twin"])
+    assert "longer than one step frame (512 positions)" in conversation.Conversation.unverified_hops(conv)[0]["reason"]
+    conv.cached = [1] * 100
+    assert conversation.Conversation.unverified_hops(conv)[0]["reason"] == "not checked yet"

@@ -131,6 +131,16 @@ def test_quantized_precision_is_cpu_only(tiny):
         load_shard(tiny[0], dtype="q8-bf16", device="meta")
 
 
+def test_a_quantized_peer_on_cuda_is_refused_before_cuda_is_looked_at(tiny):
+    """A CPU-only torch would otherwise answer 'install a CUDA build' first (a new user's run)."""
+    import asyncio
+
+    from meshinfer.peer.launch import launch_peer
+
+    with pytest.raises(InvalidInput, match="gguf-a8 uses CPU kernels; use f32/bf16/f16 on cuda, or --device cpu"):
+        asyncio.run(launch_peer(str(tiny[0]), None, device="cuda", dtype="gguf-a8"))
+
+
 @pytest.mark.parametrize("precision", QUANTIZED)
 def test_quantized_shards_chain_like_the_whole_model(tiny, precision):
     path, _, tok, _ = tiny

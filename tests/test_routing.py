@@ -525,6 +525,23 @@ def test_checkable_planning_falls_back_when_no_route_can_be_checked():
     assert chain(plan_route([a, b], client_rtts_ms={}, checkable=True)) == [("a", "0-11"), ("b", "12-23")]
 
 
+def test_peers_of_two_precisions_get_a_hint_of_what_to_do():
+    """A new user's run: a gguf-a8 peer on 0-11 and an f32 peer on 12-23; the error said what was
+    wrong but not what to do."""
+    mixed = [peer("a", 0, 11, precision="gguf-a8"), peer("b", 12, 23)]
+    with pytest.raises(NoRoute) as err:
+        plan_route(mixed, client_rtts_ms={})
+    assert ("(peers of different precisions, f32, gguf-a8, never chain: start the peers of one route with the "
+            "same --dtype, or add peers so that one precision covers every layer)") in str(err.value)
+    with pytest.raises(NoRoute) as err:  # an advert's own precision string is never printed by the hint
+        plan_route([peer("a", 0, 11, precision="\x1b]0;owned\x07"), peer("b", 12, 23)], client_rtts_ms={})
+    assert "never chain" not in str(err.value)
+    with pytest.raises(NoRoute) as err:  # one precision on two device types: the backend note says why
+        plan_route([peer("a", 0, 11, precision="bf16", device="cpu"), peer("b", 12, 23, precision="bf16", device="cuda")],
+                   client_rtts_ms={})
+    assert "never chain" not in str(err.value)
+
+
 def test_a_precision_other_than_f32_chains_only_on_one_device_type():
     """f32 chooses the same tokens on every backend, so a CPU and a CUDA peer chain; any other
     precision is repeatable only on one kind of backend, so they do not, and the error says why

@@ -263,7 +263,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from meshinfer.engine.executor import parse_device
-    from meshinfer.engine.generate import greedy_generate, load_shard, parse_dtype
+    from meshinfer.engine.generate import check_precision_device, greedy_generate, load_shard, parse_dtype
     from meshinfer.text.stream import StreamDecoder
     from meshinfer.text.tokenizer import Tokenizer
     from meshinfer.engine.weights import open_weights
@@ -271,6 +271,7 @@ def cmd_generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = parse_dtype(args.dtype)
+    check_precision_device(dtype, args.device)
     device = parse_device(args.device)
     src = open_weights(path)
     tok = Tokenizer.from_gguf(src) if path.is_file() else Tokenizer.from_hf_dir(path)
@@ -853,7 +854,7 @@ def cmd_id(args) -> int:
 # --------------------------------------------------------------------------- status
 async def _status(args) -> int:
     from meshinfer.app.meshview import group_json
-    from meshinfer.client.routing import complete_routes_summary
+    from meshinfer.client.routing import complete_routes_summary, precision_note
     from meshinfer.client.mesh import MeshClient
 
     _warn_plain(_peers(args.peers), args.insecure)
@@ -882,6 +883,8 @@ async def _status(args) -> int:
         for g in groups:
             print(_group_line(g))
             print(f"  coverage {_coverage_line(peers, g)}")
+        if any(g.route is None for g in groups) and precision_note(groups):
+            print(precision_note(groups).strip(" ()"))
         if client.not_allowed:
             print(f"({len(client.not_allowed)} more peer(s) in the mesh are not in --allow-keys)")
     return code
@@ -908,7 +911,8 @@ def _coverage_line(peers, g) -> str:
 def _group_line(g) -> str:
     if g.route is not None:
         return f"complete route ({g.identity}): {g.route.describe()}"
-    return f"no complete route ({g.identity}): layers {', '.join(r.cli() for r in g.missing)} have no usable peer"
+    return (f"no complete route ({g.identity}): layers {', '.join(r.cli() for r in g.missing)} have no usable "
+            f"peer of this identity")
 
 
 def cmd_status(args) -> int:

@@ -263,8 +263,9 @@ class Conversation(HopSteps, Failover, DecodeSteps):
 
     def unverified_hops(self) -> list[dict]:
         """Hops of the current route whose output no spot-check has verified, each with why:
-        ``{"peer", "layers", "reason"}`` (no other peer serves its layers, spot-checks are off,
-        sampled tokens, or not checked yet). Peers on the client's ``allow_ids`` are trusted."""
+        ``{"peer", "layers", "reason"}`` (no other peer serves its layers at the route's precision
+        and weights, spot-checks are off, sampled tokens, a conversation longer than one step
+        frame, or not checked yet). Peers on the client's ``allow_ids`` are trusted."""
         out = []
         trusted = self.client.allow_ids or frozenset()
         for i, hop in enumerate(self.route.hops):
@@ -274,11 +275,15 @@ class Conversation(HopSteps, Failover, DecodeSteps):
             if disputed:
                 why = f"peer {disputed[0][:12]} disagrees with its output and no third peer can settle it"
             elif not spotcheck.alternates(self.client, self.route, hop):
-                why = "no other peer serves these layers, so nothing can check them"
+                why = (f"no other peer serves these layers at {self.route.compat_key[1]} with these weights, "
+                       f"so nothing can check them")
             elif self.audit.rate <= 0:
                 why = "spot-checks are off"
             elif i == len(self.route.hops) - 1 and self.sampling is not None:
                 why = "sampled tokens are not checked"
+            elif len(self.cached) > self.max_step_tokens:
+                why = (f"the conversation is longer than one step frame ({self.max_step_tokens} positions), "
+                       f"which a spot-check recomputes at once, so it cannot be checked")
             else:
                 why = "not checked yet"
             out.append({"peer": hop.peer_id, "layers": hop.layers.cli(), "reason": why})

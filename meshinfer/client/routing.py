@@ -68,7 +68,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 
-from meshinfer.core.config import LayerRange
+from meshinfer.core.config import PRECISION_NAMES, LayerRange
 from meshinfer.core.errors import NoRoute
 from meshinfer.wire.protocol import PORTABLE_PRECISIONS, READY, PeerAdvert
 
@@ -693,7 +693,24 @@ def _no_route_message(statuses: Sequence[GroupStatus], groups: Mapping[CompatKey
     parts = [f"{_layers_text(first)} {'is' if _is_one_layer(first) else 'are'} served by {first_ident}"]
     parts += [f"{_layers_text(held)} by {ident}" for held, ident in rest]
     listing = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
-    return f"no compatible chain: {listing}; with {best.identity}, {gap}{_backend_note(statuses)}"
+    return (f"no compatible chain: {listing}; with {best.identity}, {gap}{_backend_note(statuses)}"
+            f"{precision_note(statuses)}")
+
+
+def precision_note(statuses: Sequence[GroupStatus]) -> str:
+    """What to do when peers of one model differ in precision: `` (peers of different
+    precisions, ... never chain: ...)``, or "" when none do. Used by the no-route error and
+    ``meshinfer status``."""
+    by_model: dict[tuple, set[str]] = {}
+    for s in statuses:
+        weights_hash, precision, protocol, num_layers, _ = s.compat_key
+        by_model.setdefault((weights_hash, protocol, num_layers), set()).add(precision)
+    known = [sorted(ps & set(PRECISION_NAMES)) for ps in by_model.values()]  # an advert's string is not printed
+    mixed = sorted({p for ps in known if len(ps) > 1 for p in ps})
+    if not mixed:
+        return ""
+    return (f" (peers of different precisions, {', '.join(mixed)}, never chain: start the peers of one route "
+            f"with the same --dtype, or add peers so that one precision covers every layer)")
 
 
 def _backend_note(statuses: Sequence[GroupStatus]) -> str:

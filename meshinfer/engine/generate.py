@@ -49,6 +49,19 @@ def parse_dtype(name: str) -> Precision:
     return parse_precision(name)
 
 
+def check_precision_device(precision: Precision, device: str) -> None:
+    """Refuse a quantized precision on a device other than the CPU, before any device is set up
+    (so a user is not first told to install a CUDA build for a precision that cannot use it).
+
+    Raises:
+        InvalidInput: ``precision`` is quantized and ``device`` (``"cpu"``, ``"cuda:0"``, ...)
+            is not the CPU.
+    """
+    if precision.quantized and (device or "cpu").split(":")[0] != "cpu":
+        raise InvalidInput(f"precision {precision.name} uses CPU kernels; use f32/bf16/f16 on {device}, "
+                           f"or --device cpu")
+
+
 def load_shard(weights: WeightsSource | str | os.PathLike, layers: LayerRange | None = None, *,
                dtype: torch.dtype | Precision | str = torch.float32, device: str = "cpu",
                cache_dir: str | os.PathLike | None = None) -> Shard:
@@ -69,8 +82,7 @@ def load_shard(weights: WeightsSource | str | os.PathLike, layers: LayerRange | 
         InvalidInput: an unknown precision, or a quantized one on a device other than the CPU.
     """
     precision = _as_precision(dtype)
-    if precision.quantized and torch.device(device).type != "cpu":
-        raise InvalidInput(f"precision {precision.name} uses CPU kernels; use f32/bf16/f16 on {device}")
+    check_precision_device(precision, str(torch.device(device)))
     src = weights if hasattr(weights, "iter_shard_tensors") else open_weights(weights)
     layers = layers or LayerRange(0, src.config.num_hidden_layers)
     layers.check_within(src.config.num_hidden_layers)

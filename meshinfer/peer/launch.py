@@ -46,10 +46,11 @@ async def launch_peer(model: str, layers: LayerRange | None, *, device: str = "c
         ModelNotFound, WeightsError, LayerRangeError, DeviceError: bad arguments or files.
     """
     from meshinfer.engine.executor import parse_device
-    from meshinfer.engine.generate import parse_dtype
+    from meshinfer.engine.generate import check_precision_device, parse_dtype
     from meshinfer.engine.weights.registry import resolve_model
 
     precision = parse_dtype(dtype)
+    check_precision_device(precision, device)
     dev = parse_device(device)
     path = resolve_model(model, home=home)
     executor = DeviceExecutor(dev, threads=threads)
