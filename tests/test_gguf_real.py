@@ -75,3 +75,23 @@ def test_a_gguf_split_equals_the_whole_model_exactly():
     ca, cb, cw = new_cache(a), new_cache(b), new_cache(whole)
     b(a(ids, 0, ca), 0, cb), whole(ids, 0, cw)
     assert torch.equal(b(a(step, ca.length, ca), cb.length, cb), whole(step, cw.length, cw))  # a decode step
+
+
+@pytest.mark.parametrize("stranger_rows", [10, 24])
+def test_a_step_batched_with_a_strangers_rows_gets_its_solo_bits_on_the_real_model(stranger_rows):
+    """An attack run: a 23-position step of the default model at gguf-a8, packed with 10 or 24 rows
+    of another conversation (33 or 47 rows, below the dense path), got other logits and a
+    different token than alone, because SwiGLU switched from C to torch at 33 rows."""
+    import copy
+
+    from meshinfer.engine.generate import new_cache
+
+    shard = _shard(DEFAULT, "gguf-a8")
+    victim, stranger = new_cache(shard), new_cache(shard)
+    shard(torch.arange(1000, 1030).unsqueeze(0), 0, victim)
+    shard(torch.arange(2000, 2030).unsqueeze(0), 0, stranger)
+    alone = copy.deepcopy(victim)
+    x, y = torch.arange(3000, 3023).unsqueeze(0), torch.arange(4000, 4000 + stranger_rows).unsqueeze(0)
+    want = shard(x, 30, alone, logits="all")
+    got = shard.forward_batch([x, y], [30, 30], [victim, stranger], logits="all")[0]
+    assert torch.equal(got, want)

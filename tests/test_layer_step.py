@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as G
 
 from meshinfer.engine.generate import load_shard
-from meshinfer.engine.kernels import layer_step, native
+from meshinfer.engine.kernels import layer_step, native, step_ops
 from meshinfer.engine.kernels import blocks as kb
 from meshinfer.engine.kernels.blocks import F32_KERNEL_MAX_ROWS
 from meshinfer.engine.kv_cache import KVCache
@@ -154,3 +154,18 @@ def test_tensors_of_other_sizes_are_not_given_to_the_kernel(tmp_path):
     wide = torch.zeros(1, 2, 16, 16)
     assert step(x, cos, sin, 4, wide[..., :8], wide[..., 8:]) is None
     assert step(x, cos, sin, 15, k, v) is None  # positions 15, 16: past the capacity of 16
+    assert step(torch.randn(1, 2, 16), cos, sin, 4, k, v) is None  # 16 wide for a 32-wide layer: once a heap overflow
+    assert step(x, cos.double(), sin.double(), 4, k, v) is None
+
+
+
+def test_a_layer_of_no_key_value_heads_is_refused_not_divided_by(tmp_path):
+    """An attack run: LayerStep with kv_heads=0 reached the C modulo and killed the process."""
+    shard = load_shard(quantized_tiny(tmp_path, "qwen2"), dtype="f32")
+    block = shard.layers["0"]
+    products = block._products()
+    norms = (block.input_layernorm.weight, block.post_attention_layernorm.weight)
+    with pytest.raises(ValueError, match="0 key/value heads"):
+        layer_step.LayerStep(products, norms, 1e-6, heads=4, kv_heads=0, head_dim=8)
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 0, 1, 8)
+    assert step_ops.attention(q, k, k, 0) is None

@@ -121,7 +121,8 @@ def test_swiglu_matches_silu_times_up():
     got = step_ops.swiglu(g, u)
     assert got is not None
     assert torch.allclose(got, F.silu(g) * u, rtol=1e-6, atol=1e-7)
-    assert step_ops.swiglu(torch.randn(step_ops.ATTENTION_MAX_QUERIES + 1, 8), torch.randn(step_ops.ATTENTION_MAX_QUERIES + 1, 8)) is None
+    too_many = step_ops.SWIGLU_MAX_ROWS + 1
+    assert step_ops.swiglu(torch.randn(too_many, 8), torch.randn(too_many, 8)) is None
     assert torch.allclose(common.swiglu(g.view(1, 3, -1), u.view(1, 3, -1)), (F.silu(g) * u).view(1, 3, -1),
                           rtol=1e-6, atol=1e-7)
 
@@ -153,3 +154,9 @@ def test_the_portable_build_computes_the_same(tmp_path):
     assert plib.mi_attention(qh.data_ptr(), strides[0], k.data_ptr(), strides[1], v.data_ptr(), strides[2],
                              1, 4, 2, 3, 3, 16, 0, 0, ctypes.c_float(0.25), att.data_ptr(), 1) == 0
     assert torch.allclose(att, torch_attention(qh, k, v, 0), rtol=1e-5, atol=1e-6)
+
+
+def test_swiglu_takes_every_pass_below_the_dense_path():
+    """So that a batched pass's rows get their solo bits wherever the products do."""
+    from meshinfer.engine.models.gguf_linear import DENSE_MIN_ROWS
+    assert step_ops.SWIGLU_MAX_ROWS == DENSE_MIN_ROWS - 1

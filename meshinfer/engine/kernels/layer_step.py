@@ -95,6 +95,9 @@ class LayerStep:
                  heads: int, kv_heads: int, head_dim: int, window: int = 0) -> None:
         qkv, o, gate_up, down = products
         C = norms[0].shape[0]
+        if min(heads, kv_heads, head_dim) < 1 or heads % kv_heads:
+            raise ValueError(f"{heads} query heads over {kv_heads} key/value heads of width {head_dim} "
+                             f"do not fit one Llama-family layer")
         inter = gate_up.out_features[0]
         if (qkv.out_features != (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim) or qkv.in_features != C
                 or o.out_features != (C,) or o.in_features != heads * head_dim or gate_up.in_features != C
@@ -118,7 +121,7 @@ class LayerStep:
         when the kernel refused (the caller then runs the layer operation by operation)."""
         T, L = x.shape[1], self._layer
         kv_shape = (1, L.kv_heads, k_cache.shape[2] if k_cache.dim() == 4 else -1, L.head_dim)
-        if (x.shape != (1, T, self.hidden) or cos.shape != (T, cos.shape[-1]) or sin.shape != cos.shape
+        if (not 1 <= T <= self.max_rows or x.shape != (1, T, self.hidden) or cos.shape != (T, cos.shape[-1]) or sin.shape != cos.shape
                 or cos.dtype != torch.float32 or sin.dtype != torch.float32 or tuple(k_cache.shape) != kv_shape
                 or v_cache.shape != k_cache.shape or not k_cache.is_contiguous() or not v_cache.is_contiguous()
                 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32):

@@ -268,7 +268,9 @@ static int mlp_half(const struct mi_layer *L, float *x, const float *h, int64_t 
  * an error. */
 int mi_layer_step(const struct mi_layer *L, float *x, int64_t t, const float *cos, const float *sin, int64_t r,
                   float *kc, float *vc, int64_t cap, int64_t start, int nthreads) {
-    if (t < 1 || start < 0 || start + t > cap || L->heads % L->kv_heads || r > L->head_dim || r % 2) return -1;
+    if (t < 1 || start < 0 || start + t > cap || L->kv_heads < 1 || L->heads < 1 || L->head_dim < 1 ||
+        L->heads % L->kv_heads || r > L->head_dim || r % 2)
+        return -1;
     float *h = (float *)malloc((size_t)layer_scratch(L, t) * sizeof(float));
     if (!h) return -2;
     float *s = h + t * L->hidden;

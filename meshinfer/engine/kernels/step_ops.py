@@ -23,11 +23,17 @@ import torch
 
 from meshinfer.engine.kernels import native
 
-#: Most new positions per sequence :func:`attention` takes, and most rows :func:`swiglu`
-#: takes: decode steps (1), verification steps (1 + up to 16 drafts) and short chunks. Longer
-#: passes (prefills) use torch: its tiled scaled_dot_product_attention does T x S work faster
-#: than one query at a time, and its vectorized exp beats libm's over thousands of rows.
+#: Most new positions per sequence :func:`attention` takes: decode steps (1), verification
+#: steps (1 + up to 16 drafts) and short chunks. Longer passes (prefills) use torch's tiled
+#: scaled_dot_product_attention, which does T x S work faster than one query at a time.
 ATTENTION_MAX_QUERIES = 32
+#: Most rows :func:`swiglu` takes: every pass below the gguf precisions' dense path
+#: (``gguf_linear.DENSE_MIN_ROWS``, 48 rows), so that a row of a batched pass of several
+#: conversations gets the bits it gets alone (a pass of 33 rows once took torch's ``silu``
+#: while its rows alone took C's: an attack run saw a conversation's token change with what it
+#: was batched with). From 48 rows a pass's products depend on its size anyway, and torch's
+#: vectorized exp beats libm's over the thousands of rows of a prefill.
+SWIGLU_MAX_ROWS = 47
 
 
 def _cpu_f32(*ts: torch.Tensor) -> bool:
@@ -84,7 +90,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, *,
     B, H, T, D = q.shape
     _, Hkv, S, _ = k.shape
     if (not 1 <= T <= ATTENTION_MAX_QUERIES or k.shape[0] != B or k.shape[3] != D or S != start + T
-            or H % Hkv or k.stride(3) != 1 or v.stride(3) != 1):
+            or Hkv < 1 or H % Hkv or k.stride(3) != 1 or v.stride(3) != 1):
         return None
     if q.stride(3) != 1:
         q = q.contiguous()
@@ -100,10 +106,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, *,
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` (Shazeer 2020; ``silu(g) = g / (1 + exp(-g))``): ``gate, up``
     ``(M, N)`` float32 -> ``(M, N)`` float32, or None for ``M`` above
-    :data:`ATTENTION_MAX_QUERIES` or what the module says. Differs from torch's ``F.silu`` by
+    :data:`SWIGLU_MAX_ROWS` or what the module says. Differs from torch's ``F.silu`` by
     its exp's last bit at most."""
     lib = native.library()
-    if (lib is None or gate.dim() != 2 or up.shape != gate.shape or not 1 <= gate.shape[0] <= ATTENTION_MAX_QUERIES
+    if (lib is None or gate.dim() != 2 or up.shape != gate.shape or not 1 <= gate.shape[0] <= SWIGLU_MAX_ROWS
             or not _cpu_f32(gate, up)):
         return None
     gate, up = gate.contiguous(), up.contiguous()
