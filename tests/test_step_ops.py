@@ -160,3 +160,14 @@ def test_swiglu_takes_every_pass_below_the_dense_path():
     """So that a batched pass's rows get their solo bits wherever the products do."""
     from meshinfer.engine.models.gguf_linear import DENSE_MIN_ROWS
     assert step_ops.SWIGLU_MAX_ROWS == DENSE_MIN_ROWS - 1
+
+
+def test_a_packed_pass_takes_swiglu_in_c_at_any_row_count():
+    rows = step_ops.SWIGLU_MAX_ROWS + 40
+    g, u = torch.randn(rows, 64), torch.randn(rows, 64)
+    assert step_ops.swiglu(g, u) is None and not step_ops.in_packed_pass()
+    with step_ops.packed_pass():
+        assert step_ops.in_packed_pass()
+        got = step_ops.swiglu(g, u)
+    assert not step_ops.in_packed_pass()
+    assert got is not None and torch.equal(got[3:4], step_ops.swiglu(g[3:4], u[3:4]))  # a row's own bits

@@ -18,6 +18,9 @@ Pure computation: nothing here logs (except ``native.library()``'s one warning) 
 from __future__ import annotations
 
 import ctypes
+import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -34,6 +37,29 @@ ATTENTION_MAX_QUERIES = 32
 #: was batched with). From 48 rows a pass's products depend on its size anyway, and torch's
 #: vectorized exp beats libm's over the thousands of rows of a prefill.
 SWIGLU_MAX_ROWS = 47
+
+
+_pass = threading.local()
+
+
+@contextmanager
+def packed_pass() -> Iterator[None]:
+    """Mark the computation inside as a pass that packs several conversations' rows
+    (``Shard.forward_batch``), on this thread: every per-row operation then takes the path a
+    conversation's step takes alone, whatever the pass's row count (:func:`swiglu` any number of
+    rows; the gguf precisions' products their block kernels, ``gguf_linear``), so that no
+    conversation's result depends on the strangers beside it."""
+    before = getattr(_pass, "packed", False)
+    _pass.packed = True
+    try:
+        yield
+    finally:
+        _pass.packed = before
+
+
+def in_packed_pass() -> bool:
+    """Whether this thread is inside :func:`packed_pass`."""
+    return getattr(_pass, "packed", False)
 
 
 def _cpu_f32(*ts: torch.Tensor) -> bool:
@@ -106,11 +132,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, *,
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` (Shazeer 2020; ``silu(g) = g / (1 + exp(-g))``): ``gate, up``
     ``(M, N)`` float32 -> ``(M, N)`` float32, or None for ``M`` above
-    :data:`SWIGLU_MAX_ROWS` or what the module says. Differs from torch's ``F.silu`` by
+    :data:`SWIGLU_MAX_ROWS` (outside :func:`packed_pass`) or what the module says. Differs from torch's ``F.silu`` by
     its exp's last bit at most."""
     lib = native.library()
-    if (lib is None or gate.dim() != 2 or up.shape != gate.shape or not 1 <= gate.shape[0] <= SWIGLU_MAX_ROWS
-            or not _cpu_f32(gate, up)):
+    rows_ok = 1 <= gate.shape[0] <= SWIGLU_MAX_ROWS or (gate.shape[0] >= 1 and in_packed_pass()) if gate.dim() == 2 else False
+    if lib is None or not rows_ok or up.shape != gate.shape or not _cpu_f32(gate, up):
         return None
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)

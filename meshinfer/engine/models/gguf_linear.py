@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from meshinfer.engine.kernels import blocks as kb
+from meshinfer.engine.kernels.step_ops import in_packed_pass
 from meshinfer.engine.models.common import linear
 
 #: Rows (tokens in one pass) from which a projection dequantizes its weight chunk by chunk and
@@ -29,10 +30,12 @@ class GGUFLinear(nn.Module):
 
     ``(..., K)`` float -> ``(..., N)`` float32. With ``act_bits`` 16 (``gguf-a16``) or 8
     (``gguf-a8``) a decode or verification pass quantizes its activations per 32 columns to
-    int16 / int8 first; a pass of :data:`DENSE_MIN_ROWS` rows or more (a prefill, or many
-    conversations' steps packed into one batched pass) rounds its activations the same way and
-    multiplies them in float32 (``kb.dequantize_chunks``), so a row's result does not depend on
-    how many rows other conversations put in its pass (up to float32 rounding). Buffers: ``blocks`` ``(N, row_bytes)`` uint8 and
+    int16 / int8 first; a pass of one sequence of :data:`DENSE_MIN_ROWS` rows or more (a prefill)
+    rounds its activations the same way and multiplies them in float32
+    (``kb.dequantize_chunks``). A pass that packs several conversations' steps
+    (``step_ops.packed_pass``, ``Shard.forward_batch``) always takes the block kernels, so a
+    conversation's rows get the bits they get alone, however many rows strangers add (the dense
+    path's summation order moved a victim's gguf-a8 logits by 2.5e-2 on the real model). Buffers: ``blocks`` ``(N, row_bytes)`` uint8 and
     ``bias`` ``(N,)`` f32 or None; ``qtype`` (a GGML type id) is a plain attribute.
     """
 
@@ -83,13 +86,14 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()  # (M, K)
-        fused = self.fused() if x2.shape[0] < DENSE_MIN_ROWS else None
+        dense = x2.shape[0] >= DENSE_MIN_ROWS and not in_packed_pass()
+        fused = None if dense else self.fused()
         if fused is not None:  # a decode or verification pass: one prepared kernel call, bias included
             return fused(x2)[0].reshape(*lead, self.out_features)
         w = self.weight_blocks
         if self.qtype == 0:
             y = linear(x2, self.blocks.view(torch.float32).reshape(self.out_features, self.in_features))
-        elif x2.shape[0] >= DENSE_MIN_ROWS:
+        elif dense:
             y = kb.dequantize_chunks(x2, w, act_bits=self.act_bits)  # (M, N)
         else:
             y = kb.matmul(x2, w, act_bits=self.act_bits)  # (M, N)
@@ -102,12 +106,12 @@ def project_many(x: torch.Tensor, mods: Sequence[nn.Module]) -> list[torch.Tenso
     """Each of ``mods``' outputs for one input ``x`` ``(..., K)``: ``[(..., N_t)]``.
 
     :class:`GGUFLinear` projections of a decode or verification pass (fewer than
-    :data:`DENSE_MIN_ROWS` rows) run as one kernel call (``GGUFLinear.fused``: a layer's q, k
+    :data:`DENSE_MIN_ROWS` rows, or any packed pass of several conversations) run as one kernel call (``GGUFLinear.fused``: a layer's q, k
     and v, or gate and up); anything else runs module by module. The results are the same
     either way, bit for bit."""
     first = mods[0]
     if (isinstance(first, GGUFLinear) and all(isinstance(m, GGUFLinear) for m in mods)
-            and x.numel() < DENSE_MIN_ROWS * x.shape[-1]):
+            and (x.numel() < DENSE_MIN_ROWS * x.shape[-1] or in_packed_pass())):
         fused = first.fused(mods[1:])
         if fused is not None:
             lead = x.shape[:-1]

@@ -24,6 +24,7 @@ from meshinfer.core.errors import InvalidInput, PositionError, StepAbandoned, We
 from meshinfer.engine.models.common import (LayerCache, Linear, RMSNorm, apply_rope, causal_attention,
                                             rope_tables, swiglu)
 from meshinfer.engine.kernels.layer_step import F32Product, LayerStep
+from meshinfer.engine.kernels.step_ops import packed_pass
 from meshinfer.engine.models.gguf_linear import GGUFLinear, project_many
 from meshinfer.engine.models.quant import Precision, quantize_modules
 
@@ -445,13 +446,14 @@ class Shard(nn.Module):
         else:
             h = torch.cat([x.to(device=device, dtype=self.dtype) for x in xs], dim=1)  # (1, N, C)
         cos, sin = self._packed_rope(segments, h.dtype, device)  # (N, R)
-        for i in range(run.start, run.stop):
-            h = self.layers[str(i)].forward_ragged(h, cos, sin, segments, i)
-        for seg in segments:
-            seg.cache.commit(seg.length)
-        if run.stop < self.cfg.num_hidden_layers:
-            return [h[:, s.offset:s.offset + s.length] for s in segments]  # B x (1, T_i, C)
-        return self._batch_logits(h, segments, modes)
+        with packed_pass():  # each row computed as it would be alone, whatever N strangers make
+            for i in range(run.start, run.stop):
+                h = self.layers[str(i)].forward_ragged(h, cos, sin, segments, i)
+            for seg in segments:
+                seg.cache.commit(seg.length)
+            if run.stop < self.cfg.num_hidden_layers:
+                return [h[:, s.offset:s.offset + s.length] for s in segments]  # B x (1, T_i, C)
+            return self._batch_logits(h, segments, modes)
 
     def _check_batch(self, xs: Sequence[torch.Tensor], starts: Sequence[int], caches: Sequence[LayerCache],
                      run: LayerRange, logits: str | Sequence[str]) -> list[str]:
