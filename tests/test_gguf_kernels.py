@@ -309,17 +309,9 @@ def test_blocks_of_the_wrong_size_are_refused():
 
 # ------------------------------------------------------------------ tiny quantized models
 def _quantized_tiny(tmp_path, arch: str):
-    """A tiny model whose projections are Q8_0, Q5_0, Q4_0 and Q4_1 (the types gguf-py can write),
-    written the way llama.cpp would (for llama: Q/K rows permuted)."""
-    from helpers.tiny import random_weights, tiny_config, write_gguf
+    from helpers.tiny import write_quantized_tiny
 
-    cfg = tiny_config(arch)
-    kinds = {"q_proj": G.Q8_0, "k_proj": G.Q5_0, "v_proj": G.Q4_0, "o_proj": G.Q4_1, "gate_proj": G.Q5_0,
-             "up_proj": G.Q8_0, "down_proj": G.Q4_1, "embed_tokens": G.Q8_0, "lm_head": G.Q8_0}
-
-    def quantize(name: str):
-        return next((q for part, q in kinds.items() if f"{part}.weight" in name), None)
-    return write_gguf(tmp_path / f"tiny-{arch}-q.gguf", cfg, random_weights(cfg, seed=7), quantize=quantize)
+    return write_quantized_tiny(tmp_path / f"tiny-{arch}-q.gguf", arch)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType as G
 
 from meshinfer.engine.generate import load_shard
 from meshinfer.engine.kernels import layer_step, native, step_ops
@@ -18,15 +17,9 @@ from meshinfer.engine.models import llama
 
 def quantized_tiny(tmp_path, arch: str):
     """A tiny model (4 layers, 32 wide) whose projections are Q8_0, Q5_0, Q4_0 and Q4_1."""
-    from helpers.tiny import random_weights, tiny_config, write_gguf
+    from helpers.tiny import write_quantized_tiny
 
-    cfg = tiny_config(arch)
-    kinds = {"q_proj": G.Q8_0, "k_proj": G.Q5_0, "v_proj": G.Q4_0, "o_proj": G.Q4_1, "gate_proj": G.Q5_0,
-             "up_proj": G.Q8_0, "down_proj": G.Q4_1, "embed_tokens": G.Q8_0, "lm_head": G.Q8_0}
-
-    def quantize(name: str):
-        return next((q for part, q in kinds.items() if f"{part}.weight" in name), None)
-    return write_gguf(tmp_path / f"tiny-{arch}.gguf", cfg, random_weights(cfg, seed=7), quantize=quantize)
+    return write_quantized_tiny(tmp_path / f"tiny-{arch}.gguf", arch)
 
 
 def new_cache(shard) -> KVCache:

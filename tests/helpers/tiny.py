@@ -168,3 +168,18 @@ def write_hf_dir(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor],
         weight_map |= {n: fname for n in part}
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     return path
+
+
+def write_quantized_tiny(path: Path, arch: str = "qwen2") -> Path:
+    """A tiny model (:func:`tiny_config`) whose projections are Q8_0, Q5_0, Q4_0 and Q4_1 (the
+    types gguf-py can write), written to ``path`` the way llama.cpp would (for llama: Q/K rows
+    permuted)."""
+    from gguf import GGMLQuantizationType as G
+
+    cfg = tiny_config(arch)
+    kinds = {"q_proj": G.Q8_0, "k_proj": G.Q5_0, "v_proj": G.Q4_0, "o_proj": G.Q4_1, "gate_proj": G.Q5_0,
+             "up_proj": G.Q8_0, "down_proj": G.Q4_1, "embed_tokens": G.Q8_0, "lm_head": G.Q8_0}
+
+    def quantize(name: str):
+        return next((q for part, q in kinds.items() if f"{part}.weight" in name), None)
+    return write_gguf(path, cfg, random_weights(cfg, seed=7), quantize=quantize)
