@@ -7,7 +7,7 @@ residual adds, views), each tens of microseconds of dispatch on this project's 2
 while the kernels' other thread spins: several milliseconds of a 35-45 ms step
 (docs/performance.md, "Around the projections"). One call runs the same C functions in the same
 order, so its result equals the operation-by-operation path bit for bit
-(tests/test_step_ops.py).
+(tests/test_layer_step.py).
 
 Pure computation: nothing here logs or prints.
 """
@@ -121,8 +121,8 @@ class LayerStep:
         when the kernel refused (the caller then runs the layer operation by operation)."""
         T, L = x.shape[1], self._layer
         kv_shape = (1, L.kv_heads, k_cache.shape[2] if k_cache.dim() == 4 else -1, L.head_dim)
-        if (not 1 <= T <= self.max_rows or x.shape != (1, T, self.hidden) or cos.shape != (T, cos.shape[-1]) or sin.shape != cos.shape
-                or cos.dtype != torch.float32 or sin.dtype != torch.float32 or tuple(k_cache.shape) != kv_shape
+        if (not 1 <= T <= self.max_rows or x.shape != (1, T, self.hidden) or cos.shape != (T, cos.shape[-1])
+                or sin.shape != cos.shape or cos.dtype != torch.float32 or sin.dtype != torch.float32 or tuple(k_cache.shape) != kv_shape
                 or v_cache.shape != k_cache.shape or not k_cache.is_contiguous() or not v_cache.is_contiguous()
                 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32):
             return None  # the kernel reads and writes by these sizes: anything else goes through torch

@@ -61,8 +61,8 @@ def library_path(cc: str) -> Path:
     """Where the library for this source, compiler and CPU lives (built or not)."""
     home = Path(os.environ.get("MESHINFER_HOME") or Path.home() / ".cache" / "meshinfer")
     h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), cc.encode(), " ".join(CFLAGS).encode(), _cpu_signature().encode(),
-                 platform.machine().encode()):
+    for part in (*(src.read_bytes() for src in SOURCES), cc.encode(), " ".join(CFLAGS).encode(),
+                 _cpu_signature().encode(), platform.machine().encode()):
         h.update(part)
         h.update(b"\0")
     return home / "kernels" / f"gguf_blocks-{h.hexdigest()[:16]}.so"

@@ -34,8 +34,9 @@ ATTENTION_MAX_QUERIES = 32
 #: (``gguf_linear.DENSE_MIN_ROWS``, 48 rows), so that a row of a batched pass of several
 #: conversations gets the bits it gets alone (a pass of 33 rows once took torch's ``silu``
 #: while its rows alone took C's: an attack run saw a conversation's token change with what it
-#: was batched with). From 48 rows a pass's products depend on its size anyway, and torch's
-#: vectorized exp beats libm's over the thousands of rows of a prefill.
+#: was batched with). Inside :func:`packed_pass` it takes any number of rows; outside, a pass
+#: of 48 rows or more is one sequence's own prefill, where torch's vectorized exp beats libm's
+#: over thousands of rows.
 SWIGLU_MAX_ROWS = 47
 
 
@@ -131,12 +132,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, *,
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` (Shazeer 2020; ``silu(g) = g / (1 + exp(-g))``): ``gate, up``
-    ``(M, N)`` float32 -> ``(M, N)`` float32, or None for ``M`` above
-    :data:`SWIGLU_MAX_ROWS` (outside :func:`packed_pass`) or what the module says. Differs from torch's ``F.silu`` by
+    ``(M, N)`` float32 -> ``(M, N)`` float32, or None for ``M`` above :data:`SWIGLU_MAX_ROWS`
+    (outside :func:`packed_pass`) or what the module says. Differs from torch's ``F.silu`` by
     its exp's last bit at most."""
     lib = native.library()
-    rows_ok = 1 <= gate.shape[0] <= SWIGLU_MAX_ROWS or (gate.shape[0] >= 1 and in_packed_pass()) if gate.dim() == 2 else False
-    if lib is None or not rows_ok or up.shape != gate.shape or not _cpu_f32(gate, up):
+    if lib is None or gate.dim() != 2 or up.shape != gate.shape or not _cpu_f32(gate, up):
+        return None
+    if not 1 <= gate.shape[0] <= (gate.shape[0] if in_packed_pass() else SWIGLU_MAX_ROWS):
         return None
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)

@@ -35,8 +35,9 @@ class GGUFLinear(nn.Module):
     (``kb.dequantize_chunks``). A pass that packs several conversations' steps
     (``step_ops.packed_pass``, ``Shard.forward_batch``) always takes the block kernels, so a
     conversation's rows get the bits they get alone, however many rows strangers add (the dense
-    path's summation order moved a victim's gguf-a8 logits by 2.5e-2 on the real model). Buffers: ``blocks`` ``(N, row_bytes)`` uint8 and
-    ``bias`` ``(N,)`` f32 or None; ``qtype`` (a GGML type id) is a plain attribute.
+    path's summation order moved a victim's gguf-a8 logits by 2.5e-2 on the real model).
+    Buffers: ``blocks`` ``(N, row_bytes)`` uint8 and ``bias`` ``(N,)`` f32 or None; ``qtype`` (a
+    GGML type id) is a plain attribute.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, *, act_bits: int = 32) -> None:
@@ -106,8 +107,9 @@ def project_many(x: torch.Tensor, mods: Sequence[nn.Module]) -> list[torch.Tenso
     """Each of ``mods``' outputs for one input ``x`` ``(..., K)``: ``[(..., N_t)]``.
 
     :class:`GGUFLinear` projections of a decode or verification pass (fewer than
-    :data:`DENSE_MIN_ROWS` rows, or any packed pass of several conversations) run as one kernel call (``GGUFLinear.fused``: a layer's q, k
-    and v, or gate and up); anything else runs module by module. The results are the same
+    :data:`DENSE_MIN_ROWS` rows, or any packed pass of several conversations) run as one kernel
+    call (``GGUFLinear.fused``: a layer's q, k and v, or gate and up); anything else runs module
+    by module. The results are the same
     either way, bit for bit."""
     first = mods[0]
     if (isinstance(first, GGUFLinear) and all(isinstance(m, GGUFLinear) for m in mods)

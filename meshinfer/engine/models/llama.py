@@ -148,7 +148,8 @@ class Block(nn.Module):
         """q/k/v, o, gate/up and down as one-call products: GGUF blocks sharing fused calls
         (``GGUFLinear.fused``) or float32 weights (``F32Product``); None for anything else."""
         attn, mlp = self.self_attn, self.mlp
-        groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,))
+        groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
+                  (mlp.down_proj,))
         mods = [m for g in groups for m in g]
         if all(isinstance(m, GGUFLinear) for m in mods):
             return tuple(g[0].fused(g[1:]) for g in groups)
@@ -165,7 +166,8 @@ class Block(nn.Module):
                 *(attn._modules[n] for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
                 *(mlp._modules[n] for n in ("gate_proj", "up_proj", "down_proj")))
         return [v for m in mods for d in (m._parameters, m._buffers, m.__dict__)
-                for v in (d.get("weight"), d.get("bias"), d.get("blocks"), d.get("qtype"), d.get("act_bits"), d.get("eps"))]
+                for v in (d.get("weight"), d.get("bias"), d.get("blocks"), d.get("qtype"), d.get("act_bits"),
+                          d.get("eps"))]
 
     def _layer_step(self) -> LayerStep | None:
         """This layer's prepared :class:`LayerStep`, or None where it does not apply: another
@@ -173,7 +175,8 @@ class Block(nn.Module):
         that are not float32. Made once, and again when a weight, bias or norm changes."""
         mods = self._modules
         if (type(mods["self_attn"]) is not Attention or type(mods["mlp"]) is not MLP
-                or type(mods["input_layernorm"]) is not RMSNorm or type(mods["post_attention_layernorm"]) is not RMSNorm):
+                or type(mods["input_layernorm"]) is not RMSNorm
+                or type(mods["post_attention_layernorm"]) is not RMSNorm):
             return None
         state = self._state()
         kept = self.__dict__.get("_kept_step")
