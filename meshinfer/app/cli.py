@@ -883,8 +883,9 @@ async def _status(args) -> int:
         for g in groups:
             print(_group_line(g))
             print(f"  coverage {_coverage_line(peers, g)}")
-        if any(g.route is None for g in groups) and precision_note(groups):
-            print(precision_note(groups).strip(" ()"))
+        note = precision_note(groups)
+        if note and any(g.route is None for g in groups):
+            print(note.strip(" ()"))
         if client.not_allowed:
             print(f"({len(client.not_allowed)} more peer(s) in the mesh are not in --allow-keys)")
     return code

@@ -138,7 +138,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     lib = native.library()
     if lib is None or gate.dim() != 2 or up.shape != gate.shape or not _cpu_f32(gate, up):
         return None
-    if not 1 <= gate.shape[0] <= (gate.shape[0] if in_packed_pass() else SWIGLU_MAX_ROWS):
+    if gate.shape[0] < 1 or (gate.shape[0] > SWIGLU_MAX_ROWS and not in_packed_pass()):
         return None
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
