@@ -349,33 +349,78 @@ def test_the_gguf_precision_refuses_a_model_that_is_not_a_gguf_file(tmp_path):
         load_shard(d, dtype="gguf")
 
 
-def test_the_portable_c_path_computes_the_same(tmp_path):
-    """Built without ``-march`` (x86-64's baseline: no AVX2; or any other CPU), the library takes
-    its portable path: the same weights bit for bit, float32 products within tolerance, and the
-    integer-activation kernels refuse (the caller then multiplies float32 activations)."""
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory):
+    """The library built without ``-march`` (x86-64's baseline: no AVX2, as on an Arm Mac or
+    with a compiler that refuses the flag): its portable C path."""
     import ctypes
     import shutil
 
-    out = tmp_path / "portable.so"
+    out = tmp_path_factory.mktemp("portable") / "portable.so"
     native.build(shutil.which("cc"), out, flags=[f for f in native.CFLAGS if not f.startswith("-march")])
     plib = native.bind(ctypes.CDLL(str(out)))
     assert plib.mi_simd() == 0
-    for type_name in TYPES:
-        n, k = 37, width(type_name)
-        raw = random_blocks(type_name, n, k, seed=8)
-        want = quants.dequantize(raw, G[type_name]).reshape(n, k).astype(np.float32)
-        got = np.empty((n, k), np.float32)
-        assert plib.mi_dequantize(kb.KERNEL_TYPES[type_name], raw.ctypes.data, n, k, got.ctypes.data, 1) == 0
-        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), type_name
-        x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
-        y = torch.empty(3, n)
-        assert plib.mi_matmul(kb.KERNEL_TYPES[type_name], raw.ctypes.data, n, k, x.data_ptr(), 3, y.data_ptr(), 1) == 0
-        ref = x.double() @ torch.from_numpy(want).double().T
-        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= TOLERANCE[32], type_name
-        assert plib.mi_matmul_q8(kb.KERNEL_TYPES[type_name], raw.ctypes.data, n, k, x.data_ptr(), 3,
-                                 y.data_ptr(), 1) == -1
+    return plib
+
+
+def hostile_rows(m: int, k: int, seed: int) -> torch.Tensor:
+    """``(m, k)`` float32 rows with what a peer may send in its hidden states: huge and tiny
+    blocks, subnormals, zeros, an inf and a NaN (each in its own 32-block), and ties (x / d
+    exactly k + 0.5) for the rounding."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[0, 32:64] *= 1e30
+    x[0, 64:96] *= 1e-40  # subnormal: 1 / scale overflows
+    x[0, 96:128] = 0
+    if m > 1:
+        x[1, 0:32] = torch.arange(32) - 15.5  # ties at int16 (127 / 16 ... scale) and halves
+        x[1, 40] = float("inf")
+        x[1, 70] = float("nan")
+    return x
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether float32 ``a`` and ``b`` hold the same bits, NaN matching any NaN (which NaN an
+    operation returns depends on its operands' order in the instruction, not on the values)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_portable_c_path_gives_the_avx2_paths_bits(lib, portable, type_name):
+    """Without AVX2 the kernels compute the same float32 operations in the same order (8 lanes
+    of fused multiply-adds summed as hsum8 sums them, the same integer lane sums), so a peer on
+    another CPU (an Arm Mac: NEON, no AVX2) chooses the same tokens at every gguf precision:
+    every product, the rounded activations and the dequantized weights equal the AVX2 build's
+    bit for bit, finite or not, one row or many."""
+    if not lib.mi_simd():
+        pytest.fail("this test compares the portable path against the AVX2 one: the machine must have AVX2")
+    n, k = 37, width(type_name)
+    raw = random_blocks(type_name, n, k, seed=8)
+    code = kb.KERNEL_TYPES[type_name]
+    want = np.empty((n, k), np.float32)
+    got = np.empty((n, k), np.float32)
+    assert lib.mi_dequantize(code, raw.ctypes.data, n, k, want.ctypes.data, 1) == 0
+    assert portable.mi_dequantize(code, raw.ctypes.data, n, k, got.ctypes.data, 1) == 0
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    kernels = {32: "mi_matmul", 16: "mi_matmul_q16", 8: "mi_matmul_q8"}
+    for bits, name in kernels.items():
+        if bits != 32 and not lib.mi_supports_q8(code):
+            assert not portable.mi_supports_q8(code)
+            continue
+        for m in (1, 3, 17):
+            x = hostile_rows(m, k, seed=m)
+            y_avx, y_c = torch.full((m, n), 7.0), torch.full((m, n), 7.0)
+            assert getattr(lib, name)(code, raw.ctypes.data, n, k, x.data_ptr(), m, y_avx.data_ptr(), 2) == 0
+            assert getattr(portable, name)(code, raw.ctypes.data, n, k, x.data_ptr(), m, y_c.data_ptr(), 2) == 0
+            assert same_bits(y_c, y_avx), f"{name}, {m} rows"
+    for bits in (8, 16):
+        x = hostile_rows(3, k, seed=4)
+        r_avx, r_c = torch.empty_like(x), torch.empty_like(x)
+        assert lib.mi_round_activations(x.data_ptr(), 3, k, bits, r_avx.data_ptr(), 1) == 0
+        assert portable.mi_round_activations(x.data_ptr(), 3, k, bits, r_c.data_ptr(), 1) == 0
+        assert same_bits(r_c, r_avx), bits
     w, x, y = torch.randn(37, 64), torch.randn(3, 64), torch.empty(3, 37)
-    assert plib.mi_matmul_f32(w.data_ptr(), 37, 64, x.data_ptr(), 3, y.data_ptr(), 1) == -1  # torch then
+    assert portable.mi_matmul_f32(w.data_ptr(), 37, 64, x.data_ptr(), 3, y.data_ptr(), 1) == -1  # torch then
 
 
 def test_integer_activation_precisions_are_refused_without_their_kernels(tmp_path, monkeypatch):

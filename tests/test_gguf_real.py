@@ -96,3 +96,33 @@ def test_a_step_batched_with_a_strangers_rows_gets_its_solo_bits_on_the_real_mod
     want = shard(x, 30, alone, logits="all")
     got = shard.forward_batch([x, y], [30, 30], [victim, stranger], logits="all")[0]
     assert torch.equal(got, want)
+
+
+def test_a_peer_without_avx2_chooses_the_same_bits_on_the_real_model(tmp_path, monkeypatch):
+    """The default model at gguf-a8 on the kernels' portable C path (built without ``-march``,
+    as on an Arm Mac) gives the AVX2 build's prefill and decode logits bit for bit, so the two
+    kinds of CPU peer chain at a gguf precision and choose the same tokens."""
+    import ctypes
+    import shutil
+
+    from meshinfer.engine.generate import new_cache
+    from meshinfer.engine.kernels import native
+
+    assert native.library().mi_simd(), "this test compares the portable path against the AVX2 one"
+    out = tmp_path / "portable.so"
+    native.build(shutil.which("cc"), out, flags=[f for f in native.CFLAGS if not f.startswith("-march")])
+    portable = native.bind(ctypes.CDLL(str(out)))
+    shard = _shard(DEFAULT, "gguf-a8")
+    ids = torch.tensor([load_cases(DEFAULT)["prime"]["prompt_ids"]])  # (1, P)
+
+    def run():
+        cache = new_cache(shard)
+        outs = [shard(ids, 0, cache)]
+        for token in (42, 7, 1000):
+            outs.append(shard(torch.tensor([[token]]), cache.length, cache))
+        return outs
+
+    want = run()
+    monkeypatch.setattr(native, "library", lambda: portable)
+    got = run()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -162,3 +162,43 @@ def test_a_layer_of_no_key_value_heads_is_refused_not_divided_by(tmp_path):
         layer_step.LayerStep(products, norms, 1e-6, heads=4, kv_heads=0, head_dim=8)
     q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 0, 1, 8)
     assert step_ops.attention(q, k, k, 0) is None
+
+
+@pytest.mark.parametrize("precision", ["gguf", "gguf-a16", "gguf-a8"])
+def test_a_peer_without_avx2_gets_the_same_bits(tmp_path, monkeypatch, precision):
+    """The whole model on the kernels' portable C path (built without ``-march``: no AVX2, as on
+    an Arm Mac) gives the AVX2 build's logits and KV cache bit for bit: a prefill operation by
+    operation, another past the dense path's row count, decode steps and a verification step
+    as one call each. So x86 and Arm peers at a gguf precision choose the same tokens,
+    whichever serves which layers."""
+    import ctypes
+    import shutil
+
+    lib = native.library()
+    if not lib.mi_simd():
+        pytest.fail("this test compares the portable path against the AVX2 one: the machine must have AVX2")
+    out = tmp_path / "portable.so"
+    native.build(shutil.which("cc"), out, flags=[f for f in native.CFLAGS if not f.startswith("-march")])
+    portable = native.bind(ctypes.CDLL(str(out)))
+    assert portable.mi_simd() == 0
+    path = quantized_tiny(tmp_path, "llama")
+
+    def run():
+        shard = load_shard(path, dtype=precision)
+        outs, cache = steps(shard)
+        long = shard(torch.arange(100, 164).unsqueeze(0), 0, new_cache(shard), logits="all")  # 64 rows: dense
+        return outs + [long], cache
+
+    (want, want_cache), taken = run(), []
+    monkeypatch.setattr(native, "library", lambda: portable)
+    real = layer_step.LayerStep.__call__
+    monkeypatch.setattr(layer_step.LayerStep, "__call__",
+                        lambda self, *a: (lambda y: taken.append(y is not None) or y)(real(self, *a)))
+    got, got_cache = run()
+    assert taken and all(taken)  # the one-call layer step ran on the portable build
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    n = got_cache.length
+    assert n == want_cache.length
+    for layer in range(4):
+        assert all(torch.equal(a[:, :, :n], b[:, :, :n])
+                   for a, b in zip(got_cache.storage(layer, 0), want_cache.storage(layer, 0)))

@@ -2,7 +2,8 @@
 
 ``engine/kernels/step_ops.py`` claims: RoPE equal to torch's operations bit for bit; RMSNorm,
 attention and SwiGLU equal up to summation order / exp's last bit; each row (query) computed
-alone, so a verification step gives each position what a one-position step gives it.
+alone, so a verification step gives each position what a one-position step gives it; the
+portable build (no AVX2) gives the AVX2 build's bits.
 """
 
 from __future__ import annotations
@@ -127,33 +128,49 @@ def test_swiglu_matches_silu_times_up():
                           rtol=1e-6, atol=1e-7)
 
 
-def test_the_portable_build_computes_the_same(tmp_path):
-    """Built without ``-march`` (no AVX2), the step operations take their scalar paths: RoPE the
-    same bits, RMSNorm and attention within summation order of the AVX2 build's."""
+def test_the_portable_build_computes_the_same_bits(tmp_path):
+    """Built without ``-march`` (no AVX2: an Arm Mac, or a compiler that refuses the flag), the
+    step operations take their scalar paths, which mirror the AVX2 ones (8 lanes of fmaf summed
+    in the same order): RMSNorm, RoPE, attention and SwiGLU give the AVX2 build's bits."""
     import ctypes
     import shutil
 
+    lib = native.library()
+    if not lib.mi_simd():
+        pytest.fail("this test compares the portable path against the AVX2 one: the machine must have AVX2")
     out = tmp_path / "portable.so"
     native.build(shutil.which("cc"), out, flags=[f for f in native.CFLAGS if not f.startswith("-march")])
     plib = native.bind(ctypes.CDLL(str(out)))
     assert plib.mi_simd() == 0
     torch.manual_seed(5)
-    x, w = torch.randn(2, 3, 64), torch.randn(64)
-    y = torch.empty_like(x)
-    assert plib.mi_rmsnorm(x.data_ptr(), 6, 64, w.data_ptr(), ctypes.c_float(1e-6), y.data_ptr()) == 0
-    assert torch.allclose(y, step_ops.rms_norm(x, w, 1e-6), rtol=1e-6, atol=1e-6)
+    x, w = torch.randn(2, 3, 64) * 3, torch.randn(64)
+    ys = []
+    for kernels in (lib, plib):
+        ys.append(torch.empty_like(x))
+        assert kernels.mi_rmsnorm(x.data_ptr(), 6, 64, w.data_ptr(), ctypes.c_float(1e-6), ys[-1].data_ptr()) == 0
+    assert torch.equal(ys[0], ys[1])
+    assert torch.allclose(ys[1], step_ops.rms_norm(x, w, 1e-6), rtol=1e-6, atol=1e-6)
     q = torch.randn(1, 3, 4, 16)  # (B, T, H, D) contiguous
     cos, sin = common.rope_cos_sin(torch.arange(3), 16, 1e4, torch.float32)
     r = torch.empty_like(q)
     assert plib.mi_rope(q.data_ptr(), 3, 4, 16, 3, cos.data_ptr(), sin.data_ptr(), 16, r.data_ptr()) == 0
     assert torch.equal(r.transpose(1, 2), torch_rope(q.transpose(1, 2), cos, sin))
     qh = q.transpose(1, 2)  # (1, 4, 3, 16)
-    k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
-    att = torch.empty(1, 4, 3, 16)
+    k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (qh, k, v)]
-    assert plib.mi_attention(qh.data_ptr(), strides[0], k.data_ptr(), strides[1], v.data_ptr(), strides[2],
-                             1, 4, 2, 3, 3, 16, 0, 0, ctypes.c_float(0.25), att.data_ptr(), 1) == 0
-    assert torch.allclose(att, torch_attention(qh, k, v, 0), rtol=1e-5, atol=1e-6)
+    atts = []
+    for kernels in (lib, plib):
+        atts.append(torch.empty(1, 4, 3, 16))
+        assert kernels.mi_attention(qh.data_ptr(), strides[0], k.data_ptr(), strides[1], v.data_ptr(), strides[2],
+                                    1, 4, 2, 3, 40, 16, 37, 0, ctypes.c_float(0.25), atts[-1].data_ptr(), 1) == 0
+    assert torch.equal(atts[0], atts[1])
+    assert torch.allclose(atts[1], torch_attention(qh, k, v, 37), rtol=1e-5, atol=1e-6)
+    g, u = torch.randn(3, 4864) * 4, torch.randn(3, 4864)
+    outs = []
+    for kernels in (lib, plib):
+        outs.append(torch.empty_like(g))
+        kernels.mi_swiglu(g.data_ptr(), u.data_ptr(), g.numel(), outs[-1].data_ptr())
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_swiglu_takes_every_pass_below_the_dense_path():

@@ -342,15 +342,15 @@ def auto_draft_dtype(path: str | os.PathLike, device: str) -> str:
     """The precision ``--draft-dtype auto`` picks: on a CPU, ``gguf-a16`` for a GGUF file when
     the gguf kernels build here with their integer dot products (the file's own blocks with
     near-exact int16 activations: about 1.4x the speed of ``gguf`` and 3x f32 on one core, with
-    drafts an f32 mesh accepts almost always; docs/performance.md), ``gguf`` when they build
-    without (no AVX2), else ``q8-bf16``; on a GPU, ``bf16``."""
+    drafts an f32 mesh accepts almost always; docs/performance.md), else ``q8-bf16``; on a
+    GPU, ``bf16``."""
     if parse_device(device).type != "cpu":
         return "bf16"
     if Path(path).is_file():
         from meshinfer.engine.kernels import native
         lib = native.library()
         if lib is not None:
-            return "gguf-a16" if lib.mi_supports_q8(8) else "gguf"
+            return "gguf-a16"
     return "q8-bf16"
 
 

@@ -101,8 +101,9 @@ def load_shard(weights: WeightsSource | str | os.PathLike, layers: LayerRange | 
 
 def _check_gguf_kernels(name: str) -> None:
     """Refuse ``gguf-a16`` / ``gguf-a8`` where the integer-activation kernels are missing (no C
-    compiler, or a CPU without AVX2): the fallback would multiply float32 activations and choose
-    other tokens than the precision's other peers, which a route must not mix.
+    compiler built them; on a CPU without AVX2 their portable C path runs, with the same bits):
+    the fallback would multiply float32 activations and choose other tokens than the
+    precision's other peers, which a route must not mix.
 
     Raises:
         InvalidInput: naming the precision that does run here.
@@ -112,10 +113,9 @@ def _check_gguf_kernels(name: str) -> None:
     if name == "gguf":
         return
     lib = native.library()
-    if lib is None or not lib.mi_supports_q8(8):
-        why = "no C compiler built them" if lib is None else "this CPU has no AVX2"
-        raise InvalidInput(f"precision {name} needs the gguf kernels' integer dot products, and {why}; "
-                           f"use --dtype gguf (the same weights, float32 activations)")
+    if lib is None:
+        raise InvalidInput(f"precision {name} needs the gguf kernels' integer dot products, and no C compiler "
+                           f"built them; use --dtype gguf (the same weights, float32 activations)")
 
 
 def _load_via_cache(src: WeightsSource, layers: LayerRange, precision: Precision,

@@ -104,8 +104,9 @@ def matmul(x: torch.Tensor, w: QuantBlocks, *, act_bits: int = 32) -> torch.Tens
     scale ``max|x| / 127``, round to nearest) and takes each block's product as an integer dot
     product, as llama.cpp's CPU path does: about 0.5-1% relative error per product against
     float32 activations. 16 (``gguf-a16``) does the same with int16 (scale ``max|x| / 32767``):
-    about 2e-5 (tests/test_gguf_kernels.py). Types or CPUs the integer kernels do not take
-    (``mi_supports_q8``: they need AVX2) use float32 activations.
+    about 2e-5 (tests/test_gguf_kernels.py). Types the integer kernels do not take
+    (``mi_supports_q8``: F16) use float32 activations. Without AVX2 (an Arm CPU) the kernels'
+    portable C path gives the same bits.
 
     Raises:
         ValueError: ``x`` is not ``(M, K)`` float32.

@@ -221,6 +221,15 @@ static float hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+#else
+/* The portable path mirrors the AVX2 one operation for operation: 8 float32 lanes, each
+ * accumulated with a fused multiply-add (fmaf, as _mm256_fmadd_ps), summed as hsum8 sums them,
+ * and the same integer lane sums; so a build without AVX2 (an Arm Mac, or a compiler that
+ * refuses -march=native) gives the AVX2 build's bits (tests/test_gguf_kernels.py builds both).
+ * hsum8's order: lanes l and l + 4, then 0 + 2 and 1 + 3, then those two. */
+static float hsum8(const float v[8]) {
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
 #endif
 
 #ifdef MI_AVX2
@@ -392,20 +401,22 @@ static void row_dots(int type, const uint8_t *wrow, int64_t nb, int qk, int byte
     for (int i = 0; i < m; i++)
         acc[i] = hsum8(_mm256_add_ps(_mm256_add_ps(a[4 * i], a[4 * i + 1]), _mm256_add_ps(a[4 * i + 2], a[4 * i + 3])));
 #else
+    /* row_simd's four 8-lane accumulators per row, as 32 floats: weight j of every 32 goes to
+     * accumulator j / 8, lane j % 8; the dequantized weights are row_simd's (both equal gguf-py's) */
     (void)type;
     float wbuf[256];
-    float a[MAX_ROWS][8];
+    float a[MAX_ROWS][32];
     memset(a, 0, sizeof(a));
     for (int64_t b = 0; b < nb; b++) {
         fn(wrow + b * bytes, wbuf);
         const float *xb = x + b * qk;
         for (int i = 0; i < m; i++)
-            for (int j = 0; j < qk; j++) a[i][j & 7] += wbuf[j] * xb[i * k + j];
+            for (int j = 0; j < qk; j++) a[i][j & 31] = fmaf(wbuf[j], xb[i * k + j], a[i][j & 31]);
     }
     for (int i = 0; i < m; i++) {
-        float s = 0;
-        for (int j = 0; j < 8; j++) s += a[i][j];
-        acc[i] = s;
+        float s[8];
+        for (int l = 0; l < 8; l++) s[l] = (a[i][l] + a[i][8 + l]) + (a[i][16 + l] + a[i][24 + l]);
+        acc[i] = hsum8(s);
     }
 #endif
 }
@@ -472,6 +483,154 @@ static void quantize_blocks(const float *x, int64_t m, int64_t k, int lim, void 
     }
 }
 
+#else
+/* round_block without AVX2: the same values (the largest |x| ignoring NaN, the scale, x * id
+ * clamped and rounded half away from zero, NaN -> 0), as 32 integers. */
+static float round_block(const float *xb, int lim, int32_t q[32]) {
+    float amax = 0;
+    int nan = 0;
+    for (int j = 0; j < 32; j++) {
+        float a = fabsf(xb[j]);
+        nan |= a != a;
+        if (a > amax) amax = a;
+    }
+    float d = amax / (float)lim, id = d ? 1.0f / d : 0.0f;
+    for (int j = 0; j < 32; j++) {
+        float f = xb[j] * id;
+        q[j] = f != f ? 0 : (int32_t)roundf(fminf(fmaxf(f, -(float)lim), (float)lim));
+    }
+    return nan ? NAN : d;
+}
+
+static void quantize_blocks(const float *x, int64_t m, int64_t k, int lim, void *q, float *d, float *s) {
+    int64_t nb = k / 32;
+    for (int64_t i = 0; i < m * nb; i++) {
+        int32_t ints[32], sum = 0;
+        float di = round_block(x + i * 32, lim, ints);
+        for (int j = 0; j < 32; j++) {
+            sum += ints[j];
+            if (lim == 127)
+                ((int8_t *)q)[i * 32 + j] = (int8_t)ints[j];
+            else
+                ((int16_t *)q)[i * 32 + j] = (int16_t)ints[j];
+        }
+        d[i] = di;
+        s[i] = di * (float)sum; /* exact, as the AVX2 sum of integral floats (|sum| < 2^24) */
+    }
+}
+
+/* Weight row w's values of 32-block g of block b (its xi-th 32 columns), as the AVX2 kernels
+ * decode them: signed q5 - 16, nibble - 8, int8, unsigned nibbles (Q4_1, Q4_K, with their
+ * minimum kept apart) or Q6_K's q6 - 32 with the two 16-weight scales in s2. Returns the
+ * float32 scale of the block's integer dot product (d, or Q4_K's d * sc) and sets *minus to
+ * the minimum's factor (Q4_1: m; Q4_K: -(dmin * mn), so minus + mfac * s is row_q8's
+ * minus - ml * s exactly; 0 for the types without a minimum). */
+static inline __attribute__((always_inline)) float decode32(int type, const uint8_t *w, int g, int8_t q[32], int s2[2],
+                                                            float *minus) {
+    *minus = 0;
+    s2[0] = s2[1] = 1;
+    switch (type) {
+    case T_Q8_0:
+        memcpy(q, w + 2, 32);
+        return rd_half(w);
+    case T_Q4_0:
+        for (int i = 0; i < 16; i++) q[i] = (int8_t)((w[2 + i] & 0xF) - 8), q[i + 16] = (int8_t)((w[2 + i] >> 4) - 8);
+        return rd_half(w);
+    case T_Q5_0: {
+        uint32_t qh = (uint32_t)w[2] | ((uint32_t)w[3] << 8) | ((uint32_t)w[4] << 16) | ((uint32_t)w[5] << 24);
+        for (int i = 0; i < 16; i++) {
+            q[i] = (int8_t)(((w[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) - 16);
+            q[i + 16] = (int8_t)(((w[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+        }
+        return rd_half(w);
+    }
+    case T_Q4_1:
+        for (int i = 0; i < 16; i++) q[i] = (int8_t)(w[4 + i] & 0xF), q[i + 16] = (int8_t)(w[4 + i] >> 4);
+        *minus = rd_half(w + 2);
+        return rd_half(w);
+    case T_Q4_K: {
+        int sc, mn;
+        q4k_scale_min(w + 4, g, &sc, &mn);
+        const uint8_t *qq = w + 16 + 32 * (g / 2);
+        for (int i = 0; i < 32; i++) q[i] = (int8_t)(g % 2 ? qq[i] >> 4 : qq[i] & 0xF);
+        *minus = -(rd_half(w + 2) * (float)mn);
+        return rd_half(w) * (float)sc;
+    }
+    case T_Q6_K: {
+        int half = g / 4, j = g % 4;
+        const uint8_t *l = w + 64 * half + (j % 2) * 32, *h = w + 128 + 32 * half;
+        for (int i = 0; i < 32; i++)
+            q[i] = (int8_t)((((j < 2 ? l[i] : l[i] >> 4) & 0xF) | (((h[i] >> (2 * j)) & 3) << 4)) - 32);
+        const int8_t *sc = (const int8_t *)(w + 192) + 8 * half + 2 * j;
+        s2[0] = sc[0], s2[1] = sc[1];
+        return rd_half(w + 208);
+    }
+    }
+    return 0;
+}
+
+/* One weight row (nb blocks of qk weights, bytes each) against m int8 (act_bits 8) or int16
+ * (16) input rows, as row_q8 / row_q16:
+ * eight int32 lane sums per 32-block (int8: lane l sums columns 4l .. 4l + 3, as maddubs then
+ * madd; int16: 2l, 2l + 1, 16 + 2l, 17 + 2l, as madd over each half), each converted to
+ * float32 and fused-multiply-added with the block's scale times the row's; the minimum terms
+ * summed apart. All integer sums are exact, so their order does not matter. */
+static inline __attribute__((always_inline)) void row_int_t(int act_bits, int type, const uint8_t *w, int64_t nb,
+                                                            int qk, int bytes, int64_t k, int m, const void *xq,
+                                                            const float *xd, const float *xs, int64_t xb, float *out) {
+    float acc[MAX_ROWS][8], minus[MAX_ROWS];
+    memset(acc, 0, sizeof(acc));
+    memset(minus, 0, sizeof(minus));
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        for (int g = 0; g < qk / 32; g++) {
+            int8_t q[32];
+            int s2[2];
+            float mfac, d = decode32(type, w, g, q, s2, &mfac);
+            int64_t xi = b * (qk / 32) + g;
+            for (int i = 0; i < m; i++) {
+                int32_t lanes[8];
+                /* products, then pair sums: shapes a compiler vectorizes (NEON: smull, addp) */
+                int32_t pairs[16];
+                if (act_bits == 8) {
+                    const int8_t *xr = (const int8_t *)xq + i * k + 32 * xi;
+                    int16_t p[32]; /* |q x| <= 128 * 127 */
+                    for (int j = 0; j < 32; j++) p[j] = (int16_t)(q[j] * xr[j]);
+                    for (int j = 0; j < 16; j++) pairs[j] = p[2 * j] + p[2 * j + 1];
+                    for (int l = 0; l < 8; l++) /* Q6_K: values 0-15 by one scale, 16-31 by the other */
+                        lanes[l] = (pairs[2 * l] + pairs[2 * l + 1]) * s2[l / 4];
+                } else {
+                    const int16_t *xr = (const int16_t *)xq + i * k + 32 * xi;
+                    for (int j = 0; j < 16; j++) pairs[j] = q[2 * j] * xr[2 * j] + q[2 * j + 1] * xr[2 * j + 1];
+                    for (int l = 0; l < 8; l++) lanes[l] = s2[0] * pairs[l] + s2[1] * pairs[8 + l];
+                }
+                float f = d * xd[i * xb + xi];
+                for (int l = 0; l < 8; l++) acc[i][l] = fmaf((float)lanes[l], f, acc[i][l]);
+                if (type == T_Q4_1 || type == T_Q4_K) minus[i] += mfac * xs[i * xb + xi]; /* NaN and inf as AVX2 */
+            }
+        }
+    }
+    for (int i = 0; i < m; i++) out[i] = hsum8(acc[i]) + minus[i];
+}
+
+/* row_int_t with act_bits, type and (for a decode step) m constants: one loop per case. */
+static void row_int(int act_bits, int type, const uint8_t *w, int64_t nb, int qk, int bytes, int64_t k, int m,
+                    const void *xq, const float *xd, const float *xs, int64_t xb, float *out) {
+#define ROW_INT(T)                                                                                     \
+    case T:                                                                                            \
+        if (act_bits == 8 && m == 1)                                                                   \
+            row_int_t(8, T, w, nb, qk, bytes, k, 1, xq, xd, xs, xb, out);                              \
+        else if (act_bits == 8)                                                                        \
+            row_int_t(8, T, w, nb, qk, bytes, k, m, xq, xd, xs, xb, out);                              \
+        else if (m == 1)                                                                               \
+            row_int_t(16, T, w, nb, qk, bytes, k, 1, xq, xd, xs, xb, out);                             \
+        else                                                                                           \
+            row_int_t(16, T, w, nb, qk, bytes, k, m, xq, xd, xs, xb, out);                             \
+        break;
+    switch (type) {
+        ROW_INT(T_Q8_0) ROW_INT(T_Q4_0) ROW_INT(T_Q5_0) ROW_INT(T_Q4_1) ROW_INT(T_Q4_K) ROW_INT(T_Q6_K)
+    }
+#undef ROW_INT
+}
 #endif
 
 #ifdef MI_AVX2
@@ -571,14 +730,9 @@ static inline __attribute__((always_inline)) void row_q8(int type, const uint8_t
 }
 #endif
 
-/* Whether the int8-activation kernel takes `type`: 1 or 0 (it needs AVX2). */
+/* Whether the integer-activation kernels (int8 and int16) take `type`: 1 or 0. */
 int mi_supports_q8(int type) {
-#ifdef MI_AVX2
     return type == T_Q8_0 || type == T_Q5_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q6_K;
-#else
-    (void)type;
-    return 0;
-#endif
 }
 
 /* ------------------------------------------------------------------ int16 activations
@@ -752,7 +906,6 @@ int mi_matmul_many(int act_bits, int nt, const int *types, const uint8_t *const 
     if (m <= 0 || total == 0) return 0;
     void *q = NULL;
     float *d = NULL, *s = NULL;
-#ifdef MI_AVX2
     if (act_bits != 32) {
         q = malloc((size_t)(m * k) * (act_bits == 8 ? 1 : 2));
         d = (float *)malloc((size_t)(m * xb) * sizeof(float));
@@ -763,7 +916,6 @@ int mi_matmul_many(int act_bits, int nt, const int *types, const uint8_t *const 
         }
         quantize_blocks(x, m, k, act_bits == 8 ? 127 : 32767, q, d, s);
     }
-#endif
 #ifdef MI_AVX2
     if (m == 1 && act_bits != 32) { /* a decode step: one input row, integer activations */
         int64_t chunks = (total + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
@@ -797,7 +949,12 @@ int mi_matmul_many(int act_bits, int nt, const int *types, const uint8_t *const 
             if (act_bits == 32) {
                 row_dots(types[t], wr, nb, qk[t], bytes[t], fn[t], x + i0 * k, k, mm, out);
             }
-#ifdef MI_AVX2
+#ifndef MI_AVX2
+            else {
+                row_int(act_bits, types[t], wr, nb, qk[t], bytes[t], k, mm, (const char *)q + i0 * k * (act_bits / 8), d + i0 * xb,
+                        s + i0 * xb, xb, out);
+            }
+#else
             else if (act_bits == 8) { /* a constant m = 1: the accumulator stays in a register */
                 const int8_t *xq = (const int8_t *)q + i0 * k;
                 if (mm == 1)
@@ -909,22 +1066,23 @@ int mi_matmul_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t 
  * quantize_blocks): per 32 columns d = max|x| / L (L = 127 for bits 8, 32767 for 16),
  * q = round(x / d) clamped to [-L, L], out = q * d; a block holding a NaN gives NaN throughout. The dense
  * (prefill) path multiplies this in float32, so a row gets the kernels' rounding whichever path
- * its pass takes. Returns 0, or -1 for bits other than 8 and 16, a k that is not a multiple
- * of 32, or a build without AVX2 (whose kernels do not round activations). */
+ * its pass takes. Returns 0, or -1 for bits other than 8 and 16 or a k that is not a
+ * multiple of 32. */
 int mi_round_activations(const float *x, int64_t m, int64_t k, int bits, float *out, int nthreads) {
-#ifdef MI_AVX2
     if ((bits != 8 && bits != 16) || k % 32) return -1;
     int lim = bits == 8 ? 127 : 32767;
     int64_t blocks = m * (k / 32);
 #pragma omp parallel for num_threads(blocks >= 4096 ? nthreads : 1) schedule(static)
     for (int64_t i = 0; i < blocks; i++) {
+#ifdef MI_AVX2
         __m256 q[4];
         const __m256 vd = _mm256_set1_ps(round_block(x + i * 32, lim, q));
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + i * 32 + 8 * j, _mm256_mul_ps(q[j], vd));
+#else
+        int32_t q[32];
+        float d = round_block(x + i * 32, lim, q);
+        for (int j = 0; j < 32; j++) out[i * 32 + j] = (float)q[j] * d;
+#endif
     }
     return 0;
-#else
-    (void)x, (void)m, (void)k, (void)bits, (void)out, (void)nthreads;
-    return -1;
-#endif
 }

@@ -25,19 +25,26 @@
  * below it one thread is faster than waking the others (a decode step at a short context). */
 #define ATTN_PARALLEL_WORK (1 << 15)
 
-/* a . b over n floats: 8-lane FMA accumulation where n is a multiple of 8 (AVX2), a scalar
- * sum otherwise. The order is fixed per call site, never by the caller's row count. */
+/* a . b over n floats: 8-lane FMA accumulation where n is a multiple of 8, a scalar sum
+ * otherwise. The order is fixed per call site, never by the caller's row count. Without AVX2
+ * the 8 lanes are fmaf's, summed in the AVX2 path's order (lanes l and l + 4, then 0 + 2 and
+ * 1 + 3, then those two), so both builds give the same bits (tests/test_step_ops.py). */
 static float dot_f32(const float *a, const float *b, int64_t n) {
-#ifdef MI_STEP_AVX2
     if (n % 8 == 0) {
+#ifdef MI_STEP_AVX2
         __m256 acc = _mm256_setzero_ps();
         for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
         __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
         s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         s = _mm_add_ss(s, _mm_movehdup_ps(s));
         return _mm_cvtss_f32(s);
-    }
+#else
+        float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t i = 0; i < n; i += 8)
+            for (int l = 0; l < 8; l++) v[l] = fmaf(a[i + l], b[i + l], v[l]);
+        return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 #endif
+    }
     float s = 0;
     for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
     return s;
