@@ -21,6 +21,11 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MI_AVX2 1
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+/* Arm (Apple silicon, Graviton): the portable path's inner loops in NEON, the same operations
+ * lane for lane (tests/benchmarks/arm_check.sh compares its bits with the AVX2 build's). */
+#include <arm_neon.h>
+#define MI_NEON 1
 #endif
 
 /* GGML type ids (ggml.h, enum ggml_type). */
@@ -192,10 +197,13 @@ int mi_supports(int type) {
     return type_info(type, &qk, &bytes, &fn) == 0;
 }
 
-/* Whether this build uses AVX2+FMA for its dot products: 1 or 0. */
+/* The instructions this build's dot products use: 1 AVX2+FMA, 2 NEON (aarch64; the portable
+ * path's inner loops, same bits), 0 plain C. */
 int mi_simd(void) {
-#ifdef MI_AVX2
+#if defined(MI_AVX2)
     return 1;
+#elif defined(MI_NEON)
+    return 2;
 #else
     return 0;
 #endif
@@ -229,6 +237,13 @@ static float hsum8(__m256 v) {
  * hsum8's order: lanes l and l + 4, then 0 + 2 and 1 + 3, then those two. */
 static float hsum8(const float v[8]) {
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+#endif
+#ifdef MI_NEON
+/* hsum8 of the 8 lanes lo (0-3), hi (4-7). */
+static inline float neon_hsum8(float32x4_t lo, float32x4_t hi) {
+    float32x4_t t = vaddq_f32(lo, hi);
+    return (vgetq_lane_f32(t, 0) + vgetq_lane_f32(t, 2)) + (vgetq_lane_f32(t, 1) + vgetq_lane_f32(t, 3));
 }
 #endif
 
@@ -405,6 +420,23 @@ static void row_dots(int type, const uint8_t *wrow, int64_t nb, int qk, int byte
      * accumulator j / 8, lane j % 8; the dequantized weights are row_simd's (both equal gguf-py's) */
     (void)type;
     float wbuf[256];
+#ifdef MI_NEON
+    float32x4_t va[MAX_ROWS][8]; /* vector v: positions 4v .. 4v + 3 of every 32 */
+    for (int i = 0; i < m; i++)
+        for (int v = 0; v < 8; v++) va[i][v] = vdupq_n_f32(0);
+    for (int64_t b = 0; b < nb; b++) {
+        fn(wrow + b * bytes, wbuf);
+        const float *xb = x + b * qk;
+        for (int c = 0; c < qk; c += 32)
+            for (int i = 0; i < m; i++)
+                for (int v = 0; v < 8; v++)
+                    va[i][v] = vfmaq_f32(va[i][v], vld1q_f32(wbuf + c + 4 * v), vld1q_f32(xb + i * k + c + 4 * v));
+    }
+    for (int i = 0; i < m; i++) /* positions l, 8 + l, 16 + l, 24 + l summed as below */
+        acc[i] = neon_hsum8(vaddq_f32(vaddq_f32(va[i][0], va[i][2]), vaddq_f32(va[i][4], va[i][6])),
+                            vaddq_f32(vaddq_f32(va[i][1], va[i][3]), vaddq_f32(va[i][5], va[i][7])));
+    return;
+#endif
     float a[MAX_ROWS][32];
     memset(a, 0, sizeof(a));
     for (int64_t b = 0; b < nb; b++) {
@@ -524,42 +556,42 @@ static void quantize_blocks(const float *x, int64_t m, int64_t k, int lim, void 
  * minimum kept apart) or Q6_K's q6 - 32 with the two 16-weight scales in s2. Returns the
  * float32 scale of the block's integer dot product (d, or Q4_K's d * sc) and sets *minus to
  * the minimum's factor (Q4_1: m; Q4_K: -(dmin * mn), so minus + mfac * s is row_q8's
- * minus - ml * s exactly; 0 for the types without a minimum). */
+ * minus - ml * s exactly; 0 for the types without a minimum). With q NULL, only the scales. */
 static inline __attribute__((always_inline)) float decode32(int type, const uint8_t *w, int g, int8_t q[32], int s2[2],
                                                             float *minus) {
     *minus = 0;
     s2[0] = s2[1] = 1;
     switch (type) {
     case T_Q8_0:
-        memcpy(q, w + 2, 32);
+        if (q) memcpy(q, w + 2, 32);
         return rd_half(w);
     case T_Q4_0:
-        for (int i = 0; i < 16; i++) q[i] = (int8_t)((w[2 + i] & 0xF) - 8), q[i + 16] = (int8_t)((w[2 + i] >> 4) - 8);
+        for (int i = 0; q && i < 16; i++) q[i] = (int8_t)((w[2 + i] & 0xF) - 8), q[i + 16] = (int8_t)((w[2 + i] >> 4) - 8);
         return rd_half(w);
     case T_Q5_0: {
         uint32_t qh = (uint32_t)w[2] | ((uint32_t)w[3] << 8) | ((uint32_t)w[4] << 16) | ((uint32_t)w[5] << 24);
-        for (int i = 0; i < 16; i++) {
+        for (int i = 0; q && i < 16; i++) {
             q[i] = (int8_t)(((w[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) - 16);
             q[i + 16] = (int8_t)(((w[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
         }
         return rd_half(w);
     }
     case T_Q4_1:
-        for (int i = 0; i < 16; i++) q[i] = (int8_t)(w[4 + i] & 0xF), q[i + 16] = (int8_t)(w[4 + i] >> 4);
+        for (int i = 0; q && i < 16; i++) q[i] = (int8_t)(w[4 + i] & 0xF), q[i + 16] = (int8_t)(w[4 + i] >> 4);
         *minus = rd_half(w + 2);
         return rd_half(w);
     case T_Q4_K: {
         int sc, mn;
         q4k_scale_min(w + 4, g, &sc, &mn);
         const uint8_t *qq = w + 16 + 32 * (g / 2);
-        for (int i = 0; i < 32; i++) q[i] = (int8_t)(g % 2 ? qq[i] >> 4 : qq[i] & 0xF);
+        for (int i = 0; q && i < 32; i++) q[i] = (int8_t)(g % 2 ? qq[i] >> 4 : qq[i] & 0xF);
         *minus = -(rd_half(w + 2) * (float)mn);
         return rd_half(w) * (float)sc;
     }
     case T_Q6_K: {
         int half = g / 4, j = g % 4;
         const uint8_t *l = w + 64 * half + (j % 2) * 32, *h = w + 128 + 32 * half;
-        for (int i = 0; i < 32; i++)
+        for (int i = 0; q && i < 32; i++)
             q[i] = (int8_t)((((j < 2 ? l[i] : l[i] >> 4) & 0xF) | (((h[i] >> (2 * j)) & 3) << 4)) - 32);
         const int8_t *sc = (const int8_t *)(w + 192) + 8 * half + 2 * j;
         s2[0] = sc[0], s2[1] = sc[1];
@@ -568,6 +600,81 @@ static inline __attribute__((always_inline)) float decode32(int type, const uint
     }
     return 0;
 }
+
+#ifdef MI_NEON
+/* decode32's 32 values as two vectors of 16 (values 0-15 and 16-31), for the quantized types. */
+typedef struct { int8x16_t lo, hi; } q32;
+
+static inline __attribute__((always_inline)) q32 neon_values(int type, const uint8_t *w, int g) {
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    uint8x16_t lo, hi;
+    switch (type) {
+    case T_Q8_0:
+        return (q32){vld1q_s8((const int8_t *)(w + 2)), vld1q_s8((const int8_t *)(w + 18))};
+    case T_Q4_0: {
+        uint8x16_t b = vld1q_u8(w + 2);
+        return (q32){vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, m4)), vdupq_n_s8(8)),
+                     vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), vdupq_n_s8(8))};
+    }
+    case T_Q5_0: { /* the fifth bit of value i is bit i of qh: a byte of qh per 8 values, tested per lane */
+        const uint8x16_t bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128}, b5 = vdupq_n_u8(0x10);
+        uint8x16_t b = vld1q_u8(w + 6);
+        uint8x16_t h0 = vcombine_u8(vdup_n_u8(w[2]), vdup_n_u8(w[3])), h1 = vcombine_u8(vdup_n_u8(w[4]), vdup_n_u8(w[5]));
+        lo = vorrq_u8(vandq_u8(b, m4), vandq_u8(vtstq_u8(h0, bit), b5));
+        hi = vorrq_u8(vshrq_n_u8(b, 4), vandq_u8(vtstq_u8(h1, bit), b5));
+        return (q32){vsubq_s8(vreinterpretq_s8_u8(lo), vdupq_n_s8(16)), vsubq_s8(vreinterpretq_s8_u8(hi), vdupq_n_s8(16))};
+    }
+    case T_Q4_1: {
+        uint8x16_t b = vld1q_u8(w + 4);
+        return (q32){vreinterpretq_s8_u8(vandq_u8(b, m4)), vreinterpretq_s8_u8(vshrq_n_u8(b, 4))};
+    }
+    case T_Q4_K: {
+        const uint8_t *qq = w + 16 + 32 * (g / 2);
+        lo = vld1q_u8(qq), hi = vld1q_u8(qq + 16);
+        if (g % 2) return (q32){vreinterpretq_s8_u8(vshrq_n_u8(lo, 4)), vreinterpretq_s8_u8(vshrq_n_u8(hi, 4))};
+        return (q32){vreinterpretq_s8_u8(vandq_u8(lo, m4)), vreinterpretq_s8_u8(vandq_u8(hi, m4))};
+    }
+    default: { /* T_Q6_K */
+        int half = g / 4, j = g % 4;
+        const uint8_t *l = w + 64 * half + (j % 2) * 32, *h = w + 128 + 32 * half;
+        const int8x16_t down = vdupq_n_s8((int8_t)(j < 2 ? 0 : -4)), hdown = vdupq_n_s8((int8_t)(-2 * j));
+        const uint8x16_t m2 = vdupq_n_u8(3);
+        lo = vorrq_u8(vandq_u8(vshlq_u8(vld1q_u8(l), down), m4), vshlq_n_u8(vandq_u8(vshlq_u8(vld1q_u8(h), hdown), m2), 4));
+        hi = vorrq_u8(vandq_u8(vshlq_u8(vld1q_u8(l + 16), down), m4),
+                      vshlq_n_u8(vandq_u8(vshlq_u8(vld1q_u8(h + 16), hdown), m2), 4));
+        return (q32){vsubq_s8(vreinterpretq_s8_u8(lo), vdupq_n_s8(32)), vsubq_s8(vreinterpretq_s8_u8(hi), vdupq_n_s8(32))};
+    }
+    }
+}
+
+/* The 8 int32 lane sums of values q against int8 x (lanes 0-3, 4-7): lane l sums columns
+ * 4l .. 4l + 3 (sdot where the CPU has it; else products, then pair sums twice). */
+static inline __attribute__((always_inline)) void neon_lanes8(q32 q, const int8_t *x, int32x4_t out[2]) {
+    int8x16_t x0 = vld1q_s8(x), x1 = vld1q_s8(x + 16);
+#ifdef __ARM_FEATURE_DOTPROD
+    out[0] = vdotq_s32(vdupq_n_s32(0), q.lo, x0);
+    out[1] = vdotq_s32(vdupq_n_s32(0), q.hi, x1);
+#else
+    out[0] = vpaddq_s32(vpaddlq_s16(vmull_s8(vget_low_s8(q.lo), vget_low_s8(x0))), vpaddlq_s16(vmull_high_s8(q.lo, x0)));
+    out[1] = vpaddq_s32(vpaddlq_s16(vmull_s8(vget_low_s8(q.hi), vget_low_s8(x1))), vpaddlq_s16(vmull_high_s8(q.hi, x1)));
+#endif
+}
+
+/* Pair sums q[2j] x[2j] + q[2j+1] x[2j+1] of 8 int16 values against int16 x, j = 0..3. */
+static inline __attribute__((always_inline)) int32x4_t neon_pairs16(int16x8_t q, const int16_t *x) {
+    int16x8_t xv = vld1q_s16(x);
+    return vpaddq_s32(vmull_s16(vget_low_s16(q), vget_low_s16(xv)), vmull_high_s16(q, xv));
+}
+
+/* The 8 int32 lane sums of values q against int16 x: lane l = s0 (pair l) + s1 (pair 8 + l). */
+static inline __attribute__((always_inline)) void neon_lanes16(q32 q, const int16_t *x, int s0, int s1, int32x4_t out[2]) {
+    int32x4_t p0 = neon_pairs16(vmovl_s8(vget_low_s8(q.lo)), x), p1 = neon_pairs16(vmovl_high_s8(q.lo), x + 8);
+    int32x4_t p2 = neon_pairs16(vmovl_s8(vget_low_s8(q.hi)), x + 16), p3 = neon_pairs16(vmovl_high_s8(q.hi), x + 24);
+    out[0] = vmlaq_n_s32(vmulq_n_s32(p0, s0), p2, s1);
+    out[1] = vmlaq_n_s32(vmulq_n_s32(p1, s0), p3, s1);
+}
+
+#endif
 
 /* One weight row (nb blocks of qk weights, bytes each) against m int8 (act_bits 8) or int16
  * (16) input rows, as row_q8 / row_q16:
@@ -581,12 +688,37 @@ static inline __attribute__((always_inline)) void row_int_t(int act_bits, int ty
     float acc[MAX_ROWS][8], minus[MAX_ROWS];
     memset(acc, 0, sizeof(acc));
     memset(minus, 0, sizeof(minus));
+#ifdef MI_NEON
+    float32x4_t va[MAX_ROWS][2];
+    for (int i = 0; i < m; i++) va[i][0] = va[i][1] = vdupq_n_f32(0);
+#endif
     for (int64_t b = 0; b < nb; b++, w += bytes) {
         for (int g = 0; g < qk / 32; g++) {
             int8_t q[32];
             int s2[2];
+#ifdef MI_NEON
+            float mfac, d = decode32(type, w, g, NULL, s2, &mfac);
+            int64_t xi = b * (qk / 32) + g;
+            q32 qv = neon_values(type, w, g);
+            for (int i = 0; i < m; i++) {
+                int32x4_t lanes[2];
+                if (act_bits == 8) {
+                    neon_lanes8(qv, (const int8_t *)xq + i * k + 32 * xi, lanes);
+                    if (type == T_Q6_K) lanes[0] = vmulq_n_s32(lanes[0], s2[0]), lanes[1] = vmulq_n_s32(lanes[1], s2[1]);
+                } else {
+                    neon_lanes16(qv, (const int16_t *)xq + i * k + 32 * xi, s2[0], s2[1], lanes);
+                }
+                float32x4_t f = vdupq_n_f32(d * xd[i * xb + xi]);
+                va[i][0] = vfmaq_f32(va[i][0], vcvtq_f32_s32(lanes[0]), f);
+                va[i][1] = vfmaq_f32(va[i][1], vcvtq_f32_s32(lanes[1]), f);
+                if (type == T_Q4_1 || type == T_Q4_K) minus[i] += mfac * xs[i * xb + xi];
+            }
+            (void)q;
+            continue;
+#else
             float mfac, d = decode32(type, w, g, q, s2, &mfac);
             int64_t xi = b * (qk / 32) + g;
+#endif
             for (int i = 0; i < m; i++) {
                 int32_t lanes[8];
                 /* products, then pair sums: shapes a compiler vectorizes (NEON: smull, addp) */
@@ -609,6 +741,10 @@ static inline __attribute__((always_inline)) void row_int_t(int act_bits, int ty
             }
         }
     }
+#ifdef MI_NEON
+    for (int i = 0; i < m; i++) out[i] = neon_hsum8(va[i][0], va[i][1]) + minus[i];
+    return;
+#endif
     for (int i = 0; i < m; i++) out[i] = hsum8(acc[i]) + minus[i];
 }
 

@@ -62,7 +62,7 @@ class F32Product:
         """The product of ``ws`` with ``biases``, or None: not float32 contiguous on the CPU, widths
         that differ or are not a multiple of 8, no kernels (or built without AVX2)."""
         lib = native.library()
-        if lib is None or not lib.mi_simd() or not ws or len(biases) != len(ws):
+        if lib is None or lib.mi_simd() != 1 or not ws or len(biases) != len(ws):
             return None
         for w, b in zip(ws, biases):
             if (w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or not w.is_contiguous()

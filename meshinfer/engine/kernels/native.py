@@ -172,7 +172,8 @@ def main() -> int:
         print("gguf kernels: not available (see the warning above)", file=sys.stderr)
         return 1
     cc = _compiler()
-    print(f"gguf kernels: {library_path(cc)} ({'AVX2+FMA' if lib.mi_simd() else 'portable C'})")
+    simd = {1: "AVX2+FMA", 2: "NEON"}.get(lib.mi_simd(), "portable C")
+    print(f"gguf kernels: {library_path(cc)} ({simd})")
     return 0
 
 
