@@ -245,6 +245,60 @@ static inline float neon_hsum8(float32x4_t lo, float32x4_t hi) {
     float32x4_t t = vaddq_f32(lo, hi);
     return (vgetq_lane_f32(t, 0) + vgetq_lane_f32(t, 2)) + (vgetq_lane_f32(t, 1) + vgetq_lane_f32(t, 3));
 }
+
+/* decode32's 32 values (below) as two vectors of 16 (values 0-15 and 16-31), for the quantized types. */
+typedef struct { int8x16_t lo, hi; } q32;
+
+static inline __attribute__((always_inline)) q32 neon_values(int type, const uint8_t *w, int g) {
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    uint8x16_t lo, hi;
+    switch (type) {
+    case T_Q8_0:
+        return (q32){vld1q_s8((const int8_t *)(w + 2)), vld1q_s8((const int8_t *)(w + 18))};
+    case T_Q4_0: {
+        uint8x16_t b = vld1q_u8(w + 2);
+        return (q32){vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, m4)), vdupq_n_s8(8)),
+                     vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), vdupq_n_s8(8))};
+    }
+    case T_Q5_0: { /* the fifth bit of value i is bit i of qh: a byte of qh per 8 values, tested per lane */
+        const uint8x16_t bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128}, b5 = vdupq_n_u8(0x10);
+        uint8x16_t b = vld1q_u8(w + 6);
+        uint8x16_t h0 = vcombine_u8(vdup_n_u8(w[2]), vdup_n_u8(w[3])), h1 = vcombine_u8(vdup_n_u8(w[4]), vdup_n_u8(w[5]));
+        lo = vorrq_u8(vandq_u8(b, m4), vandq_u8(vtstq_u8(h0, bit), b5));
+        hi = vorrq_u8(vshrq_n_u8(b, 4), vandq_u8(vtstq_u8(h1, bit), b5));
+        return (q32){vsubq_s8(vreinterpretq_s8_u8(lo), vdupq_n_s8(16)), vsubq_s8(vreinterpretq_s8_u8(hi), vdupq_n_s8(16))};
+    }
+    case T_Q4_1: {
+        uint8x16_t b = vld1q_u8(w + 4);
+        return (q32){vreinterpretq_s8_u8(vandq_u8(b, m4)), vreinterpretq_s8_u8(vshrq_n_u8(b, 4))};
+    }
+    case T_Q4_K: {
+        const uint8_t *qq = w + 16 + 32 * (g / 2);
+        lo = vld1q_u8(qq), hi = vld1q_u8(qq + 16);
+        if (g % 2) return (q32){vreinterpretq_s8_u8(vshrq_n_u8(lo, 4)), vreinterpretq_s8_u8(vshrq_n_u8(hi, 4))};
+        return (q32){vreinterpretq_s8_u8(vandq_u8(lo, m4)), vreinterpretq_s8_u8(vandq_u8(hi, m4))};
+    }
+    default: { /* T_Q6_K */
+        int half = g / 4, j = g % 4;
+        const uint8_t *l = w + 64 * half + (j % 2) * 32, *h = w + 128 + 32 * half;
+        const int8x16_t down = vdupq_n_s8((int8_t)(j < 2 ? 0 : -4)), hdown = vdupq_n_s8((int8_t)(-2 * j));
+        const uint8x16_t m2 = vdupq_n_u8(3);
+        lo = vorrq_u8(vandq_u8(vshlq_u8(vld1q_u8(l), down), m4), vshlq_n_u8(vandq_u8(vshlq_u8(vld1q_u8(h), hdown), m2), 4));
+        hi = vorrq_u8(vandq_u8(vshlq_u8(vld1q_u8(l + 16), down), m4),
+                      vshlq_n_u8(vandq_u8(vshlq_u8(vld1q_u8(h + 16), hdown), m2), 4));
+        return (q32){vsubq_s8(vreinterpretq_s8_u8(lo), vdupq_n_s8(32)), vsubq_s8(vreinterpretq_s8_u8(hi), vdupq_n_s8(32))};
+    }
+    }
+}
+
+/* 32 values as float32, four vectors of 8... as eight of 4 (values 4v .. 4v + 3). */
+static inline __attribute__((always_inline)) void neon_to_f32(q32 q, float32x4_t w[8]) {
+    int16x8_t h[4] = {vmovl_s8(vget_low_s8(q.lo)), vmovl_high_s8(q.lo), vmovl_s8(vget_low_s8(q.hi)), vmovl_high_s8(q.hi)};
+    for (int j = 0; j < 4; j++) {
+        w[2 * j] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(h[j])));
+        w[2 * j + 1] = vcvtq_f32_s32(vmovl_high_s16(h[j]));
+    }
+}
 #endif
 
 #ifdef MI_AVX2
@@ -405,6 +459,58 @@ static void row_simd(int type, const uint8_t *w, int64_t nb, const float *x, int
 }
 #endif
 
+#ifndef MI_AVX2
+/* Weight row w's values of 32-block g of block b (its xi-th 32 columns), as the AVX2 kernels
+ * decode them: signed q5 - 16, nibble - 8, int8, unsigned nibbles (Q4_1, Q4_K, with their
+ * minimum kept apart) or Q6_K's q6 - 32 with the two 16-weight scales in s2. Returns the
+ * float32 scale of the block's integer dot product (d, or Q4_K's d * sc) and sets *minus to
+ * the minimum's factor (Q4_1: m; Q4_K: -(dmin * mn), so minus + mfac * s is row_q8's
+ * minus - ml * s exactly; 0 for the types without a minimum). With q NULL, only the scales. */
+static inline __attribute__((always_inline)) float decode32(int type, const uint8_t *w, int g, int8_t q[32], int s2[2],
+                                                            float *minus) {
+    *minus = 0;
+    s2[0] = s2[1] = 1;
+    switch (type) {
+    case T_Q8_0:
+        if (q) memcpy(q, w + 2, 32);
+        return rd_half(w);
+    case T_Q4_0:
+        for (int i = 0; q && i < 16; i++) q[i] = (int8_t)((w[2 + i] & 0xF) - 8), q[i + 16] = (int8_t)((w[2 + i] >> 4) - 8);
+        return rd_half(w);
+    case T_Q5_0: {
+        uint32_t qh = (uint32_t)w[2] | ((uint32_t)w[3] << 8) | ((uint32_t)w[4] << 16) | ((uint32_t)w[5] << 24);
+        for (int i = 0; q && i < 16; i++) {
+            q[i] = (int8_t)(((w[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) - 16);
+            q[i + 16] = (int8_t)(((w[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+        }
+        return rd_half(w);
+    }
+    case T_Q4_1:
+        for (int i = 0; q && i < 16; i++) q[i] = (int8_t)(w[4 + i] & 0xF), q[i + 16] = (int8_t)(w[4 + i] >> 4);
+        *minus = rd_half(w + 2);
+        return rd_half(w);
+    case T_Q4_K: {
+        int sc, mn;
+        q4k_scale_min(w + 4, g, &sc, &mn);
+        const uint8_t *qq = w + 16 + 32 * (g / 2);
+        for (int i = 0; q && i < 32; i++) q[i] = (int8_t)(g % 2 ? qq[i] >> 4 : qq[i] & 0xF);
+        *minus = -(rd_half(w + 2) * (float)mn);
+        return rd_half(w) * (float)sc;
+    }
+    case T_Q6_K: {
+        int half = g / 4, j = g % 4;
+        const uint8_t *l = w + 64 * half + (j % 2) * 32, *h = w + 128 + 32 * half;
+        for (int i = 0; q && i < 32; i++)
+            q[i] = (int8_t)((((j < 2 ? l[i] : l[i] >> 4) & 0xF) | (((h[i] >> (2 * j)) & 3) << 4)) - 32);
+        const int8_t *sc = (const int8_t *)(w + 192) + 8 * half + 2 * j;
+        s2[0] = sc[0], s2[1] = sc[1];
+        return rd_half(w + 208);
+    }
+    }
+    return 0;
+}
+#endif
+
 /* One weight row against m input rows: acc[i] = sum_k w[k] * x[i][k]. */
 static void row_dots(int type, const uint8_t *wrow, int64_t nb, int qk, int bytes, deq_fn fn,
                      const float *x, int64_t k, int m, float *acc) {
@@ -425,12 +531,26 @@ static void row_dots(int type, const uint8_t *wrow, int64_t nb, int qk, int byte
     for (int i = 0; i < m; i++)
         for (int v = 0; v < 8; v++) va[i][v] = vdupq_n_f32(0);
     for (int64_t b = 0; b < nb; b++) {
-        fn(wrow + b * bytes, wbuf);
+        const uint8_t *w = wrow + b * bytes;
         const float *xb = x + b * qk;
-        for (int c = 0; c < qk; c += 32)
+        int quant = type != T_F32 && type != T_F16;
+        if (!quant) fn(w, wbuf);
+        for (int c = 0; c < qk; c += 32) {
+            float32x4_t wv[8];
+            if (quant) { /* the block dequantizer's float32 operations, four weights at a time */
+                int s2[2];
+                float mfac, d = decode32(type, w, c / 32, NULL, s2, &mfac);
+                neon_to_f32(neon_values(type, w, c / 32), wv);
+                for (int v = 0; v < 8; v++) {
+                    wv[v] = vmulq_n_f32(wv[v], type == T_Q6_K ? d * (float)s2[v / 4] : d);
+                    if (type == T_Q4_1 || type == T_Q4_K) wv[v] = vaddq_f32(wv[v], vdupq_n_f32(mfac)); /* + m, - ml */
+                }
+            } else {
+                for (int v = 0; v < 8; v++) wv[v] = vld1q_f32(wbuf + c + 4 * v);
+            }
             for (int i = 0; i < m; i++)
-                for (int v = 0; v < 8; v++)
-                    va[i][v] = vfmaq_f32(va[i][v], vld1q_f32(wbuf + c + 4 * v), vld1q_f32(xb + i * k + c + 4 * v));
+                for (int v = 0; v < 8; v++) va[i][v] = vfmaq_f32(va[i][v], wv[v], vld1q_f32(xb + i * k + c + 4 * v));
+        }
     }
     for (int i = 0; i < m; i++) /* positions l, 8 + l, 16 + l, 24 + l summed as below */
         acc[i] = neon_hsum8(vaddq_f32(vaddq_f32(va[i][0], va[i][2]), vaddq_f32(va[i][4], va[i][6])),
@@ -551,102 +671,8 @@ static void quantize_blocks(const float *x, int64_t m, int64_t k, int lim, void 
     }
 }
 
-/* Weight row w's values of 32-block g of block b (its xi-th 32 columns), as the AVX2 kernels
- * decode them: signed q5 - 16, nibble - 8, int8, unsigned nibbles (Q4_1, Q4_K, with their
- * minimum kept apart) or Q6_K's q6 - 32 with the two 16-weight scales in s2. Returns the
- * float32 scale of the block's integer dot product (d, or Q4_K's d * sc) and sets *minus to
- * the minimum's factor (Q4_1: m; Q4_K: -(dmin * mn), so minus + mfac * s is row_q8's
- * minus - ml * s exactly; 0 for the types without a minimum). With q NULL, only the scales. */
-static inline __attribute__((always_inline)) float decode32(int type, const uint8_t *w, int g, int8_t q[32], int s2[2],
-                                                            float *minus) {
-    *minus = 0;
-    s2[0] = s2[1] = 1;
-    switch (type) {
-    case T_Q8_0:
-        if (q) memcpy(q, w + 2, 32);
-        return rd_half(w);
-    case T_Q4_0:
-        for (int i = 0; q && i < 16; i++) q[i] = (int8_t)((w[2 + i] & 0xF) - 8), q[i + 16] = (int8_t)((w[2 + i] >> 4) - 8);
-        return rd_half(w);
-    case T_Q5_0: {
-        uint32_t qh = (uint32_t)w[2] | ((uint32_t)w[3] << 8) | ((uint32_t)w[4] << 16) | ((uint32_t)w[5] << 24);
-        for (int i = 0; q && i < 16; i++) {
-            q[i] = (int8_t)(((w[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) - 16);
-            q[i + 16] = (int8_t)(((w[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
-        }
-        return rd_half(w);
-    }
-    case T_Q4_1:
-        for (int i = 0; q && i < 16; i++) q[i] = (int8_t)(w[4 + i] & 0xF), q[i + 16] = (int8_t)(w[4 + i] >> 4);
-        *minus = rd_half(w + 2);
-        return rd_half(w);
-    case T_Q4_K: {
-        int sc, mn;
-        q4k_scale_min(w + 4, g, &sc, &mn);
-        const uint8_t *qq = w + 16 + 32 * (g / 2);
-        for (int i = 0; q && i < 32; i++) q[i] = (int8_t)(g % 2 ? qq[i] >> 4 : qq[i] & 0xF);
-        *minus = -(rd_half(w + 2) * (float)mn);
-        return rd_half(w) * (float)sc;
-    }
-    case T_Q6_K: {
-        int half = g / 4, j = g % 4;
-        const uint8_t *l = w + 64 * half + (j % 2) * 32, *h = w + 128 + 32 * half;
-        for (int i = 0; q && i < 32; i++)
-            q[i] = (int8_t)((((j < 2 ? l[i] : l[i] >> 4) & 0xF) | (((h[i] >> (2 * j)) & 3) << 4)) - 32);
-        const int8_t *sc = (const int8_t *)(w + 192) + 8 * half + 2 * j;
-        s2[0] = sc[0], s2[1] = sc[1];
-        return rd_half(w + 208);
-    }
-    }
-    return 0;
-}
 
 #ifdef MI_NEON
-/* decode32's 32 values as two vectors of 16 (values 0-15 and 16-31), for the quantized types. */
-typedef struct { int8x16_t lo, hi; } q32;
-
-static inline __attribute__((always_inline)) q32 neon_values(int type, const uint8_t *w, int g) {
-    const uint8x16_t m4 = vdupq_n_u8(0x0F);
-    uint8x16_t lo, hi;
-    switch (type) {
-    case T_Q8_0:
-        return (q32){vld1q_s8((const int8_t *)(w + 2)), vld1q_s8((const int8_t *)(w + 18))};
-    case T_Q4_0: {
-        uint8x16_t b = vld1q_u8(w + 2);
-        return (q32){vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, m4)), vdupq_n_s8(8)),
-                     vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), vdupq_n_s8(8))};
-    }
-    case T_Q5_0: { /* the fifth bit of value i is bit i of qh: a byte of qh per 8 values, tested per lane */
-        const uint8x16_t bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128}, b5 = vdupq_n_u8(0x10);
-        uint8x16_t b = vld1q_u8(w + 6);
-        uint8x16_t h0 = vcombine_u8(vdup_n_u8(w[2]), vdup_n_u8(w[3])), h1 = vcombine_u8(vdup_n_u8(w[4]), vdup_n_u8(w[5]));
-        lo = vorrq_u8(vandq_u8(b, m4), vandq_u8(vtstq_u8(h0, bit), b5));
-        hi = vorrq_u8(vshrq_n_u8(b, 4), vandq_u8(vtstq_u8(h1, bit), b5));
-        return (q32){vsubq_s8(vreinterpretq_s8_u8(lo), vdupq_n_s8(16)), vsubq_s8(vreinterpretq_s8_u8(hi), vdupq_n_s8(16))};
-    }
-    case T_Q4_1: {
-        uint8x16_t b = vld1q_u8(w + 4);
-        return (q32){vreinterpretq_s8_u8(vandq_u8(b, m4)), vreinterpretq_s8_u8(vshrq_n_u8(b, 4))};
-    }
-    case T_Q4_K: {
-        const uint8_t *qq = w + 16 + 32 * (g / 2);
-        lo = vld1q_u8(qq), hi = vld1q_u8(qq + 16);
-        if (g % 2) return (q32){vreinterpretq_s8_u8(vshrq_n_u8(lo, 4)), vreinterpretq_s8_u8(vshrq_n_u8(hi, 4))};
-        return (q32){vreinterpretq_s8_u8(vandq_u8(lo, m4)), vreinterpretq_s8_u8(vandq_u8(hi, m4))};
-    }
-    default: { /* T_Q6_K */
-        int half = g / 4, j = g % 4;
-        const uint8_t *l = w + 64 * half + (j % 2) * 32, *h = w + 128 + 32 * half;
-        const int8x16_t down = vdupq_n_s8((int8_t)(j < 2 ? 0 : -4)), hdown = vdupq_n_s8((int8_t)(-2 * j));
-        const uint8x16_t m2 = vdupq_n_u8(3);
-        lo = vorrq_u8(vandq_u8(vshlq_u8(vld1q_u8(l), down), m4), vshlq_n_u8(vandq_u8(vshlq_u8(vld1q_u8(h), hdown), m2), 4));
-        hi = vorrq_u8(vandq_u8(vshlq_u8(vld1q_u8(l + 16), down), m4),
-                      vshlq_n_u8(vandq_u8(vshlq_u8(vld1q_u8(h + 16), hdown), m2), 4));
-        return (q32){vsubq_s8(vreinterpretq_s8_u8(lo), vdupq_n_s8(32)), vsubq_s8(vreinterpretq_s8_u8(hi), vdupq_n_s8(32))};
-    }
-    }
-}
-
 /* The 8 int32 lane sums of values q against int8 x (lanes 0-3, 4-7): lane l sums columns
  * 4l .. 4l + 3 (sdot where the CPU has it; else products, then pair sums twice). */
 static inline __attribute__((always_inline)) void neon_lanes8(q32 q, const int8_t *x, int32x4_t out[2]) {
