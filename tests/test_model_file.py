@@ -1,7 +1,7 @@
 """A peer's weights are its own copy of the model file's tensors at every precision
 (``GGUFFile.iter_shard_tensors``): the file written over in place under a running peer changes
 none of its answers. (Truncated: ``tests/test_cli.py``, in a subprocess, since a regression
-there is a SIGBUS.)"""
+there is a SIGBUS.) Loading one costs no memory beyond its weights that an import could save."""
 
 from __future__ import annotations
 
@@ -81,3 +81,24 @@ def test_a_model_file_cut_short_during_a_load_is_a_clear_error(tmp_path, blocks)
         f.truncate(model.stat().st_size // 2)
     with pytest.raises(WeightsError, match="it was changed while being read"):
         list(src.iter_shard_tensors(LayerRange(0, cfg.num_hidden_layers), blocks=blocks))
+
+
+def test_loading_a_shard_does_not_import_torchs_compiler(tmp_path):
+    """nn.Embedding's random init on the meta device went through torch._refs, which imports
+    torch._dynamo: 40-50 MiB of every peer's memory (the default model's whole-model gguf-a8
+    load peaked at 796 MiB with it, 724 without). The shard is built without that init."""
+    import subprocess
+    import sys
+
+    from helpers.tiny import write_quantized_tiny
+
+    path = write_quantized_tiny(tmp_path / "tiny.gguf", "qwen2")
+    code = ("import sys, torch\n"
+            "from meshinfer.engine.generate import load_shard\n"
+            f"for dtype in ('f32', 'gguf-a8', 'q8-bf16'):\n"
+            f"    shard = load_shard({str(path)!r}, dtype=dtype)\n"
+            "    shard(torch.tensor([[1, 2, 3]]), 0)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -225,7 +225,10 @@ class Shard(nn.Module):
         self.range = layers.check_within(cfg.num_hidden_layers)
         self.is_first = layers.start == 0
         self.is_last = layers.stop == cfg.num_hidden_layers
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        # _weight: no random init. On the meta device (from_tensors) nn.Embedding's normal_ goes
+        # through torch._refs, which imports torch._dynamo: 40-50 MiB of a peer's memory for nothing
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)) if self.is_first else None
         from meshinfer.engine.models.families import make_block, make_final_norm
 
         self.layers = nn.ModuleDict({str(i): make_block(cfg, i) for i in range(layers.start, layers.stop)})
