@@ -291,7 +291,7 @@ static inline __attribute__((always_inline)) q32 neon_values(int type, const uin
     }
 }
 
-/* 32 values as float32, four vectors of 8... as eight of 4 (values 4v .. 4v + 3). */
+/* 32 values as float32, in eight vectors of 4 (vector v: values 4v .. 4v + 3). */
 static inline __attribute__((always_inline)) void neon_to_f32(q32 q, float32x4_t w[8]) {
     int16x8_t h[4] = {vmovl_s8(vget_low_s8(q.lo)), vmovl_high_s8(q.lo), vmovl_s8(vget_low_s8(q.hi)), vmovl_high_s8(q.hi)};
     for (int j = 0; j < 4; j++) {
@@ -671,7 +671,6 @@ static void quantize_blocks(const float *x, int64_t m, int64_t k, int lim, void 
     }
 }
 
-
 #ifdef MI_NEON
 /* The 8 int32 lane sums of values q against int8 x (lanes 0-3, 4-7): lane l sums columns
  * 4l .. 4l + 3 (sdot where the CPU has it; else products, then pair sums twice). */
@@ -699,79 +698,95 @@ static inline __attribute__((always_inline)) void neon_lanes16(q32 q, const int1
     out[0] = vmlaq_n_s32(vmulq_n_s32(p0, s0), p2, s1);
     out[1] = vmlaq_n_s32(vmulq_n_s32(p1, s0), p3, s1);
 }
+#endif
 
+#ifdef MI_NEON
+/* lanes of 32 values against int8 (act_bits 8) or int16 (16) activations x, as lanes_c. */
+static inline __attribute__((always_inline)) void lanes_neon(int act_bits, int type, q32 q, const void *x,
+                                                             const int s2[2], int32x4_t out[2]) {
+    if (act_bits == 16) {
+        neon_lanes16(q, (const int16_t *)x, s2[0], s2[1], out);
+        return;
+    }
+    neon_lanes8(q, (const int8_t *)x, out);
+    if (type == T_Q6_K) out[0] = vmulq_n_s32(out[0], s2[0]), out[1] = vmulq_n_s32(out[1], s2[1]);
+}
+#else
+/* The 8 int32 lane sums of 32 values q against int8 (act_bits 8) or int16 (16) activations x,
+ * as row_q8 / row_q16 form them: int8, lane l sums columns 4l .. 4l + 3 (maddubs, then madd),
+ * times Q6_K's scale of its half (s2[l / 4]); int16, s2[0] times the pair 2l, 2l + 1 plus
+ * s2[1] times the pair 16 + 2l, 17 + 2l (madd over each half). Written as products, then pair
+ * sums: shapes a compiler vectorizes. */
+static inline __attribute__((always_inline)) void lanes_c(int act_bits, const int8_t q[32], const void *x,
+                                                          const int s2[2], int32_t lanes[8]) {
+    int32_t pairs[16];
+    if (act_bits == 8) {
+        const int8_t *xr = (const int8_t *)x;
+        int16_t p[32]; /* |q x| <= 128 * 127 */
+        for (int j = 0; j < 32; j++) p[j] = (int16_t)(q[j] * xr[j]);
+        for (int j = 0; j < 16; j++) pairs[j] = p[2 * j] + p[2 * j + 1];
+        for (int l = 0; l < 8; l++) lanes[l] = (pairs[2 * l] + pairs[2 * l + 1]) * s2[l / 4];
+    } else {
+        const int16_t *xr = (const int16_t *)x;
+        for (int j = 0; j < 16; j++) pairs[j] = q[2 * j] * xr[2 * j] + q[2 * j + 1] * xr[2 * j + 1];
+        for (int l = 0; l < 8; l++) lanes[l] = s2[0] * pairs[l] + s2[1] * pairs[8 + l];
+    }
+}
 #endif
 
 /* One weight row (nb blocks of qk weights, bytes each) against m int8 (act_bits 8) or int16
- * (16) input rows, as row_q8 / row_q16:
- * eight int32 lane sums per 32-block (int8: lane l sums columns 4l .. 4l + 3, as maddubs then
- * madd; int16: 2l, 2l + 1, 16 + 2l, 17 + 2l, as madd over each half), each converted to
- * float32 and fused-multiply-added with the block's scale times the row's; the minimum terms
- * summed apart. All integer sums are exact, so their order does not matter. */
+ * (16) input rows xq, as row_q8 / row_q16: per 32-block, eight int32 lane sums (lanes_c,
+ * lanes_neon), each converted to float32 and fused-multiply-added with the block's scale times
+ * the row's (xd); the minimum terms (Q4_1, Q4_K: mfac times the row's block sum xs) summed
+ * apart. All integer sums are exact, so their order does not matter. */
 static inline __attribute__((always_inline)) void row_int_t(int act_bits, int type, const uint8_t *w, int64_t nb,
                                                             int qk, int bytes, int64_t k, int m, const void *xq,
                                                             const float *xd, const float *xs, int64_t xb, float *out) {
-    float acc[MAX_ROWS][8], minus[MAX_ROWS];
-    memset(acc, 0, sizeof(acc));
+    float minus[MAX_ROWS];
     memset(minus, 0, sizeof(minus));
 #ifdef MI_NEON
-    float32x4_t va[MAX_ROWS][2];
-    for (int i = 0; i < m; i++) va[i][0] = va[i][1] = vdupq_n_f32(0);
+    float32x4_t acc[MAX_ROWS][2]; /* lanes 0-3, 4-7 */
+    for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = vdupq_n_f32(0);
+#else
+    float acc[MAX_ROWS][8];
+    memset(acc, 0, sizeof(acc));
 #endif
     for (int64_t b = 0; b < nb; b++, w += bytes) {
         for (int g = 0; g < qk / 32; g++) {
-            int8_t q[32];
             int s2[2];
+            float mfac;
 #ifdef MI_NEON
-            float mfac, d = decode32(type, w, g, NULL, s2, &mfac);
-            int64_t xi = b * (qk / 32) + g;
-            q32 qv = neon_values(type, w, g);
-            for (int i = 0; i < m; i++) {
-                int32x4_t lanes[2];
-                if (act_bits == 8) {
-                    neon_lanes8(qv, (const int8_t *)xq + i * k + 32 * xi, lanes);
-                    if (type == T_Q6_K) lanes[0] = vmulq_n_s32(lanes[0], s2[0]), lanes[1] = vmulq_n_s32(lanes[1], s2[1]);
-                } else {
-                    neon_lanes16(qv, (const int16_t *)xq + i * k + 32 * xi, s2[0], s2[1], lanes);
-                }
-                float32x4_t f = vdupq_n_f32(d * xd[i * xb + xi]);
-                va[i][0] = vfmaq_f32(va[i][0], vcvtq_f32_s32(lanes[0]), f);
-                va[i][1] = vfmaq_f32(va[i][1], vcvtq_f32_s32(lanes[1]), f);
-                if (type == T_Q4_1 || type == T_Q4_K) minus[i] += mfac * xs[i * xb + xi];
-            }
-            (void)q;
-            continue;
+            float d = decode32(type, w, g, NULL, s2, &mfac);
+            q32 q = neon_values(type, w, g);
 #else
-            float mfac, d = decode32(type, w, g, q, s2, &mfac);
-            int64_t xi = b * (qk / 32) + g;
+            int8_t q[32];
+            float d = decode32(type, w, g, q, s2, &mfac);
 #endif
+            int64_t xi = b * (qk / 32) + g;
             for (int i = 0; i < m; i++) {
-                int32_t lanes[8];
-                /* products, then pair sums: shapes a compiler vectorizes (NEON: smull, addp) */
-                int32_t pairs[16];
-                if (act_bits == 8) {
-                    const int8_t *xr = (const int8_t *)xq + i * k + 32 * xi;
-                    int16_t p[32]; /* |q x| <= 128 * 127 */
-                    for (int j = 0; j < 32; j++) p[j] = (int16_t)(q[j] * xr[j]);
-                    for (int j = 0; j < 16; j++) pairs[j] = p[2 * j] + p[2 * j + 1];
-                    for (int l = 0; l < 8; l++) /* Q6_K: values 0-15 by one scale, 16-31 by the other */
-                        lanes[l] = (pairs[2 * l] + pairs[2 * l + 1]) * s2[l / 4];
-                } else {
-                    const int16_t *xr = (const int16_t *)xq + i * k + 32 * xi;
-                    for (int j = 0; j < 16; j++) pairs[j] = q[2 * j] * xr[2 * j] + q[2 * j + 1] * xr[2 * j + 1];
-                    for (int l = 0; l < 8; l++) lanes[l] = s2[0] * pairs[l] + s2[1] * pairs[8 + l];
-                }
+                const void *xr = (const char *)xq + (i * k + 32 * xi) * (act_bits / 8);
                 float f = d * xd[i * xb + xi];
+#ifdef MI_NEON
+                int32x4_t lanes[2];
+                lanes_neon(act_bits, type, q, xr, s2, lanes);
+                acc[i][0] = vfmaq_f32(acc[i][0], vcvtq_f32_s32(lanes[0]), vdupq_n_f32(f));
+                acc[i][1] = vfmaq_f32(acc[i][1], vcvtq_f32_s32(lanes[1]), vdupq_n_f32(f));
+#else
+                int32_t lanes[8];
+                lanes_c(act_bits, q, xr, s2, lanes);
                 for (int l = 0; l < 8; l++) acc[i][l] = fmaf((float)lanes[l], f, acc[i][l]);
+#endif
                 if (type == T_Q4_1 || type == T_Q4_K) minus[i] += mfac * xs[i * xb + xi]; /* NaN and inf as AVX2 */
             }
         }
     }
+    for (int i = 0; i < m; i++) {
 #ifdef MI_NEON
-    for (int i = 0; i < m; i++) out[i] = neon_hsum8(va[i][0], va[i][1]) + minus[i];
-    return;
+        out[i] = neon_hsum8(acc[i][0], acc[i][1]) + minus[i];
+#else
+        out[i] = hsum8(acc[i]) + minus[i];
 #endif
-    for (int i = 0; i < m; i++) out[i] = hsum8(acc[i]) + minus[i];
+    }
 }
 
 /* row_int_t with act_bits, type and (for a decode step) m constants: one loop per case. */
