@@ -419,8 +419,13 @@ def test_the_portable_c_path_gives_the_avx2_paths_bits(lib, portable, type_name)
         assert lib.mi_round_activations(x.data_ptr(), 3, k, bits, r_avx.data_ptr(), 1) == 0
         assert portable.mi_round_activations(x.data_ptr(), 3, k, bits, r_c.data_ptr(), 1) == 0
         assert same_bits(r_c, r_avx), bits
-    w, x, y = torch.randn(37, 64), torch.randn(3, 64), torch.empty(3, 37)
-    assert portable.mi_matmul_f32(w.data_ptr(), 37, 64, x.data_ptr(), 3, y.data_ptr(), 1) == -1  # torch then
+    w = torch.randn(37, k)  # float32 rows (the f32 precision, and types the block kernels do not take)
+    for m in (1, 3, 17, 24):
+        x = hostile_rows(m, k, seed=m)
+        y_avx, y_c = torch.full((m, 37), 7.0), torch.full((m, 37), 7.0)
+        assert lib.mi_matmul_f32(w.data_ptr(), 37, k, x.data_ptr(), m, y_avx.data_ptr(), 2) == 0
+        assert portable.mi_matmul_f32(w.data_ptr(), 37, k, x.data_ptr(), m, y_c.data_ptr(), 2) == 0
+        assert same_bits(y_c, y_avx), f"mi_matmul_f32, {m} rows"
 
 
 def test_integer_activation_precisions_are_refused_without_their_kernels(tmp_path, monkeypatch):

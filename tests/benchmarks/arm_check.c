@@ -17,6 +17,7 @@ int mi_dequantize(int type, const uint8_t *w, int64_t n, int64_t k, float *out, 
 int mi_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int nthreads);
 int mi_matmul_q8(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int nthreads);
 int mi_matmul_q16(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int nthreads);
+int mi_matmul_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int nthreads);
 int mi_round_activations(const float *x, int64_t m, int64_t k, int bits, float *out, int nthreads);
 int mi_supports_q8(int type);
 int mi_simd(void);
@@ -119,6 +120,17 @@ int main(void) {
             free(x), free(y);
         }
         free(w), free(deq);
+    }
+    { /* float32 rows: mi_matmul_f32 (the f32 precision; types the block kernels do not take) */
+        static float w32[37 * 512], x32[24 * 512], y32[24 * 37];
+        for (int i = 0; i < 37 * 512; i++) w32[i] = gauss();
+        const int64_t f32rows[4] = {1, 3, 17, 24};
+        for (int r = 0; r < 4; r++) {
+            hostile(x32, f32rows[r], 512);
+            mi_matmul_f32(w32, 37, 512, x32, f32rows[r], y32, 2);
+            snprintf(name, sizeof name, "F32 rows x%lld", (long long)f32rows[r]);
+            report(name, y32, (size_t)(f32rows[r] * 37));
+        }
     }
     float x[3 * 512], out[3 * 512];
     hostile(x, 3, 512);

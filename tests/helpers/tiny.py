@@ -170,15 +170,16 @@ def write_hf_dir(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor],
     return path
 
 
-def write_quantized_tiny(path: Path, arch: str = "qwen2") -> Path:
+def write_quantized_tiny(path: Path, arch: str = "qwen2", **types) -> Path:
     """A tiny model (:func:`tiny_config`) whose projections are Q8_0, Q5_0, Q4_0 and Q4_1 (the
     types gguf-py can write), written to ``path`` the way llama.cpp would (for llama: Q/K rows
-    permuted)."""
+    permuted). ``types`` overrides a projection's type (``down_proj=G.Q5_1``), or leaves it
+    float32 (``k_proj=None``)."""
     from gguf import GGMLQuantizationType as G
 
     cfg = tiny_config(arch)
     kinds = {"q_proj": G.Q8_0, "k_proj": G.Q5_0, "v_proj": G.Q4_0, "o_proj": G.Q4_1, "gate_proj": G.Q5_0,
-             "up_proj": G.Q8_0, "down_proj": G.Q4_1, "embed_tokens": G.Q8_0, "lm_head": G.Q8_0}
+             "up_proj": G.Q8_0, "down_proj": G.Q4_1, "embed_tokens": G.Q8_0, "lm_head": G.Q8_0} | types
 
     def quantize(name: str):
         return next((q for part, q in kinds.items() if f"{part}.weight" in name), None)

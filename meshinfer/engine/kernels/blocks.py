@@ -117,7 +117,7 @@ def matmul(x: torch.Tensor, w: QuantBlocks, *, act_bits: int = 32) -> torch.Tens
     lib = native.library()
     if w.qtype == 0:  # float32 rows
         wf = w.data.view(torch.float32).reshape(w.shape)
-        y = matmul_f32(x, wf)
+        y = matmul_f32(x, wf, every_cpu=True)  # the same bits on every CPU, as the block kernels
         return F.linear(x, wf) if y is None else y
     if lib is None or K % 32:
         return dequantize_chunks(x, w)
@@ -215,11 +215,17 @@ class FusedProduct:
 F32_KERNEL_MAX_ROWS = 24
 
 
-def matmul_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+def matmul_f32(x: torch.Tensor, w: torch.Tensor, *, every_cpu: bool = False) -> torch.Tensor | None:
     """``x @ w.T`` ``(M, N)`` float32 for ``x`` ``(M, K)`` and ``w`` ``(N, K)``, both float32 on
     the CPU, through the register-blocked C kernel (``mi_matmul_f32``), or None where it does
-    not apply: no kernels (or no AVX2/FMA), ``M`` outside 1..:data:`F32_KERNEL_MAX_ROWS`, ``K``
-    not a multiple of 8, another dtype or device. The caller then uses torch.
+    not apply: no kernels, a build without AVX2/FMA (unless ``every_cpu``), ``M`` outside
+    1..:data:`F32_KERNEL_MAX_ROWS`, ``K`` not a multiple of 8, another dtype or device. The
+    caller then uses torch.
+
+    ``every_cpu``: take the kernel on any build. Its portable and NEON paths give the AVX2
+    path's bits, which a gguf precision's float32 rows need (its peers on x86 and Arm must
+    agree); the f32 precision keeps torch there, whose library (Accelerate on a Mac) was not
+    measured against them.
 
     Why: on this project's 2-core AVX2 EPYC (MKL 2024), torch's one-row GEMV runs on one thread
     and its few-row GEMM at about 15% of the FMA peak; the kernel splits output rows over torch's
@@ -235,12 +241,12 @@ def matmul_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
             or x.shape[1] % 8 or not w.is_contiguous()):
         return None
     lib = native.library()
-    if lib is None:
+    if lib is None or not (every_cpu or lib.mi_simd() == 1):
         return None
     x = x.contiguous()
     y = torch.empty(M, w.shape[0], dtype=torch.float32)
     if lib.mi_matmul_f32(w.data_ptr(), w.shape[0], x.shape[1], x.data_ptr(), M, y.data_ptr(), torch.get_num_threads()):
-        return None  # built without AVX2/FMA
+        return None
     return y
 
 

@@ -1215,12 +1215,15 @@ static inline __attribute__((always_inline)) void rows_f32(const float *w, int64
 #endif
 
 /* y (m, n) = x (m, k) @ W^T for float32 W (n, k), x (m, k), y (m, n), all contiguous: the f32
- * precision's decode and verification products (a few rows). Output rows are split over the
- * threads, so a one-row product (memory-bound) reads the weight with every core. Returns 0, or
- * -1 without AVX2/FMA or for a k that is not a multiple of 8 (the caller then uses torch). */
+ * precision's decode and verification products (a few rows), and a gguf precision's float32
+ * rows. Output rows are split over the threads, so a one-row product (memory-bound) reads the
+ * weight with every core. Each output is 8 lanes of fused multiply-adds over the columns, 8 at
+ * a time, summed as hsum8 sums them; without AVX2 the same operations (fmaf, or NEON), so every
+ * build gives the same bits. Returns 0, or -1 for a k that is not a multiple of 8 (the caller
+ * then uses torch). */
 int mi_matmul_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int nthreads) {
-#ifdef MI_AVX2
     if (k % 8 || k <= 0) return -1;
+#ifdef MI_AVX2
     if (m == 1) { /* memory-bound: 8 rows in flight keep more loads outstanding */
         int64_t groups = n / 8;
 #pragma omp parallel for num_threads(n >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK / 8)
@@ -1234,8 +1237,27 @@ int mi_matmul_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t 
     for (int64_t r = 4 * groups; r < n; r++) rows_f32(w, n, k, x, m, y, r, 1);
     return 0;
 #else
-    (void)w, (void)n, (void)k, (void)x, (void)m, (void)y, (void)nthreads;
-    return -1;
+#pragma omp parallel for num_threads(n >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK)
+    for (int64_t r = 0; r < n; r++) {
+        const float *wr = w + r * k;
+        for (int64_t i = 0; i < m; i++) {
+            const float *xr = x + i * k;
+#ifdef MI_NEON
+            float32x4_t a0 = vdupq_n_f32(0), a1 = vdupq_n_f32(0);
+            for (int64_t c = 0; c < k; c += 8) {
+                a0 = vfmaq_f32(a0, vld1q_f32(wr + c), vld1q_f32(xr + c));
+                a1 = vfmaq_f32(a1, vld1q_f32(wr + c + 4), vld1q_f32(xr + c + 4));
+            }
+            y[i * n + r] = neon_hsum8(a0, a1);
+#else
+            float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int64_t c = 0; c < k; c += 8)
+                for (int l = 0; l < 8; l++) a[l] = fmaf(wr[c + l], xr[c + l], a[l]);
+            y[i * n + r] = hsum8(a);
+#endif
+        }
+    }
+    return 0;
 #endif
 }
 

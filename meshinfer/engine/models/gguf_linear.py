@@ -92,8 +92,10 @@ class GGUFLinear(nn.Module):
         if fused is not None:  # a decode or verification pass: one prepared kernel call, bias included
             return fused(x2)[0].reshape(*lead, self.out_features)
         w = self.weight_blocks
-        if self.qtype == 0:
-            y = linear(x2, self.blocks.view(torch.float32).reshape(self.out_features, self.in_features))
+        if self.qtype == 0:  # float32 rows: the kernel on every CPU (the same bits), else torch
+            wf = self.blocks.view(torch.float32).reshape(self.out_features, self.in_features)
+            y = kb.matmul_f32(x2, wf, every_cpu=True)
+            y = linear(x2, wf) if y is None else y
         elif dense:
             y = kb.dequantize_chunks(x2, w, act_bits=self.act_bits)  # (M, N)
         else:
