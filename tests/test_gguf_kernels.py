@@ -353,14 +353,9 @@ def test_the_gguf_precision_refuses_a_model_that_is_not_a_gguf_file(tmp_path):
 def portable(tmp_path_factory):
     """The library built without ``-march`` (x86-64's baseline: no AVX2, as on an Arm Mac or
     with a compiler that refuses the flag): its portable C path."""
-    import ctypes
-    import shutil
+    from helpers.portable import portable_library
 
-    out = tmp_path_factory.mktemp("portable") / "portable.so"
-    native.build(shutil.which("cc"), out, flags=[f for f in native.CFLAGS if not f.startswith("-march")])
-    plib = native.bind(ctypes.CDLL(str(out)))
-    assert plib.mi_simd() == 0
-    return plib
+    return portable_library(tmp_path_factory.mktemp("portable"))
 
 
 def hostile_rows(m: int, k: int, seed: int) -> torch.Tensor:
@@ -392,8 +387,6 @@ def test_the_portable_c_path_gives_the_avx2_paths_bits(lib, portable, type_name)
     another CPU (an Arm Mac: NEON, no AVX2) chooses the same tokens at every gguf precision:
     every product, the rounded activations and the dequantized weights equal the AVX2 build's
     bit for bit, finite or not, one row or many."""
-    if lib.mi_simd() != 1:
-        pytest.fail("this test compares the portable path against the AVX2 one: the machine must have AVX2")
     n, k = 37, width(type_name)
     raw = random_blocks(type_name, n, k, seed=8)
     code = kb.KERNEL_TYPES[type_name]

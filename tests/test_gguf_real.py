@@ -102,16 +102,11 @@ def test_a_peer_without_avx2_chooses_the_same_bits_on_the_real_model(tmp_path, m
     """The default model at gguf-a8 on the kernels' portable C path (built without ``-march``,
     as on an Arm Mac) gives the AVX2 build's prefill and decode logits bit for bit, so the two
     kinds of CPU peer chain at a gguf precision and choose the same tokens."""
-    import ctypes
-    import shutil
-
+    from helpers.portable import portable_library
     from meshinfer.engine.generate import new_cache
     from meshinfer.engine.kernels import native
 
-    assert native.library().mi_simd() == 1, "this test compares the portable path against the AVX2 one"
-    out = tmp_path / "portable.so"
-    native.build(shutil.which("cc"), out, flags=[f for f in native.CFLAGS if not f.startswith("-march")])
-    portable = native.bind(ctypes.CDLL(str(out)))
+    portable = portable_library(tmp_path)
     shard = _shard(DEFAULT, "gguf-a8")
     ids = torch.tensor([load_cases(DEFAULT)["prime"]["prompt_ids"]])  # (1, P)
 

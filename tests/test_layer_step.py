@@ -174,16 +174,9 @@ def test_a_peer_without_avx2_gets_the_same_bits(tmp_path, monkeypatch, precision
     whichever serves which layers. "float32 rows": a k_proj left float32 and a down_proj in
     Q5_1, a type the kernels do not take (kept as float32 rows); their products went through
     mi_matmul_f32 on AVX2 and torch without it, other bits (found by a fuzzing run)."""
-    import ctypes
-    import shutil
+    from helpers.portable import portable_library
 
-    lib = native.library()
-    if lib.mi_simd() != 1:
-        pytest.fail("this test compares the portable path against the AVX2 one: the machine must have AVX2")
-    out = tmp_path / "portable.so"
-    native.build(shutil.which("cc"), out, flags=[f for f in native.CFLAGS if not f.startswith("-march")])
-    portable = native.bind(ctypes.CDLL(str(out)))
-    assert portable.mi_simd() == 0
+    portable = portable_library(tmp_path)
     if rows == "kernel types":
         path = quantized_tiny(tmp_path, "llama")
     else:
