@@ -456,15 +456,17 @@ def test_join_sizes_a_gguf_peer_by_memory():
 
 @pytest.mark.parametrize("refused", [("-fopenmp",), ("-fopenmp", "-march=native")])
 def test_a_compiler_without_openmp_or_march_still_builds_the_kernels(monkeypatch, tmp_path, caplog, refused):
-    """Apple's clang has no OpenMP: the kernels build without it (one thread), with one warning;
-    a compiler that also refuses -march=native builds the portable path."""
+    """Apple's clang has no OpenMP: the kernels build without it (the block products then split
+    their rows over POSIX threads), with one warning; a compiler that also refuses
+    -march=native builds the portable path."""
     import shutil
 
     fake = tmp_path / "cc"
     checks = " ".join(f'[ "$a" = "{flag}" ] && exit 1;' for flag in refused)
     fake.write_text(f'#!/bin/sh\nfor a in "$@"; do {checks} done\nexec {shutil.which("cc")} "$@"\n')
     fake.chmod(0o755)
-    simd = native.library().mi_simd()  # what this CPU gets with every flag
+    full = native.library()  # what this CPU gets with every flag
+    simd = full.mi_simd()
     monkeypatch.setenv("CC", str(fake))
     monkeypatch.setenv("MESHINFER_HOME", str(tmp_path / "home"))
     native.library.cache_clear()
@@ -479,5 +481,15 @@ def test_a_compiler_without_openmp_or_march_still_builds_the_kernels(monkeypatch
         x, y = torch.randn(2, 64), torch.empty(2, 9)
         assert lib.mi_matmul(kb.KERNEL_TYPES["Q5_0"], raw.ctypes.data, 9, 64, x.data_ptr(), 2, y.data_ptr(), 2) == 0
         assert torch.allclose(y, x @ torch.from_numpy(want).T, rtol=1e-5, atol=1e-5)
+        # 300 rows on 2 threads: without OpenMP the rows go to POSIX threads, with the same bits
+        raw = random_blocks("Q5_0", 300, 64, seed=4)
+        for m in (1, 3):
+            x, y, ref = torch.randn(m, 64), torch.empty(m, 300), torch.empty(m, 300)
+            assert lib.mi_matmul_q8(kb.KERNEL_TYPES["Q5_0"], raw.ctypes.data, 300, 64, x.data_ptr(), m, y.data_ptr(), 2) == 0
+            assert full.mi_matmul_q8(kb.KERNEL_TYPES["Q5_0"], raw.ctypes.data, 300, 64, x.data_ptr(), m, ref.data_ptr(),
+                                     1) == 0
+            if "-march=native" not in refused:
+                assert torch.equal(y, ref)
+            assert torch.allclose(y, ref, rtol=1e-2, atol=1e-2)
     finally:
         native.library.cache_clear()

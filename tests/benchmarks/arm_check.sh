@@ -13,7 +13,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 k=$root/meshinfer/engine/kernels
 src=("$k/gguf_blocks.c" "$k/step_ops.c" "$root/tests/benchmarks/arm_check.c")
-flags=(-O3 -fopenmp -ffp-contract=off -std=c11)  # the library's flags (native.py CFLAGS) less -march
+flags=(-O3 -fopenmp -pthread -ffp-contract=off -std=c11)  # the library's flags (native.py CFLAGS) less -march
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 sysroot=/usr/aarch64-linux-gnu

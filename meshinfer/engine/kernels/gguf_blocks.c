@@ -1067,6 +1067,115 @@ static void rows_one(int act_bits, int type, const uint8_t *w, int64_t row_bytes
  * Returns 0; -1 for nt outside 1..MAX_TENSORS, act_bits other than 8, 16 and 32, a type the
  * mode does not take (mi_supports; mi_supports_q8 for 8 and 16) or a k that is not a multiple
  * of a type's block size; -2 when memory for the rounded rows cannot be had. */
+/* One mi_matmul_many call, as its chunks of output rows see it. */
+typedef struct {
+    int act_bits, nt, mm;
+    const int *types, *qk, *bytes;
+    const deq_fn *fn;
+    const uint8_t *const *ws;
+    const int64_t *ns, *start;
+    const float *const *biases;
+    int64_t k, m, i0, total, xb;
+    const float *x, *d, *s;
+    const void *q;
+    float *y;
+} product;
+
+#ifdef MI_AVX2
+/* Chunk c (ROWS_PER_CHUNK output rows, counted across the weights) of a one-row product with
+ * integer activations: rows_one per weight the chunk covers (a decode step). */
+static void decode_chunk(const product *p, int64_t c) {
+    int64_t g = c * ROWS_PER_CHUNK, end = g + ROWS_PER_CHUNK < p->total ? g + ROWS_PER_CHUNK : p->total;
+    int t = 0;
+    while (g < end) { /* a chunk may end one weight's rows and start the next's */
+        while (g >= p->start[t + 1]) t++;
+        int64_t stop = end < p->start[t + 1] ? end : p->start[t + 1], nb = p->k / p->qk[t];
+        rows_one(p->act_bits, p->types[t], p->ws[t], nb * p->bytes[t], nb, p->k, g - p->start[t], stop - p->start[t],
+                 p->q, p->d, p->s, p->biases ? p->biases[t] : NULL, p->y + p->start[t]);
+        g = stop;
+    }
+}
+#endif
+
+/* Chunk c of input rows i0 .. i0 + mm - 1 (at most MAX_ROWS) against ROWS_PER_CHUNK output rows. */
+static void rows_chunk(const product *p, int64_t c) {
+    int64_t end = (c + 1) * ROWS_PER_CHUNK < p->total ? (c + 1) * ROWS_PER_CHUNK : p->total;
+    int64_t k = p->k, i0 = p->i0, xb = p->xb;
+    int mm = p->mm, act_bits = p->act_bits;
+    for (int64_t g = c * ROWS_PER_CHUNK; g < end; g++) {
+        int t = 0;
+        while (g >= p->start[t + 1]) t++;
+        int64_t r = g - p->start[t], n = p->ns[t], nb = k / p->qk[t];
+        const uint8_t *wr = p->ws[t] + r * nb * p->bytes[t];
+        float out[MAX_ROWS];
+        if (act_bits == 32) {
+            row_dots(p->types[t], wr, nb, p->qk[t], p->bytes[t], p->fn[t], p->x + i0 * k, k, mm, out);
+        }
+#ifndef MI_AVX2
+        else {
+            row_int(act_bits, p->types[t], wr, nb, p->qk[t], p->bytes[t], k, mm,
+                    (const char *)p->q + i0 * k * (act_bits / 8), p->d + i0 * xb, p->s + i0 * xb, xb, out);
+        }
+#else
+        else if (act_bits == 8) { /* a constant m = 1: the accumulator stays in a register */
+            const int8_t *xq = (const int8_t *)p->q + i0 * k;
+            if (mm == 1)
+                row_q8(p->types[t], wr, nb, k, 1, xq, p->d + i0 * xb, p->s + i0 * xb, xb, out);
+            else
+                row_q8(p->types[t], wr, nb, k, mm, xq, p->d + i0 * xb, p->s + i0 * xb, xb, out);
+        } else {
+            const int16_t *xq = (const int16_t *)p->q + i0 * k;
+            if (mm == 1)
+                row_q16(p->types[t], wr, nb, k, 1, xq, p->d + i0 * xb, p->s + i0 * xb, xb, out);
+            else
+                row_q16(p->types[t], wr, nb, k, mm, xq, p->d + i0 * xb, p->s + i0 * xb, xb, out);
+        }
+#endif
+        float *yt = p->y + p->m * p->start[t];
+        const float *bias = p->biases ? p->biases[t] : NULL;
+        for (int i = 0; i < mm; i++) yt[(i0 + i) * n + r] = bias ? out[i] + bias[r] : out[i];
+    }
+}
+
+typedef void (*chunk_fn)(const product *, int64_t);
+
+#ifndef _OPENMP
+#include <pthread.h>
+/* A chunk loop shared by the threads: each takes the next chunk until none is left. */
+typedef struct {
+    chunk_fn fn;
+    const product *p;
+    int64_t n, next;
+} chunk_loop;
+
+static void *chunk_worker(void *arg) {
+    chunk_loop *l = (chunk_loop *)arg;
+    for (int64_t c; (c = __atomic_fetch_add(&l->next, 1, __ATOMIC_RELAXED)) < l->n;) l->fn(l->p, c);
+    return NULL;
+}
+#endif
+
+/* fn(p, c) for each chunk c in [0, n), on up to nthreads threads taking chunks as they come
+ * (dynamic: a thread the OS deschedules, other processes on the core, holds up only its
+ * current chunk). OpenMP's threads where the compiler has OpenMP; else POSIX threads started
+ * for the call (Apple's clang has no OpenMP: without them a Mac peer used one core). Each
+ * output row is computed by one thread alone, so the thread count changes no result. */
+static void run_chunks(chunk_fn fn, const product *p, int64_t n, int nthreads) {
+    if (nthreads > n) nthreads = (int)n;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nthreads > 1 ? nthreads : 1) schedule(dynamic, 1)
+    for (int64_t c = 0; c < n; c++) fn(p, c);
+#else
+    chunk_loop loop = {fn, p, n, 0};
+    pthread_t threads[63];
+    int started = 0;
+    for (int t = 1; t < nthreads && started < 63; t++)
+        if (pthread_create(&threads[started], NULL, chunk_worker, &loop) == 0) started++;
+    chunk_worker(&loop); /* this thread takes chunks too; if no thread started, it takes them all */
+    for (int t = 0; t < started; t++) pthread_join(threads[t], NULL);
+#endif
+}
+
 int mi_matmul_many(int act_bits, int nt, const int *types, const uint8_t *const *ws, const int64_t *ns,
                    const float *const *biases, int64_t k, const float *x, int64_t m, float *y, int nthreads) {
     int qk[MAX_TENSORS], bytes[MAX_TENSORS];
@@ -1093,63 +1202,19 @@ int mi_matmul_many(int act_bits, int nt, const int *types, const uint8_t *const 
         }
         quantize_blocks(x, m, k, act_bits == 8 ? 127 : 32767, q, d, s);
     }
+    product p = {act_bits, nt, 0, types, qk, bytes, fn, ws, ns, start, biases, k, m, 0, total, xb, x, d, s, q, y};
+    int64_t chunks = (total + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
+    int threads = total >= 2 * ROWS_PER_CHUNK ? nthreads : 1;
 #ifdef MI_AVX2
     if (m == 1 && act_bits != 32) { /* a decode step: one input row, integer activations */
-        int64_t chunks = (total + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
-#pragma omp parallel for num_threads(total >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, 1)
-        for (int64_t c = 0; c < chunks; c++) {
-            int64_t g = c * ROWS_PER_CHUNK, end = g + ROWS_PER_CHUNK < total ? g + ROWS_PER_CHUNK : total;
-            int t = 0;
-            while (g < end) { /* a chunk may end one weight's rows and start the next's */
-                while (g >= start[t + 1]) t++;
-                int64_t stop = end < start[t + 1] ? end : start[t + 1], nb = k / qk[t];
-                rows_one(act_bits, types[t], ws[t], nb * bytes[t], nb, k, g - start[t], stop - start[t], q, d, s,
-                         biases ? biases[t] : NULL, y + start[t]);
-                g = stop;
-            }
-        }
+        run_chunks(decode_chunk, &p, chunks, threads);
         free(q), free(d), free(s);
         return 0;
     }
 #endif
-    for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
-        int mm = (int)(m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS);
-        /* dynamic chunks: a thread the OS deschedules (other processes on the core) holds up
-         * only its current chunk, not a fixed half of the rows */
-#pragma omp parallel for num_threads(total >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK)
-        for (int64_t g = 0; g < total; g++) {
-            int t = 0;
-            while (g >= start[t + 1]) t++;
-            int64_t r = g - start[t], n = ns[t], nb = k / qk[t];
-            const uint8_t *wr = ws[t] + r * nb * bytes[t];
-            float out[MAX_ROWS];
-            if (act_bits == 32) {
-                row_dots(types[t], wr, nb, qk[t], bytes[t], fn[t], x + i0 * k, k, mm, out);
-            }
-#ifndef MI_AVX2
-            else {
-                row_int(act_bits, types[t], wr, nb, qk[t], bytes[t], k, mm, (const char *)q + i0 * k * (act_bits / 8), d + i0 * xb,
-                        s + i0 * xb, xb, out);
-            }
-#else
-            else if (act_bits == 8) { /* a constant m = 1: the accumulator stays in a register */
-                const int8_t *xq = (const int8_t *)q + i0 * k;
-                if (mm == 1)
-                    row_q8(types[t], wr, nb, k, 1, xq, d + i0 * xb, s + i0 * xb, xb, out);
-                else
-                    row_q8(types[t], wr, nb, k, mm, xq, d + i0 * xb, s + i0 * xb, xb, out);
-            } else {
-                const int16_t *xq = (const int16_t *)q + i0 * k;
-                if (mm == 1)
-                    row_q16(types[t], wr, nb, k, 1, xq, d + i0 * xb, s + i0 * xb, xb, out);
-                else
-                    row_q16(types[t], wr, nb, k, mm, xq, d + i0 * xb, s + i0 * xb, xb, out);
-            }
-#endif
-            float *yt = y + m * start[t];
-            const float *bias = biases ? biases[t] : NULL;
-            for (int i = 0; i < mm; i++) yt[(i0 + i) * n + r] = bias ? out[i] + bias[r] : out[i];
-        }
+    for (p.i0 = 0; p.i0 < m; p.i0 += MAX_ROWS) {
+        p.mm = (int)(m - p.i0 < MAX_ROWS ? m - p.i0 : MAX_ROWS);
+        run_chunks(rows_chunk, &p, chunks, threads);
     }
     free(q), free(d), free(s);
     return 0;

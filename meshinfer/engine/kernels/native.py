@@ -32,10 +32,11 @@ SOURCES = (Path(__file__).with_name("gguf_blocks.c"), Path(__file__).with_name("
 #: Compiler flags. ``-march=native``: the library is built on the machine that runs it (AVX2
 #: and FMA where the CPU has them; a portable scalar path otherwise). ``-ffp-contract=off``
 #: keeps each dequantized weight the exact float32 result gguf-py computes (see the source).
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
 #: Flags left out, in turn, when a build with all of :data:`CFLAGS` fails: a compiler without
-#: OpenMP (Apple's clang) still builds the kernels, on one thread; one that does not take
-#: ``-march=native`` builds the portable path. ``-fopenmp`` only enables the sources' pragmas.
+#: OpenMP (Apple's clang) still builds the kernels, whose products then split their rows over
+#: POSIX threads (``-pthread``) instead; one that does not take ``-march=native`` builds the
+#: portable path. ``-fopenmp`` only enables the sources' pragmas.
 FALLBACK_DROPS = (("-fopenmp",), ("-fopenmp", "-march=native"))
 #: Seconds the compiler may take before the build counts as failed.
 BUILD_TIMEOUT_S = 120
@@ -148,8 +149,10 @@ def library() -> ctypes.CDLL | None:
             if dropped:
                 log.warning("the C kernels were built without %s (the compiler refused %s): %s",
                             " ".join(dropped), "it" if len(dropped) == 1 else "them",
-                            "one thread per product" if "-march=native" not in dropped
-                            else "one thread, no SIMD: slower than with a compiler that has OpenMP")
+                            "float32 products and attention on one thread; the block products on POSIX threads"
+                            if "-march=native" not in dropped
+                            else "for the baseline CPU (x86: the portable C path without AVX2; Arm: NEON "
+                                 "without dotprod), slower")
         try:
             return bind(ctypes.CDLL(str(path)))
         except (OSError, AttributeError):  # a library left broken at that path (an older crash): build it again, once
