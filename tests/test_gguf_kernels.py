@@ -481,12 +481,14 @@ def test_a_compiler_without_openmp_or_march_still_builds_the_kernels(monkeypatch
         x, y = torch.randn(2, 64), torch.empty(2, 9)
         assert lib.mi_matmul(kb.KERNEL_TYPES["Q5_0"], raw.ctypes.data, 9, 64, x.data_ptr(), 2, y.data_ptr(), 2) == 0
         assert torch.allclose(y, x @ torch.from_numpy(want).T, rtol=1e-5, atol=1e-5)
-        # 300 rows on 2 threads: without OpenMP the rows go to POSIX threads, with the same bits
-        raw = random_blocks("Q5_0", 300, 64, seed=4)
+        # 4096 x 8192 weights (gguf_blocks.c's POSIX_MIN_WEIGHTS) on 2 threads: without OpenMP
+        # the rows go to POSIX threads, with the same bits
+        n, k = 4096, 8192
+        raw = random_blocks("Q5_0", n, k, seed=4)
         for m in (1, 3):
-            x, y, ref = torch.randn(m, 64), torch.empty(m, 300), torch.empty(m, 300)
-            assert lib.mi_matmul_q8(kb.KERNEL_TYPES["Q5_0"], raw.ctypes.data, 300, 64, x.data_ptr(), m, y.data_ptr(), 2) == 0
-            assert full.mi_matmul_q8(kb.KERNEL_TYPES["Q5_0"], raw.ctypes.data, 300, 64, x.data_ptr(), m, ref.data_ptr(),
+            x, y, ref = torch.randn(m, k), torch.empty(m, n), torch.empty(m, n)
+            assert lib.mi_matmul_q8(kb.KERNEL_TYPES["Q5_0"], raw.ctypes.data, n, k, x.data_ptr(), m, y.data_ptr(), 2) == 0
+            assert full.mi_matmul_q8(kb.KERNEL_TYPES["Q5_0"], raw.ctypes.data, n, k, x.data_ptr(), m, ref.data_ptr(),
                                      1) == 0
             if "-march=native" not in refused:
                 assert torch.equal(y, ref)

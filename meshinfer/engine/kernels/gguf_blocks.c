@@ -1141,6 +1141,13 @@ typedef void (*chunk_fn)(const product *, int64_t);
 
 #ifndef _OPENMP
 #include <pthread.h>
+/* Weights (rows x columns, all of a call's weights) from which a product without OpenMP starts
+ * POSIX threads. Threads are started per call (no pool), about 0.1 ms: measured on the 2-core
+ * EPYC, a 4864 x 896 int8 product took 0.57 ms on 2 such threads and 0.50 ms on one, and the
+ * 151936 x 896 output head 11.5 ms against 14.3 ms (2026-12-03). So a decode step's output
+ * head gets every thread and its layer products one. */
+#define POSIX_MIN_WEIGHTS (1LL << 25)
+
 /* A chunk loop shared by the threads: each takes the next chunk until none is left. */
 typedef struct {
     chunk_fn fn;
@@ -1158,8 +1165,9 @@ static void *chunk_worker(void *arg) {
 /* fn(p, c) for each chunk c in [0, n), on up to nthreads threads taking chunks as they come
  * (dynamic: a thread the OS deschedules, other processes on the core, holds up only its
  * current chunk). OpenMP's threads where the compiler has OpenMP; else POSIX threads started
- * for the call (Apple's clang has no OpenMP: without them a Mac peer used one core). Each
- * output row is computed by one thread alone, so the thread count changes no result. */
+ * for the call (Apple's clang has no OpenMP: without them a Mac peer's output head used one
+ * core; see POSIX_MIN_WEIGHTS). Each output row is computed by one thread alone, so the thread
+ * count changes no result. */
 static void run_chunks(chunk_fn fn, const product *p, int64_t n, int nthreads) {
     if (nthreads > n) nthreads = (int)n;
 #ifdef _OPENMP
@@ -1205,6 +1213,9 @@ int mi_matmul_many(int act_bits, int nt, const int *types, const uint8_t *const 
     product p = {act_bits, nt, 0, types, qk, bytes, fn, ws, ns, start, biases, k, m, 0, total, xb, x, d, s, q, y};
     int64_t chunks = (total + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
     int threads = total >= 2 * ROWS_PER_CHUNK ? nthreads : 1;
+#ifndef _OPENMP
+    if (total * k < POSIX_MIN_WEIGHTS) threads = 1; /* starting threads would cost more than they save */
+#endif
 #ifdef MI_AVX2
     if (m == 1 && act_bits != 32) { /* a decode step: one input row, integer activations */
         run_chunks(decode_chunk, &p, chunks, threads);

@@ -149,7 +149,7 @@ def library() -> ctypes.CDLL | None:
             if dropped:
                 log.warning("the C kernels were built without %s (the compiler refused %s): %s",
                             " ".join(dropped), "it" if len(dropped) == 1 else "them",
-                            "float32 products and attention on one thread; the block products on POSIX threads"
+                            "one thread per product, POSIX threads for the largest block products"
                             if "-march=native" not in dropped
                             else "for the baseline CPU (x86: the portable C path without AVX2; Arm: NEON "
                                  "without dotprod), slower")
