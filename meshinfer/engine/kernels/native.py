@@ -30,13 +30,15 @@ log = logging.getLogger("meshinfer.kernels")
 #: The C sources, compiled together into one library.
 SOURCES = (Path(__file__).with_name("gguf_blocks.c"), Path(__file__).with_name("step_ops.c"))
 #: Compiler flags. ``-march=native``: the library is built on the machine that runs it (AVX2
-#: and FMA where the CPU has them; a portable scalar path otherwise). ``-ffp-contract=off``
+#: and FMA where the CPU has them, NEON with dotprod on a recent Arm CPU; a portable path with
+#: the same bits otherwise). ``-ffp-contract=off``
 #: keeps each dequantized weight the exact float32 result gguf-py computes (see the source).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
 #: Flags left out, in turn, when a build with all of :data:`CFLAGS` fails: a compiler without
-#: OpenMP (Apple's clang) still builds the kernels, whose products then split their rows over
-#: POSIX threads (``-pthread``) instead; one that does not take ``-march=native`` builds the
-#: portable path. ``-fopenmp`` only enables the sources' pragmas.
+#: OpenMP (Apple's clang) still builds the kernels, whose largest products then split their
+#: rows over POSIX threads (``-pthread``) and the others run on one thread; one that does not
+#: take ``-march=native`` builds for the baseline CPU. ``-fopenmp`` only enables the sources'
+#: pragmas.
 FALLBACK_DROPS = (("-fopenmp",), ("-fopenmp", "-march=native"))
 #: Seconds the compiler may take before the build counts as failed.
 BUILD_TIMEOUT_S = 120
