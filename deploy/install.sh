@@ -25,5 +25,5 @@ python -m pip install -q -e ".[test]"
 meshinfer --help >/dev/null
 # The gguf precisions' C kernels, built now for this CPU so the first peer or draft model need not
 # wait for the compiler; without a C compiler this prints one line and the torch path is used.
-python -m meshinfer.engine.kernels.native >&2 || echo "note: no gguf kernels; the gguf precisions will be slow" >&2
+python -m meshinfer.engine.kernels.native >&2 || echo "note: no gguf kernels: --dtype gguf will be slow, gguf-a16 and gguf-a8 refused" >&2
 echo "meshinfer installed in $VENV" >&2

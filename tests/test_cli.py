@@ -572,6 +572,8 @@ def join_args(tiny_gguf, *extra: str):
     (["--idle-timeout", "0"], "--idle-timeout must be above 0 seconds, got 0.0"),
     (["--kv-budget", "lots"], "'lots' is not a size such as 2GiB or 512MB"),
     (["--model", "/nonexistent/model.gguf"], "model '/nonexistent/model.gguf' is not a known model name"),
+    (["--dtype", "gguf-a8", "--device", "cuda"], "precision gguf-a8 uses CPU kernels; use f32/bf16/f16 on cuda"),
+    (["--dtype", "gguf-a8", "--device", "foo"], "device 'foo' is not one of cpu, cuda, cuda:N, mps"),
 ])
 def test_join_checks_its_arguments_before_torch_loads(tiny_gguf, no_torch, extra, message):
     from meshinfer.app.cli import check_join_args
@@ -596,6 +598,8 @@ def test_join_arguments_that_pass_the_checks_give_the_plan(tiny_gguf, no_torch):
     (["--messages", "/nonexistent/chat.json"], "error: --messages /nonexistent/chat.json: [Errno 2] No such file"),
     (["-p", "hi", "--model", "/nonexistent/model.gguf"], "error: model '/nonexistent/model.gguf' is not a known"),
     (["-p", "hi", "--threads", "0"], "error: --threads must be at least 1, got 0"),
+    (["-p", "hi", "--dtype", "q8-bf16", "--device", "mps"], "error: precision q8-bf16 uses CPU kernels"),
+    (["-p", "hi", "--device", "gpu"], "error: device 'gpu' is not one of cpu, cuda, cuda:N, mps"),
 ])
 def test_generate_checks_its_arguments_before_torch_loads(tiny_gguf, no_torch, capsys, monkeypatch, extra, message):
     from meshinfer.app import cli

@@ -279,7 +279,8 @@ def test_without_a_compiler_one_warning_and_the_torch_path(monkeypatch, tmp_path
         with caplog.at_level(logging.WARNING, logger="meshinfer.kernels"):
             assert native.library() is None
         assert [r.getMessage() for r in caplog.records] == [
-            "no C compiler (cc); the gguf precision computes through torch, much slower"]
+            f"no C compiler ({tmp_path / 'no-such-cc'} not found): --dtype gguf computes through torch, much slower, "
+            "and gguf-a16 / gguf-a8 cannot run"]
         w = blocks_of("Q4_K", 9, 512, seed=6)
         x = torch.randn(2, 512)
         assert torch.allclose(kb.matmul(x, w, act_bits=16), x @ kb.dequantize(w).T, rtol=1e-5, atol=1e-5)
@@ -475,6 +476,11 @@ def test_a_compiler_without_openmp_or_march_still_builds_the_kernels(monkeypatch
             lib = native.library()
         assert lib is not None
         assert len(caplog.records) == 1 and "built without " + " ".join(refused) in caplog.records[0].getMessage()
+        native.library.cache_clear()  # another process loading the built library: told again
+        with caplog.at_level(logging.WARNING, logger="meshinfer.kernels"):
+            assert native.library() is not None
+        assert len(caplog.records) == 2 and caplog.records[0].getMessage() == caplog.records[1].getMessage()
+        assert native.built_without(native.library_path(str(fake))) == refused
         assert lib.mi_simd() == (0 if "-march=native" in refused else simd)
         raw = random_blocks("Q5_0", 9, 64, seed=3)
         want = quants.dequantize(raw, G.Q5_0).reshape(9, 64).astype(np.float32)

@@ -131,6 +131,14 @@ def test_quantized_precision_is_cpu_only(tiny):
         load_shard(tiny[0], dtype="q8-bf16", device="meta")
 
 
+def test_the_torch_free_list_of_cpu_only_precisions_is_the_quantized_ones():
+    """``core.config.CPU_ONLY_PRECISIONS`` lets join and generate refuse --device cuda before
+    torch loads; it must name exactly the precisions ``Precision.quantized`` says."""
+    from meshinfer.core.config import CPU_ONLY_PRECISIONS
+
+    assert {n for n in PRECISION_NAMES if parse_precision(n).quantized} == CPU_ONLY_PRECISIONS
+
+
 def test_a_quantized_peer_on_cuda_is_refused_before_cuda_is_looked_at(tiny):
     """A CPU-only torch would otherwise answer 'install a CUDA build' first (a new user's run)."""
     import asyncio

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 from pathlib import Path
 
-from meshinfer.core.config import PRECISION_NAMES, LayerRange
+from meshinfer.core.config import PRECISION_NAMES, LayerRange, check_device_args
 from meshinfer.core.errors import ContextOverflow, MeshError
 from meshinfer.client.speculative import DEFAULT_DRAFT_TOKENS
 from meshinfer.engine.weights.registry import DEFAULT_MODEL
@@ -258,6 +258,7 @@ def cmd_generate(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     messages = _messages(args)  # a bad --messages file or --model fails before torch loads
+    check_device_args(args.dtype, args.device)
     path = resolve_model(args.model)
 
     import torch
@@ -342,6 +343,7 @@ def check_join_args(args) -> JoinPlan:
         ValueError, MeshError (LayerRangeError, InvalidInput, ModelNotFound, WeightsError): the
             message names the flag; the CLI prints it as one ``error:`` line and exits 2.
     """
+    check_device_args(args.dtype, args.device)
     listen, host, port, bootstrap, public = _check_join_addresses(args)
     _check_join_limits(args)
     auto = args.layers == "auto" or (args.layers is None and bool(bootstrap))

@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from meshinfer.core.errors import LayerRangeError
+from meshinfer.core.errors import DeviceError, InvalidInput, LayerRangeError
 
 #: Architectures meshinfer runs, and the one file under ``meshinfer/models/`` that implements each
 #: (``meshinfer.engine.models.families``): Llama-style (``llama``, SmolLM2 and Mistral too; ``qwen2``),
@@ -26,6 +26,30 @@ MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "mixtral")
 #: Compute precisions (``--dtype`` values and advertised identities); each is one kernel family,
 #: defined in ``meshinfer.engine.models.quant``. Kept here, free of torch, for the CLI's choices.
 PRECISION_NAMES = ("f32", "bf16", "f16", "q8-bf16", "gguf", "gguf-a16", "gguf-a8")
+#: The precisions whose kernels run on the CPU only (``Precision.quantized``).
+CPU_ONLY_PRECISIONS = frozenset({"q8-bf16", "gguf", "gguf-a16", "gguf-a8"})
+#: A device spec ``--device`` takes.
+DEVICE_SPEC = re.compile(r"cpu|mps|cuda(:\d+)?")
+
+
+def check_device_args(precision: str, device: str) -> None:
+    """The checks of ``--dtype`` and ``--device`` that need neither torch nor a device: the
+    device spec is one of cpu, cuda, cuda:N, mps, and a CPU-only precision is on the CPU (so a
+    user is not first told to install a CUDA build for a precision that cannot use it).
+
+    Raises:
+        DeviceError: a malformed device spec.
+        InvalidInput: a precision of :data:`CPU_ONLY_PRECISIONS` on another device.
+    """
+    if not DEVICE_SPEC.fullmatch(device or ""):
+        raise DeviceError(f"device {device!r} is not one of cpu, cuda, cuda:N, mps")
+    if precision in CPU_ONLY_PRECISIONS and device.split(":")[0] != "cpu":
+        raise cpu_only(precision, device)
+
+
+def cpu_only(precision: str, device: str) -> InvalidInput:
+    """The error for a CPU-only ``precision`` asked of ``device``."""
+    return InvalidInput(f"precision {precision} uses CPU kernels; use f32/bf16/f16 on {device}, or --device cpu")
 
 
 @dataclass(frozen=True)

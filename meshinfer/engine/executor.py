@@ -10,12 +10,12 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import re
 import threading
 from typing import Any, Callable, TypeVar
 
 import torch
 
+from meshinfer.core.config import check_device_args
 from meshinfer.core.errors import DeviceError
 
 log = logging.getLogger(__name__)
@@ -28,8 +28,7 @@ def parse_device(spec: str) -> torch.device:
     Raises:
         DeviceError: malformed spec, or the device is missing, with advice on what to install.
     """
-    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", spec or ""):
-        raise DeviceError(f"device {spec!r} is not one of cpu, cuda, cuda:N, mps")
+    check_device_args("f32", spec)  # the spec's syntax
     device = torch.device(spec)
     if device.type == "cuda":
         _check_cuda(device)

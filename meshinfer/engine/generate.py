@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from meshinfer.core.config import LayerRange, ModelConfig
+from meshinfer.core.config import LayerRange, ModelConfig, cpu_only
 from meshinfer.core.errors import InvalidInput
 from meshinfer.core.generation import Generation, check_context
 from meshinfer.engine.kv_cache import KVCache
@@ -58,8 +58,7 @@ def check_precision_device(precision: Precision, device: str) -> None:
             is not the CPU.
     """
     if precision.quantized and (device or "cpu").split(":")[0] != "cpu":
-        raise InvalidInput(f"precision {precision.name} uses CPU kernels; use f32/bf16/f16 on {device}, "
-                           f"or --device cpu")
+        raise cpu_only(precision.name, device)
 
 
 def load_shard(weights: WeightsSource | str | os.PathLike, layers: LayerRange | None = None, *,

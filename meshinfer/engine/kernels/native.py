@@ -133,28 +133,52 @@ def build_with_fallbacks(cc: str, out: Path) -> tuple[str, ...]:
     return last
 
 
+#: What a process without the kernels loses, said after why.
+WITHOUT_KERNELS = "--dtype gguf computes through torch, much slower, and gguf-a16 / gguf-a8 cannot run"
+
+
+def built_without(path: Path) -> tuple[str, ...]:
+    """The :data:`CFLAGS` the library at ``path`` was built without (its ``.dropped`` note,
+    written at the build), or () when it has them all."""
+    note = path.with_name(path.name + ".dropped")
+    try:
+        return tuple(note.read_text().split())
+    except OSError:
+        return ()
+
+
+def _warn_dropped(dropped: tuple[str, ...]) -> None:
+    log.warning("the C kernels were built without %s (the compiler refused %s): %s",
+                " ".join(dropped), "it" if len(dropped) == 1 else "them",
+                "one thread per product, POSIX threads for the largest block products"
+                if "-march=native" not in dropped
+                else "for the baseline CPU (x86: the portable C path without AVX2; Arm: NEON "
+                     "without dotprod), slower")
+
+
 @cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, building it first if needed; None (after one warning line)
-    when it cannot be built or loaded. ``MESHINFER_NO_NATIVE=1`` forces None (tests of the
-    fallback)."""
+    when it cannot be built or loaded. A library built without some of :data:`CFLAGS` says so
+    in one warning line in every process that loads it. ``MESHINFER_NO_NATIVE=1`` forces None
+    (tests of the fallback)."""
     if os.environ.get("MESHINFER_NO_NATIVE") == "1":
         return None
     cc = _compiler()
     if cc is None:
-        log.warning("no C compiler (cc); the gguf precision computes through torch, much slower")
+        log.warning("no C compiler (%s not found): %s", os.environ.get("CC") or "cc", WITHOUT_KERNELS)
         return None
     path = library_path(cc)
     try:
         if not path.exists():
             dropped = build_with_fallbacks(cc, path)
+            note = path.with_name(path.name + ".dropped")
             if dropped:
-                log.warning("the C kernels were built without %s (the compiler refused %s): %s",
-                            " ".join(dropped), "it" if len(dropped) == 1 else "them",
-                            "one thread per product, POSIX threads for the largest block products"
-                            if "-march=native" not in dropped
-                            else "for the baseline CPU (x86: the portable C path without AVX2; Arm: NEON "
-                                 "without dotprod), slower")
+                note.write_text(" ".join(dropped) + "\n")
+            else:
+                note.unlink(missing_ok=True)
+        if built_without(path):
+            _warn_dropped(built_without(path))
         try:
             return bind(ctypes.CDLL(str(path)))
         except (OSError, AttributeError):  # a library left broken at that path (an older crash): build it again, once
@@ -163,8 +187,8 @@ def library() -> ctypes.CDLL | None:
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         first = detail.decode(errors="replace").strip().splitlines()[:1]
-        log.warning("could not build the gguf kernels (%s%s); the gguf precision computes through "
-                    "torch, much slower", type(exc).__name__, f": {first[0]}" if first else "")
+        log.warning("could not build the gguf kernels (%s%s): %s", type(exc).__name__, f": {first[0]}" if first else "",
+                    WITHOUT_KERNELS)
         return None
 
 
@@ -178,7 +202,8 @@ def main() -> int:
         return 1
     cc = _compiler()
     simd = {1: "AVX2+FMA", 2: "NEON"}.get(lib.mi_simd(), "portable C")
-    print(f"gguf kernels: {library_path(cc)} ({simd})")
+    dropped = built_without(library_path(cc))
+    print(f"gguf kernels: {library_path(cc)} ({simd}{'; built without ' + ' '.join(dropped) if dropped else ''})")
     return 0
 
 
