@@ -41,10 +41,15 @@ def check_device_args(precision: str, device: str) -> None:
         DeviceError: a malformed device spec.
         InvalidInput: a precision of :data:`CPU_ONLY_PRECISIONS` on another device.
     """
-    if not DEVICE_SPEC.fullmatch(device or ""):
-        raise DeviceError(f"device {device!r} is not one of cpu, cuda, cuda:N, mps")
+    check_device_spec(device)
     if precision in CPU_ONLY_PRECISIONS and device.split(":")[0] != "cpu":
         raise cpu_only(precision, device)
+
+
+def check_device_spec(device: str) -> None:
+    """Raises DeviceError unless ``device`` is one of cpu, cuda, cuda:N, mps."""
+    if not DEVICE_SPEC.fullmatch(device or ""):
+        raise DeviceError(f"device {device!r} is not one of cpu, cuda, cuda:N, mps")
 
 
 def cpu_only(precision: str, device: str) -> InvalidInput:

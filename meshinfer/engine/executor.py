@@ -15,7 +15,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from meshinfer.core.config import check_device_args
+from meshinfer.core.config import check_device_spec
 from meshinfer.core.errors import DeviceError
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ def parse_device(spec: str) -> torch.device:
     Raises:
         DeviceError: malformed spec, or the device is missing, with advice on what to install.
     """
-    check_device_args("f32", spec)  # the spec's syntax
+    check_device_spec(spec)
     device = torch.device(spec)
     if device.type == "cuda":
         _check_cuda(device)

@@ -148,6 +148,7 @@ def built_without(path: Path) -> tuple[str, ...]:
 
 
 def _warn_dropped(dropped: tuple[str, ...]) -> None:
+    """The one warning line of a library built without the flags ``dropped``: what it lacks."""
     log.warning("the C kernels were built without %s (the compiler refused %s): %s",
                 " ".join(dropped), "it" if len(dropped) == 1 else "them",
                 "one thread per product, POSIX threads for the largest block products"
@@ -177,8 +178,9 @@ def library() -> ctypes.CDLL | None:
                 note.write_text(" ".join(dropped) + "\n")
             else:
                 note.unlink(missing_ok=True)
-        if built_without(path):
-            _warn_dropped(built_without(path))
+        dropped = built_without(path)
+        if dropped:
+            _warn_dropped(dropped)
         try:
             return bind(ctypes.CDLL(str(path)))
         except (OSError, AttributeError):  # a library left broken at that path (an older crash): build it again, once
