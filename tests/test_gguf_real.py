@@ -100,8 +100,8 @@ def test_a_step_batched_with_a_strangers_rows_gets_its_solo_bits_on_the_real_mod
 
 def test_a_peer_without_avx2_chooses_the_same_bits_on_the_real_model(tmp_path, monkeypatch):
     """The default model at gguf-a8 on the kernels' portable C path (built without ``-march``,
-    as on an Arm Mac) gives the AVX2 build's prefill and decode logits bit for bit, so the two
-    kinds of CPU peer chain at a gguf precision and choose the same tokens."""
+    as on an Arm Mac's baseline) gives the AVX2 build's prefill and decode logits bit for bit
+    (with this machine's torch for the rest: docs/performance.md, "On other CPUs")."""
     from helpers.portable import portable_library
     from meshinfer.engine.generate import new_cache
     from meshinfer.engine.kernels import native
