@@ -361,14 +361,14 @@ def portable(tmp_path_factory):
 
 def hostile_rows(m: int, k: int, seed: int) -> torch.Tensor:
     """``(m, k)`` float32 rows with what a peer may send in its hidden states: huge and tiny
-    blocks, subnormals, zeros, an inf and a NaN (each in its own 32-block), and ties (x / d
-    exactly k + 0.5) for the rounding."""
+    blocks, subnormals, zeros, an inf and a NaN (each in its own 32-block), and a block of
+    half-integers."""
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
     x[0, 32:64] *= 1e30
     x[0, 64:96] *= 1e-40  # subnormal: 1 / scale overflows
     x[0, 96:128] = 0
     if m > 1:
-        x[1, 0:32] = torch.arange(32) - 15.5  # ties at int16 (127 / 16 ... scale) and halves
+        x[1, 0:32] = torch.arange(32) - 15.5
         x[1, 40] = float("inf")
         x[1, 70] = float("nan")
     return x
@@ -385,9 +385,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_the_portable_c_path_gives_the_avx2_paths_bits(lib, portable, type_name):
     """Without AVX2 the kernels compute the same float32 operations in the same order (8 lanes
     of fused multiply-adds summed as hsum8 sums them, the same integer lane sums), so a peer on
-    another CPU (an Arm Mac: NEON, no AVX2) chooses the same tokens at every gguf precision:
-    every product, the rounded activations and the dequantized weights equal the AVX2 build's
-    bit for bit, finite or not, one row or many."""
+    another CPU (an Arm Mac: NEON, no AVX2) gets the same kernel results at every gguf
+    precision: every product, the rounded activations and the dequantized weights equal the
+    AVX2 build's bit for bit, finite or not, one row or many."""
     n, k = 37, width(type_name)
     raw = random_blocks(type_name, n, k, seed=8)
     code = kb.KERNEL_TYPES[type_name]

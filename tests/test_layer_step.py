@@ -170,9 +170,10 @@ def test_a_peer_without_avx2_gets_the_same_bits(tmp_path, monkeypatch, precision
     """The whole model on the kernels' portable C path (built without ``-march``: no AVX2, as on
     an Arm Mac) gives the AVX2 build's logits and KV cache bit for bit: a prefill operation by
     operation, another past the dense path's row count, decode steps and a verification step
-    as one call each (with this machine's torch for the rest: rotary tables, the dense path). "float32 rows": a k_proj left float32 and a down_proj in
-    Q5_1, a type the kernels do not take (kept as float32 rows); their products went through
-    mi_matmul_f32 on AVX2 and torch without it, other bits (found by a fuzzing run)."""
+    as one call each (with this machine's torch for the rest: rotary tables, the dense path).
+    "float32 rows": a k_proj left float32 and a down_proj in Q5_1, a type the kernels do not
+    take (kept as float32 rows); their products went through mi_matmul_f32 on AVX2 and torch
+    without it, other bits (found by a fuzzing run)."""
     from helpers.portable import portable_library
 
     portable = portable_library(tmp_path)
