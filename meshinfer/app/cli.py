@@ -264,7 +264,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from meshinfer.engine.executor import parse_device
-    from meshinfer.engine.generate import check_precision_device, greedy_generate, load_shard, parse_dtype
+    from meshinfer.engine.generate import greedy_generate, load_shard, parse_dtype
     from meshinfer.text.stream import StreamDecoder
     from meshinfer.text.tokenizer import Tokenizer
     from meshinfer.engine.weights import open_weights
@@ -272,7 +272,6 @@ def cmd_generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = parse_dtype(args.dtype)
-    check_precision_device(dtype, args.device)
     device = parse_device(args.device)
     src = open_weights(path)
     tok = Tokenizer.from_gguf(src) if path.is_file() else Tokenizer.from_hf_dir(path)

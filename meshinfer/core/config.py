@@ -42,8 +42,7 @@ def check_device_args(precision: str, device: str) -> None:
         InvalidInput: a precision of :data:`CPU_ONLY_PRECISIONS` on another device.
     """
     check_device_spec(device)
-    if precision in CPU_ONLY_PRECISIONS and device.split(":")[0] != "cpu":
-        raise cpu_only(precision, device)
+    check_cpu_only(precision, device)
 
 
 def check_device_spec(device: str) -> None:
@@ -52,9 +51,11 @@ def check_device_spec(device: str) -> None:
         raise DeviceError(f"device {device!r} is not one of cpu, cuda, cuda:N, mps")
 
 
-def cpu_only(precision: str, device: str) -> InvalidInput:
-    """The error for a CPU-only ``precision`` asked of ``device``."""
-    return InvalidInput(f"precision {precision} uses CPU kernels; use f32/bf16/f16 on {device}, or --device cpu")
+def check_cpu_only(precision: str, device: str) -> None:
+    """Raises InvalidInput when ``precision`` is one of :data:`CPU_ONLY_PRECISIONS` and
+    ``device`` (``"cpu"``, ``"cuda:0"``, ...; empty means the CPU) is not the CPU."""
+    if precision in CPU_ONLY_PRECISIONS and (device or "cpu").split(":")[0] != "cpu":
+        raise InvalidInput(f"precision {precision} uses CPU kernels; use f32/bf16/f16 on {device}, or --device cpu")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from meshinfer.core.config import LayerRange, ModelConfig, cpu_only
+from meshinfer.core.config import LayerRange, ModelConfig, check_cpu_only
 from meshinfer.core.errors import InvalidInput
 from meshinfer.core.generation import Generation, check_context
 from meshinfer.engine.kv_cache import KVCache
@@ -57,8 +57,7 @@ def check_precision_device(precision: Precision, device: str) -> None:
         InvalidInput: ``precision`` is quantized and ``device`` (``"cpu"``, ``"cuda:0"``, ...)
             is not the CPU.
     """
-    if precision.quantized and (device or "cpu").split(":")[0] != "cpu":
-        raise cpu_only(precision.name, device)
+    check_cpu_only(precision.name, device)  # CPU_ONLY_PRECISIONS: the quantized ones (tests/test_quant.py)
 
 
 def load_shard(weights: WeightsSource | str | os.PathLike, layers: LayerRange | None = None, *,

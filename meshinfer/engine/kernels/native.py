@@ -137,12 +137,16 @@ def build_with_fallbacks(cc: str, out: Path) -> tuple[str, ...]:
 WITHOUT_KERNELS = "--dtype gguf computes through torch, much slower, and gguf-a16 / gguf-a8 cannot run"
 
 
+def _dropped_note(path: Path) -> Path:
+    """Where the build of the library at ``path`` notes the flags it went without."""
+    return path.with_name(path.name + ".dropped")
+
+
 def built_without(path: Path) -> tuple[str, ...]:
     """The :data:`CFLAGS` the library at ``path`` was built without (its ``.dropped`` note,
     written at the build), or () when it has them all."""
-    note = path.with_name(path.name + ".dropped")
     try:
-        return tuple(note.read_text().split())
+        return tuple(_dropped_note(path).read_text().split())
     except OSError:
         return ()
 
@@ -173,11 +177,10 @@ def library() -> ctypes.CDLL | None:
     try:
         if not path.exists():
             dropped = build_with_fallbacks(cc, path)
-            note = path.with_name(path.name + ".dropped")
             if dropped:
-                note.write_text(" ".join(dropped) + "\n")
+                _dropped_note(path).write_text(" ".join(dropped) + "\n")
             else:
-                note.unlink(missing_ok=True)
+                _dropped_note(path).unlink(missing_ok=True)
         dropped = built_without(path)
         if dropped:
             _warn_dropped(dropped)
