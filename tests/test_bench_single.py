@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from meshinfer.app.bench import GENERAL_PROMPTS
-from meshinfer.app.bench_single import (add_decode_median, add_fidelity, prefix_agreement, single_table,
-                                        top1_agreement)
+from meshinfer.app.bench_single import (add_decode_median, add_fidelity, prefix_agreement, prompt_ids,
+                                        single_table, top1_agreement)
 from meshinfer.core.config import PRECISION_NAMES
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.text.tokenizer import Tokenizer
@@ -131,3 +131,87 @@ def test_bench_single_fidelity_is_computed_against_f32(tiny_gguf, tmp_path):
     assert f32["decode_tok_s_median"] == statistics.median(f32["chat_decode_tok_s"])
     assert f"| meshinfer | f32 | {f32['decode_tok_s_median']:.1f} | - | 1.00 | {f32['fidelity_top1']:.2f} |" in out.stdout
     assert "ran only as the fidelity reference" not in out.stdout
+
+
+FAKE_LLAMA_CPP = '''
+import os, sys, time
+import numpy as np
+
+calls = 0
+
+class Llama:
+    """Enough of llama_cpp.Llama for the bench's worker: a made-up greedy sequence per prompt."""
+    def __init__(self, model_path, n_threads, n_threads_batch, n_ctx, n_batch, verbose=False, logits_all=False):
+        self.logits_all = logits_all
+    def reset(self):
+        pass
+    def generate(self, ids, top_k, temp, reset):
+        global calls
+        calls += 1
+        if str(calls) == os.environ.get("FAKE_LLAMA_DIES_AT"):
+            print("fake llama died on purpose", file=sys.stderr, flush=True)
+            os._exit(3)
+        t = sum(ids) % 50
+        while True:
+            time.sleep(0.002)
+            yield t
+            t = (7 * t + 1) % 50
+    def eval(self, ids):
+        assert self.logits_all
+        self.scores = np.zeros((len(ids), 64), dtype=np.float32)
+'''
+
+
+def _bench_with_fake_llama(tiny_gguf, tmp_path, **env_extra):
+    (tmp_path / "fake" / "llama_cpp").mkdir(parents=True)
+    (tmp_path / "fake" / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    report = tmp_path / "single.json"
+    env = dict(os.environ, MESHINFER_HOME=str(tmp_path), **env_extra,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "fake"), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-m", "meshinfer", "bench", "--single", "--model", str(tiny_gguf),
+                          "--dtypes", "gguf,f32", "--threads", "1", "--max-tokens", "4", "--llama-python",
+                          sys.executable, "--no-transformers", "--no-join", "--out", str(report)],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr
+    return out, json.loads(report.read_text())
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_between_chats_leaves_its_row_an_error(tiny_gguf, tmp_path):
+    """llama.cpp's worker exits during its 5th generation (warm-up, 30 tokens, 1,000 tokens,
+    chat 0, chat 1): its row says why, and meshinfer's rows finish every chat, with no ratio."""
+    out, rows = _bench_with_fake_llama(tiny_gguf, tmp_path, FAKE_LLAMA_DIES_AT="5")
+    gguf, f32, llama = rows
+    assert llama["error"] == "fake llama died on purpose"
+    assert "| llama.cpp | gguf as stored | not measured: fake llama died on purpose |" in out.stdout
+    for r in (gguf, f32):
+        assert len(r["chat_decode_tok_s"]) == len(GENERAL_PROMPTS) and r["vs_llama"] is None
+        assert 0 <= r["fidelity_greedy"] <= 1 and r["fidelity_top1"] is not None
+
+
+@pytest.mark.slow
+def test_bench_single_engines_take_turns_on_the_chats(tiny_gguf, tmp_path):
+    """Every engine decodes chat i before any decodes chat i + 1, and vs_llama is the median of
+    the chat-by-chat ratios (a stand-in llama_cpp module plays llama.cpp)."""
+    out, rows = _bench_with_fake_llama(tiny_gguf, tmp_path)
+    assert [(r["engine"], r["precision"]) for r in rows] == [("meshinfer", "gguf"), ("meshinfer", "f32"),
+                                                             ("llama.cpp", "gguf as stored")]
+    n = len(GENERAL_PROMPTS)
+    assert all("error" not in r and len(r["chat_started"]) == n for r in rows), rows
+    for i in range(n - 1):  # turns: the last start of chat i comes before the first start of chat i + 1
+        assert max(r["chat_started"][i] for r in rows) < min(r["chat_started"][i + 1] for r in rows)
+    llama = rows[2]
+    assert llama["vs_llama"] == 1.0
+    for r in rows[:2]:
+        assert r["vs_llama"] == statistics.median(a / b for a, b in zip(r["chat_decode_tok_s"],
+                                                                        llama["chat_decode_tok_s"]))
+        assert f"| meshinfer | {r['precision']} | {r['decode_tok_s_median']:.1f} | {r['vs_llama']:.2f} |" in out.stdout
+    expected = []
+    for ids in prompt_ids(tiny_gguf)["chats"]:  # the stand-in's sequence for each chat, in chat order
+        t = [sum(ids) % 50]
+        while len(t) < 4:
+            t.append((7 * t[-1] + 1) % 50)
+        expected.append(t)
+    assert llama["fidelity_tokens"] == expected
+    refs = rows[1]["fidelity_tokens"]
+    assert llama["fidelity_top1"] == sum(map(top1_agreement, refs, [[0] * 4] * n)) / n  # its argmax is token 0

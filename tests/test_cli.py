@@ -605,10 +605,46 @@ def test_generate_checks_its_arguments_before_torch_loads(tiny_gguf, no_torch, c
     from meshinfer.app import cli
 
     monkeypatch.setattr(cli, "_setup_logging", lambda *a: None)  # leave this process's logging alone
-    monkeypatch.setenv("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))  # restored after
+    monkeypatch.setenv("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))  # main leaves it and the spin alone
     assert cli.main(["generate", "--model", str(tiny_gguf), *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and len(err.splitlines()) == 1, err
+
+
+def _unset_openmp_env(monkeypatch) -> None:
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.setenv(name, "x")  # recorded, so whatever main sets is undone after the test
+        monkeypatch.delenv(name)
+
+
+def test_commands_that_compute_choose_a_short_openmp_spin(tiny_gguf, no_torch, monkeypatch):
+    """generate (as join, bench and a draft model) sets the OpenMP wait policy before torch
+    loads: sleep, after a spin of OPENMP_SPIN_COUNT polls for libgomp; a command that computes
+    nothing leaves the environment alone."""
+    from meshinfer.app import cli
+
+    monkeypatch.setattr(cli, "_setup_logging", lambda *a: None)
+    _unset_openmp_env(monkeypatch)
+    assert cli.main(["generate", "--model", str(tiny_gguf), "-p", "hi", "--threads", "0"]) == 2
+    assert (os.environ["OMP_WAIT_POLICY"], os.environ["GOMP_SPINCOUNT"]) == ("PASSIVE", cli.OPENMP_SPIN_COUNT)
+    _unset_openmp_env(monkeypatch)
+    assert cli.main(["pull", "no-such-model"]) == 2
+    assert "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
+
+
+@pytest.mark.parametrize("preset", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"},
+                                    {"GOMP_SPINCOUNT": "0"}, {"GOMP_SPINCOUNT": "300000"}])
+def test_a_users_openmp_wait_choice_is_kept_whole(preset):
+    """With the policy or the spin count set by the user, openmp_wait_policy adds nothing: a
+    spin count next to OMP_WAIT_POLICY=ACTIVE would override it in libgomp."""
+    from meshinfer.app.cli import openmp_wait_policy
+
+    env = dict(preset)
+    openmp_wait_policy(env)
+    assert env == preset
+    fresh: dict[str, str] = {}
+    openmp_wait_policy(fresh)
+    assert fresh == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """``meshinfer bench --single``: one machine, whole model, meshinfer at each precision against
 llama.cpp (llama-cpp-python) and Hugging Face transformers, in one run.
 
-Every engine runs in a fresh process on the same GGUF file, with the same thread count and the
-same prompt token ids (no chat template, so every engine sees identical input):
+Every engine runs in its own process on the same GGUF file, with the same thread count and the
+same prompt token ids (no chat template, so every engine sees identical input). Each worker
+loads its model and times these while the workers started before it wait idle:
 
 * a 30-token prompt, then ``tokens`` greedy tokens: time to first token (TTFT) and decode tok/s
   (tokens after the first divided by the time after the first);
@@ -10,9 +11,14 @@ same prompt token ids (no chat template, so every engine sees identical input):
 
 The fidelity runs below decode too (each chat's ``tokens`` greedy tokens), and the table's decode
 speed is the **median over those chats** (``decode_tok_s_median``; each chat's rate in
-``chat_decode_tok_s``), with its ratio to llama.cpp's: on a shared machine a single run's rate
-moved by 20-30% from one run to the next, which a median over 8 absorbs. ``decode_tok_s`` is the
-30-token prompt's single run.
+``chat_decode_tok_s``). The engines **take turns** on the chats: every engine decodes chat 0,
+then every engine chat 1, and so on (each chat starting from the next engine), so that each
+chat's rates are taken within a minute or two of each other. The ratio to llama.cpp
+(``vs_llama``) is the median over chats of the two engines' rates on the same chat. Why: this
+project's 2-core test machine changed speed by 20-40% over minutes, and when each engine ran
+all its chats in one block, an engine's ratio to llama.cpp moved with the minutes it happened to
+get (gguf-a8 at 1.03x in one run and 0.79x four hours later, with no code change in its step:
+docs/benchmarks.md). ``decode_tok_s`` is the 30-token prompt's single run, timed alone.
 
 Each worker first runs one short warm-up generation that covers the prefill and decode shapes.
 Peak RSS is the worker's ``ru_maxrss``, read before the fidelity runs below. For meshinfer the table also reports the load time
@@ -28,9 +34,9 @@ Fidelity, next to the speed of every row, is measured against meshinfer at f32 o
 :data:`~meshinfer.app.bench.GENERAL_PROMPTS` chats rendered with the model's chat template by
 :mod:`meshinfer.text` (the same ids for every engine), ``tokens`` greedy tokens each, with no stop
 at an end-of-turn token so every engine produces the same number of positions. The f32 worker
-runs first (also when f32 is not asked for: then it is only the reference); its tokens go to every
-other worker, which returns its own greedy tokens and its argmax at each of those positions when
-fed the prompt plus f32's tokens in one pass. The parent then computes:
+starts first (also when f32 is not asked for: then it is only the reference); after the chats its
+tokens go to every worker, which returns its argmax at each of those positions when fed the
+prompt plus f32's tokens in one pass. The parent then computes:
 
 * ``fidelity_greedy``: the mean over prompts of :func:`prefix_agreement` (the share of positions
   that agree with f32 before the first divergence);
@@ -40,12 +46,15 @@ fed the prompt plus f32's tokens in one pass. The parent then computes:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -62,6 +71,34 @@ PROMPT_TEXT = ("Write a Python function that checks whether a number is prime, t
 #: Seconds one worker may run before it is killed.
 WORKER_TIMEOUT_S = 1800
 
+#: The request loop every worker ends in (prepended to each script): it prints its first
+#: results, then answers the parent's requests on stdin, one JSON line each, until EOF or
+#: ``{"quit": true}``: ``{"chat": i}`` greedy-decodes chat prompt i (its tokens, decode rate
+#: and start time), ``{"argmax": refs}`` the teacher-forced argmaxes (the last request: llama.cpp
+#: drops its decode context for one with every position's logits). Answers start with
+#: :data:`ANSWER_MARK`, so a library's stray print on stdout is not taken for one.
+ANSWER_MARK = "@@meshinfer-bench "
+SERVE = f"ANSWER_MARK = {ANSWER_MARK!r}\n" + r'''
+import json, sys, time
+def serve(first, chat, argmax):
+    def answer(obj):
+        print(ANSWER_MARK + json.dumps(obj), flush=True)
+    answer(first)
+    for line in sys.stdin:
+        req = json.loads(line)
+        if "chat" in req:
+            started = time.time()
+            toks, rate = chat(spec["chats"][req["chat"]])
+            answer({"tokens": toks, "rate": rate, "started": started})
+        elif "argmax" in req:
+            try:
+                answer({"fidelity_argmax": argmax(req["argmax"])})
+            except Exception as exc:
+                answer({"fidelity_argmax_error": f"{type(exc).__name__}: {exc}"[:200]})
+        else:
+            return
+'''
+
 MESH_WORKER = r'''
 import json, resource, sys, time, torch
 spec = json.loads(sys.argv[1])
@@ -76,15 +113,13 @@ if spec["speed"]:
     long = greedy_generate(shard, spec["p1000"], max_tokens=1)
     out.update(ttft30_ms=short.ttft_ms, decode_tok_s=short.decode_tokens_per_s, ttft1000_ms=long.ttft_ms,
                token_ids=short.token_ids, peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-chats = spec["chats"]
-runs = [greedy_generate(shard, p, max_tokens=spec["tokens"]) for p in chats]
-out["fidelity_tokens"] = [r.token_ids for r in runs]
-out["chat_decode_tok_s"] = [r.decode_tokens_per_s for r in runs]
-refs = out["fidelity_tokens"] if spec["reference"] else spec["refs"]
-if refs is not None:
-    out["fidelity_argmax"] = [shard(torch.tensor([p + r]), 0, logits="all")[0, len(p) - 1:len(p) - 1 + len(r)]
-                              .argmax(-1).tolist() for p, r in zip(chats, refs)]  # (T, V) -> (len(r),)
-print(json.dumps(out))
+def chat(p):
+    r = greedy_generate(shard, p, max_tokens=spec["tokens"])
+    return r.token_ids, r.decode_tokens_per_s
+def argmax(refs):
+    return [shard(torch.tensor([p + r]), 0, logits="all")[0, len(p) - 1:len(p) - 1 + len(r)]
+            .argmax(-1).tolist() for p, r in zip(spec["chats"], refs)]  # (T, V) -> (len(r),)
+serve(out, chat, argmax)
 '''
 
 LLAMA_WORKER = r'''
@@ -110,25 +145,23 @@ toks, ttft30, rate = run(spec["p30"], spec["tokens"])
 _, ttft1000, _ = run(spec["p1000"], 1)
 out = {"load_s": load_s, "ttft30_ms": ttft30, "decode_tok_s": rate, "ttft1000_ms": ttft1000,
        "token_ids": toks, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-chats, refs = spec["chats"], spec["refs"]
-runs = [run(p, spec["tokens"]) for p in chats]
-out["fidelity_tokens"] = [r[0] for r in runs]
-out["chat_decode_tok_s"] = [r[2] for r in runs]
-if refs is not None:
-    del llm  # scores for every position need a context built with logits_all=True
-    try:
-        tf = Llama(model_path=spec["model"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
-                   n_ctx=max(len(p) + len(r) for p, r in zip(chats, refs)) + 8, n_batch=512,
-                   logits_all=True, verbose=False)
-        out["fidelity_argmax"] = []
-        for p, r in zip(chats, refs):
-            tf.reset()
-            tf.eval(p + r)
-            out["fidelity_argmax"].append(tf.scores[len(p) - 1:len(p) - 1 + len(r)].argmax(-1).tolist())
-    except Exception as exc:
-        out.pop("fidelity_argmax", None)
-        out["fidelity_argmax_error"] = f"{type(exc).__name__}: {exc}"[:200]
-print(json.dumps(out))
+def chat(p):
+    toks, _, rate = run(p, spec["tokens"])
+    return toks, rate
+def argmax(refs):
+    global llm
+    del llm  # scores for every position need a context built with logits_all=True (the last request)
+    chats = spec["chats"]
+    tf = Llama(model_path=spec["model"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
+               n_ctx=max(len(p) + len(r) for p, r in zip(chats, refs)) + 8, n_batch=512,
+               logits_all=True, verbose=False)
+    found = []
+    for p, r in zip(chats, refs):
+        tf.reset()
+        tf.eval(p + r)
+        found.append(tf.scores[len(p) - 1:len(p) - 1 + len(r)].argmax(-1).tolist())
+    return found
+serve(out, chat, argmax)
 '''
 
 HF_WORKER = r'''
@@ -152,28 +185,24 @@ def run(ids, n):
     out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     total = time.perf_counter() - t0
     return out[0, ids.shape[1]:].tolist(), ttft * 1e3, (n - 1) / max(total - ttft, 1e-9)
-rates = []
-def greedy(ids, n):  # argmax at every step, no end-of-turn stop and no EOS suppression
+def chat(ids):  # argmax at every step, no end-of-turn stop and no EOS suppression
+    n = spec["tokens"]
     step = model(torch.tensor([ids]), use_cache=True)
     toks, t0 = [int(step.logits[0, -1].argmax())], time.perf_counter()
     while len(toks) < n:
         step = model(torch.tensor([toks[-1:]]), past_key_values=step.past_key_values, use_cache=True)
         toks.append(int(step.logits[0, -1].argmax()))
-    rates.append((n - 1) / max(time.perf_counter() - t0, 1e-9))
-    return toks
+    return toks, (n - 1) / max(time.perf_counter() - t0, 1e-9)
+def argmax(refs):
+    return [model(torch.tensor([p + r])).logits[0, len(p) - 1:len(p) - 1 + len(r)]
+            .argmax(-1).tolist() for p, r in zip(spec["chats"], refs)]  # (T, V) -> (len(r),)
 with torch.inference_mode():
     run(spec["warm"], 3)
     toks, ttft30, rate = run(spec["p30"], spec["tokens"])
     _, ttft1000, _ = run(spec["p1000"], 1)
     out = {"load_s": load_s, "ttft30_ms": ttft30, "decode_tok_s": rate, "ttft1000_ms": ttft1000,
            "token_ids": toks, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    chats, refs = spec["chats"], spec["refs"]
-    out["fidelity_tokens"] = [greedy(p, spec["tokens"]) for p in chats]
-    out["chat_decode_tok_s"] = rates
-    if refs is not None:
-        out["fidelity_argmax"] = [model(torch.tensor([p + r])).logits[0, len(p) - 1:len(p) - 1 + len(r)]
-                                  .argmax(-1).tolist() for p, r in zip(chats, refs)]  # (T, V) -> (len(r),)
-print(json.dumps(out))
+    serve(out, chat, argmax)
 '''
 
 
@@ -258,12 +287,62 @@ def add_fidelity(row: dict, refs: list[list[int]] | None, why_none: str = "") ->
         row["fidelity_top1_error"] = row.get("fidelity_argmax_error", "the engine returned no logits")
 
 
-def _worker(python: str, script: str, spec: dict) -> dict:
-    out = subprocess.run([python, "-c", script, json.dumps(spec)], capture_output=True, text=True,
-                         timeout=WORKER_TIMEOUT_S)
-    if out.returncode:
-        return {"error": (out.stderr.strip().splitlines() or ["exit %d" % out.returncode])[-1][:200]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+class WorkerFailed(RuntimeError):
+    """An engine's worker process died, or did not answer within :data:`WORKER_TIMEOUT_S`."""
+
+
+class _Worker:
+    """One engine's worker process (:data:`SERVE` at the end of its script), kept alive between
+    requests, so that the engines' chats can take turns (:func:`run_single`)."""
+
+    def __init__(self, python: str, script: str, spec: dict) -> None:
+        self.spec = spec
+        self._err = tempfile.TemporaryFile(mode="w+")  # a file: a full pipe would stop a chatty worker
+        self._proc = subprocess.Popen([python, "-c", SERVE + script, json.dumps(spec)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=self._err, text=True)
+        self._answers: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            if line.startswith(ANSWER_MARK):
+                self._answers.put(json.loads(line[len(ANSWER_MARK):]))
+        self._answers.put(None)  # end of output: the worker exited
+
+    def answer(self, request: dict | None = None) -> dict:
+        """Send ``request`` (None: only wait for the worker's first results) and return its answer.
+
+        Raises:
+            WorkerFailed: the worker exited (the message is the last line of its stderr) or took
+                longer than :data:`WORKER_TIMEOUT_S`.
+        """
+        if request is not None:
+            try:
+                self._proc.stdin.write(json.dumps(request) + "\n")
+                self._proc.stdin.flush()
+            except OSError:
+                pass  # it exited: the answer below says why
+        try:
+            got = self._answers.get(timeout=WORKER_TIMEOUT_S)
+        except queue.Empty:
+            self.close()
+            raise WorkerFailed(f"no answer within {WORKER_TIMEOUT_S} s") from None
+        if got is None:
+            self._proc.wait()
+            self._err.seek(0)
+            raise WorkerFailed((self._err.read().strip().splitlines() or ["exit %d" % self._proc.returncode])[-1][:200])
+        return got
+
+    def close(self) -> None:
+        """End the worker (EOF on its stdin, then a kill after 30 s)."""
+        with contextlib.suppress(OSError):
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._err.close()
 
 
 def join_to_ready_s(model: Path, dtype: str, home: Path, threads: int) -> float:
@@ -292,73 +371,146 @@ def join_to_ready_s(model: Path, dtype: str, home: Path, threads: int) -> float:
 
 def _progress_line(row: dict) -> str:
     return json.dumps({k: v for k, v in row.items()
-                       if k not in ("token_ids", "fidelity_tokens", "fidelity_argmax", "chat_decode_tok_s")})
+                       if k not in ("token_ids", "fidelity_tokens", "fidelity_argmax", "chat_decode_tok_s",
+                                    "chat_started")})
 
 
-def _mesh_rows(spec: dict, dtypes: list[str], tmp: str, *, join_times: bool,
-               progress) -> tuple[list[dict], list[list[int]] | None, str]:
-    """meshinfer's rows, in ``dtypes`` order, with fidelity; f32 runs first (only as the fidelity
-    reference when it is not in ``dtypes``). Returns the rows, f32's greedy tokens per chat prompt
-    (None when the f32 worker failed) and, then, why."""
-    rows, refs, why = {}, None, ""
-    for dtype in dict.fromkeys(["f32", *dtypes]):
-        measured = dtype in dtypes
-        row = {"engine": "meshinfer", "precision": dtype,
-               **_worker(sys.executable, MESH_WORKER, {**spec, "dtype": dtype, "cache_dir": f"{tmp}/converted",
-                                                       "speed": measured, "reference": dtype == "f32",
-                                                       "refs": refs})}
-        if dtype == "f32":
-            refs = row.get("fidelity_tokens")
-            why = f"the f32 reference failed: {row['error']}" if "error" in row else ""
-        add_fidelity(row, refs, why)
-        add_decode_median(row)
-        if join_times and measured and "error" not in row:
-            home = Path(tmp) / f"home-{dtype}"
-            home.mkdir()
-            row["join_cold_s"] = join_to_ready_s(Path(spec["model"]), dtype, home, spec["threads"])
-            row["join_cached_s"] = join_to_ready_s(Path(spec["model"]), dtype, home, spec["threads"])
-        if measured:
-            rows[dtype] = row
-            if progress:
-                progress(_progress_line(row))
-    return [rows[d] for d in dtypes], refs, why
+def _engines(spec: dict, dtypes: list[str], llama_python: str | None,
+             transformers: bool) -> list[tuple[dict, str | None, str, dict]]:
+    """Every row to measure, as (row, python or None with the reason in ``row["error"]``,
+    worker script, worker spec): meshinfer's f32 first (only the fidelity reference when it is
+    not in ``dtypes``), the other ``dtypes``, llama.cpp, transformers."""
+    out = [({"engine": "meshinfer", "precision": d}, sys.executable, MESH_WORKER,
+            {**spec, "dtype": d, "speed": d in dtypes})
+           for d in dict.fromkeys(["f32", *dtypes])]
+    python = llama_python or os.environ.get("MESHINFER_LLAMA_PYTHON") or DEFAULT_LLAMA_PYTHON
+    others = [("llama.cpp", python, LLAMA_WORKER, "gguf as stored")]
+    if transformers:
+        others.append(("transformers", sys.executable, HF_WORKER, "f32"))
+    for name, py, script, precision in others:
+        row: dict = {"engine": name, "precision": precision}
+        if not Path(py).exists():
+            row["error"] = (f"{py} does not exist (bash deploy/install-llama-cpp.sh builds it, or pass --llama-python)"
+                            if name == "llama.cpp" else f"{py} does not exist")
+        out.append((row, py if "error" not in row else None, script, spec))
+    return out
+
+
+def _take_turns(live: list[tuple[dict, _Worker]], chats: int) -> None:
+    """Decode chat 0 with every engine, then chat 1, and so on, each chat starting from the next
+    engine in turn; each row gets ``fidelity_tokens``, ``chat_decode_tok_s`` and ``chat_started``
+    (Unix seconds). A worker that fails leaves its row with ``error`` and drops out."""
+    for i in range(chats):
+        for row, worker in live[i % len(live):] + live[:i % len(live)]:
+            if "error" in row:
+                continue
+            try:
+                got = worker.answer({"chat": i})
+            except WorkerFailed as exc:
+                row["error"] = str(exc)
+                continue
+            row.setdefault("fidelity_tokens", []).append(got["tokens"])
+            row.setdefault("chat_decode_tok_s", []).append(got["rate"])
+            row.setdefault("chat_started", []).append(got["started"])
+
+
+def _first_results(row: dict, worker: _Worker, tmp: Path, join_times: bool, progress) -> None:
+    """Wait for ``worker``'s load and speed runs into ``row``; then, for meshinfer with
+    ``join_times``, time a real ``join`` to ready, cold and cached. A worker that fails leaves
+    ``row`` its ``error``."""
+    try:
+        row.update(worker.answer())
+    except WorkerFailed as exc:
+        row["error"] = str(exc)
+        return
+    if progress:
+        progress("loaded, speed runs done (chats next): " + _progress_line(row))
+    if join_times and row["engine"] == "meshinfer":
+        home = tmp / f"home-{row['precision']}"
+        home.mkdir()
+        spec_model, threads = Path(worker.spec["model"]), worker.spec["threads"]
+        row["join_cold_s"] = join_to_ready_s(spec_model, row["precision"], home, threads)
+        row["join_cached_s"] = join_to_ready_s(spec_model, row["precision"], home, threads)
+
+
+def _teacher_forced(live: list[tuple[dict, _Worker]], refs: list[list[int]]) -> None:
+    """Each live row's ``fidelity_argmax`` for f32's tokens ``refs`` (or ``fidelity_argmax_error``)."""
+    for row, worker in live:
+        if "error" not in row:
+            try:
+                row.update(worker.answer({"argmax": refs}))
+            except WorkerFailed as exc:
+                row["fidelity_argmax_error"] = str(exc)
 
 
 def run_single(*, model: str, dtypes: list[str], tokens: int, threads: int, llama_python: str | None,
                transformers: bool = True, join_times: bool = True, progress=None) -> list[dict]:
-    """Run every engine once (see the module docstring); one result dict per row.
+    """Run every engine (see the module docstring); one result dict per row, in ``dtypes`` order,
+    then llama.cpp and transformers.
+
+    Each engine's worker loads its model and times its speed runs while the workers before it
+    wait idle; then the engines **take turns** on the fidelity chats (:func:`_take_turns`), so
+    that every engine decodes chat i within the same minute or two: a machine whose speed
+    drifts by 20-40% over minutes (docs/benchmarks.md) slows every engine's chat i alike, and
+    ``vs_llama`` (:func:`add_paired_ratio`) compares the engines chat by chat.
 
     A row has ``engine``, ``precision`` and either ``error`` or the measured fields: ``load_s``,
     ``ttft30_ms``, ``decode_tok_s``, ``decode_tok_s_median`` (:func:`add_decode_median`) with the
-    ``chat_decode_tok_s`` it comes from, ``ttft1000_ms``, ``peak_rss_mib``, for meshinfer
-    ``join_cold_s`` / ``join_cached_s``, and the fidelity (:func:`add_fidelity`) with the lists it
-    comes from: ``fidelity_tokens`` (greedy ids per chat prompt) and ``fidelity_argmax``
-    (teacher-forced argmaxes per chat prompt). ``tokens`` is the number of greedy tokens of both
-    the speed run and each fidelity prompt.
+    ``chat_decode_tok_s`` it comes from, ``vs_llama``, ``ttft1000_ms``, ``peak_rss_mib``, for
+    meshinfer ``join_cold_s`` / ``join_cached_s``, and the fidelity (:func:`add_fidelity`) with
+    the lists it comes from: ``fidelity_tokens`` (greedy ids per chat prompt) and
+    ``fidelity_argmax`` (teacher-forced argmaxes per chat prompt). ``tokens`` is the number of
+    greedy tokens of both the speed run and each fidelity prompt. Every engine is loaded at
+    once during the chats: the sum of their memory (about 11 GB for the default model with
+    every precision, llama.cpp and transformers).
     """
     from meshinfer.engine.weights.registry import resolve_model
 
     path = resolve_model(model)
     spec = {"model": str(path), "threads": threads, "tokens": tokens, **prompt_ids(path)}
+    live: list[tuple[dict, _Worker]] = []
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="meshinfer-bench-") as tmp:
-        rows, refs, why = _mesh_rows(spec, dtypes, tmp, join_times=join_times, progress=progress)
-    python = llama_python or os.environ.get("MESHINFER_LLAMA_PYTHON") or DEFAULT_LLAMA_PYTHON
-    engines = [("llama.cpp", python, LLAMA_WORKER, "gguf as stored")]
-    if transformers:
-        engines.append(("transformers", sys.executable, HF_WORKER, "f32"))
-    for name, py, script, precision in engines:
-        if not Path(py).exists():
-            row = {"engine": name, "precision": precision,
-                   "error": f"{py} does not exist (bash deploy/install-llama-cpp.sh builds it, or pass --llama-python)"
-                   if name == "llama.cpp" else f"{py} does not exist"}
-        else:
-            row = {"engine": name, "precision": precision, **_worker(py, script, {**spec, "refs": refs})}
+        spec["cache_dir"] = f"{tmp}/converted"
+        try:
+            for row, python, script, wspec in _engines(spec, dtypes, llama_python, transformers):
+                rows.append(row)
+                if python is not None:
+                    live.append((row, _Worker(python, script, wspec)))
+                    _first_results(*live[-1], Path(tmp), join_times and row["precision"] in dtypes, progress)
+            _take_turns(live, len(spec["chats"]))
+            f32 = rows[0]
+            refs = f32.get("fidelity_tokens") if "error" not in f32 else None
+            why = f"the f32 reference failed: {f32['error']}" if "error" in f32 else ""
+            if refs is not None:
+                _teacher_forced(live, refs)
+        finally:
+            for _, worker in live:
+                worker.close()
+    llama = next((r for r in rows if r["engine"] == "llama.cpp"), None)
+    for row in rows:
         add_fidelity(row, refs, why)
         add_decode_median(row)
-        rows.append(row)
-        if progress:
+        add_paired_ratio(row, llama)
+    mesh = {r["precision"]: r for r in rows if r["engine"] == "meshinfer"}
+    rows = [mesh[d] for d in dtypes] + [r for r in rows if r["engine"] != "meshinfer"]
+    if progress:
+        for row in rows:
             progress(_progress_line(row))
     return rows
+
+
+def add_paired_ratio(row: dict, llama: dict | None) -> None:
+    """Set ``row``'s ``vs_llama``: the median over chats of its decode rate on chat i divided by
+    llama.cpp's on chat i (the chats the two decoded turn about, :func:`run_single`); None without
+    a llama.cpp row with as many chats. In place; a row with ``error`` is left alone."""
+    if "error" in row:
+        return
+    mine, theirs = row.get("chat_decode_tok_s"), (llama or {}).get("chat_decode_tok_s")
+    if not mine or not theirs or len(mine) != len(theirs) or "error" in llama:
+        row["vs_llama"] = None
+        return
+    row["vs_llama"] = statistics.median(a / b for a, b in zip(mine, theirs))
 
 
 def add_decode_median(row: dict) -> None:
@@ -387,14 +539,16 @@ def single_table(rows: list[dict], *, tokens: int, threads: int) -> str:
             lines.append(f"| {r['engine']} | {r['precision']} | not measured: {r['error']} | | | | | | | | |")
             continue
         rate = r.get("decode_tok_s_median", r["decode_tok_s"])
-        ratio = f"{rate / llama:.2f}" if llama else "-"
+        paired = r.get("vs_llama")
+        ratio = f"{paired:.2f}" if paired is not None else (f"{rate / llama:.2f}" if llama else "-")
         join = f"{r['join_cold_s']:.1f} / {r['join_cached_s']:.1f}" if "join_cold_s" in r else "-"
         lines.append(f"| {r['engine']} | {r['precision']} | {rate:.1f} | {ratio} | "
                      f"{_fidelity_cell(r, 'fidelity_greedy')} | {_fidelity_cell(r, 'fidelity_top1')} | "
                      f"{r['ttft30_ms']:.0f} | {r['ttft1000_ms']:.0f} | {r['peak_rss_mib']:.0f} | {r['load_s']:.1f} | "
                      f"{join} |")
     note = (f"\n\n{threads} thread{'s' if threads != 1 else ''} per engine, one process each after a warm-up; decode speed is the median "
-            f"of the fidelity chats' decodes. Fidelity: {len(GENERAL_PROMPTS)} "
+            f"of the fidelity chats' decodes, which the engines took turns on; vs llama.cpp is the median over "
+            f"chats of the two engines' rates on the same chat. Fidelity: {len(GENERAL_PROMPTS)} "
             f"built-in chat prompts x {tokens} greedy tokens against meshinfer f32 (greedy: mean share of "
             f"positions before the first divergence; teacher-forced: share of top-1 equal to f32's tokens).")
     if not any(r["engine"] == "meshinfer" and r["precision"] == "f32" for r in rows):

@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import sys
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 from pathlib import Path
@@ -1306,17 +1307,48 @@ def _add_bench(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
     s.set_defaults(func=cmd_bench)
 
 
+#: libgomp's spin count (``GOMP_SPINCOUNT``: iterations a worker thread polls before it
+#: sleeps) that :func:`openmp_wait_policy` sets: about 0.06-0.15 ms on the 2-core EPYC test
+#: machine (a C program's CPU time per idle gap between parallel regions; 0.11 ms with no spin,
+#: which is the wake itself). Measured there, 2026-12-03 (``tests/benchmarks/decode_step.py
+#: --dtype gguf-a8 --threads 2``, runs alternated; docs/troubleshooting.md): on a quiet machine a
+#: gguf-a8 decode step took 33-37 ms against 42-56 ms with no spin, since a decode step makes
+#: about 120 parallel regions and the wake of a sleeping vCPU costs more than the region's work;
+#: f32 (fewer, longer regions) 88 against 91 ms. Spinning longer gained nothing more (5000 and
+#: 200000 measured the same as 1000).
+OPENMP_SPIN_COUNT = "1000"
+
+
+def openmp_wait_policy(env: MutableMapping[str, str]) -> None:
+    """How OpenMP worker threads wait between parallel regions, set in ``env`` (the process's
+    environment, before torch or the kernels load an OpenMP runtime) unless the user chose:
+    ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once), and for GNU OpenMP (libgomp: torch's Linux
+    wheels, the kernels built by gcc) a short spin first, ``GOMP_SPINCOUNT`` =
+    :data:`OPENMP_SPIN_COUNT`, which libgomp takes over the policy.
+
+    Why: several peers often share one machine (a local mesh, a test, a bench), and a machine
+    often runs other work. Threads that spin for long after each region steal the cores another
+    process computes on (a user measured generate at 0.6 tok/s with libgomp's default spin,
+    about 20 ms here, against 5.5 tok/s sleeping, on a busy 2-core machine), while threads that
+    sleep at once wake late for the next region of the same step. A spin of about 0.1 ms
+    covers the gaps inside a step and ends long before the next step of a route arrives. Other
+    runtimes (LLVM's libomp, as torch's macOS wheels bundle) sleep at once.
+
+    Nothing is set when ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is already set: the user's
+    choice (``OMP_WAIT_POLICY=ACTIVE`` on a machine the peer has to itself) is kept whole."""
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    env["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshinfer`` console script."""
     args = build_parser().parse_args(argv)
     if args.command in ("join", "generate") or getattr(args, "draft_model", None) or args.command == "bench":
-        # Several peers often share one machine (a local mesh, a test, a bench), and a machine
-        # often runs other work. OpenMP threads that spin after each op steal the cores another
-        # process computes on (a user measured generate at 0.6 tok/s spinning against 5.5 tok/s
-        # sleeping on a busy 2-core machine); sleeping threads cost ~1 ms per token on an idle one.
-        # The same holds for a client's draft model (chat, serve) and the bench's client, which
-        # share the machine with peers. Must be set before torch loads its OpenMP runtime.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # Peers, a client's draft model (chat, serve) and the bench's client often share one
+        # machine. Must be set before torch loads its OpenMP runtime.
+        openmp_wait_policy(os.environ)
     _setup_logging(args.verbose + (1 if args.command == "join" else 0), getattr(args, "log_format", "text"))
     if getattr(args, "max_tokens", None) is not None and args.max_tokens < 1:
         print("error: --max-tokens must be at least 1", file=sys.stderr)
