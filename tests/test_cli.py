@@ -11,6 +11,7 @@ import random
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -361,12 +362,16 @@ def test_bench_measures_single_peer_and_split(tiny_gguf, tmp_path):
     from meshinfer.app.bench import even_splits
 
     assert even_splits(24, 5) == [(0, 3), (4, 8), (9, 13), (14, 18), (19, 23)]
-    out = meshinfer("bench", "--model", str(tiny_gguf), "--splits", "1,2", "--max-tokens", "3", "--repeats", "1",
+    out = meshinfer("bench", "--model", str(tiny_gguf), "--splits", "1,2", "--max-tokens", "3", "--repeats", "3",
                     "--base-port", str(free_port_base(60)), "--out", str(tmp_path / "b.json"), timeout=300)
     assert out.returncode == 0, out.stderr
     assert "| 1 |" in out.stdout and "| 2 |" in out.stdout and "[0-1] ->" in out.stdout
     rows = json.loads((tmp_path / "b.json").read_text())
     assert [r["peers"] for r in rows] == [1, 2] and all(r["decode_tokens_per_s"] > 0 for r in rows)
+    one, two = (r["decode_tokens_per_s_runs"] for r in rows)
+    assert len(one) == len(two) == 3 and rows[0]["vs_first"] == 1.0
+    assert rows[1]["vs_first"] == statistics.median(b / a for a, b in zip(one, two))  # turn by turn
+    assert f"| {rows[1]['decode_tokens_per_s']:.2f} | {rows[1]['vs_first']:.2f} |" in out.stdout
 
 
 @pytest.mark.slow

@@ -5,7 +5,10 @@ until they are ready and gossiped, and drives them through :class:`~meshinfer.cl
 
 - ``splits`` (:func:`run_bench`): a single peer against 2- and 3-peer splits: median TTFT for a
   ~30-token prompt and median decode tokens/s (plain decoding, so the numbers measure the
-  split, not the prompt's repetitiveness), after one warm-up conversation.
+  split, not the prompt's repetitiveness), after one warm-up conversation. Every setup runs at
+  once (its own mesh, on its own ports) and the setups take turns, one conversation each, so
+  that a machine whose speed drifts over minutes slows each turn's setups alike; the ratio to
+  the first setup is the median of the turns' ratios.
 - ``speculative`` (:func:`run_spec_bench`): plain decoding against prompt lookup and (with a
   draft model) draft-model speculation, on general chats (:data:`GENERAL_PROMPTS` or
   ``--prompts FILE``) and on a code edit (:data:`CODE_EDIT_MESSAGES`), over a 2-peer split with
@@ -23,6 +26,7 @@ until they are ready and gossiped, and drives them through :class:`~meshinfer.cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import platform
 import statistics
@@ -132,24 +136,31 @@ async def _route(client, n_peers: int):
     return route
 
 
-async def _measure(url: str, n_peers: int, max_tokens: int, repeats: int) -> dict:
+async def _measure(urls: list[str], peer_counts: list[int], max_tokens: int, repeats: int) -> list[dict]:
+    """One dict per setup (a mesh reached at ``urls[k]`` with ``peer_counts[k]`` peers): the
+    setups take turns, one conversation each, warm-up turn first; each turn starts from the
+    next setup. ``vs_first``: the median over turns of the setup's decode rate divided by the
+    first setup's in the same turn."""
     from meshinfer.client.mesh import MeshClient
 
-    async with MeshClient([url]) as client:
-        route = await _route(client, n_peers)
-        tok = await client.tokenizer(route)
-        ids = tok.encode_chat(BENCH_MESSAGES)
-        runs = []
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(MeshClient([url])) for url in urls]
+        routes = [await _route(c, n) for c, n in zip(clients, peer_counts)]
+        ids = (await clients[0].tokenizer(routes[0])).encode_chat(BENCH_MESSAGES)
+        runs: list[list] = [[] for _ in urls]
         for i in range(repeats + 1):
-            conv = client.conversation(route, max_tokens_total=len(ids) + max_tokens, speculate=False)
-            out = await conv.generate(ids, max_tokens=max_tokens, eos_ids=())
-            await conv.close()
-            if i:  # the first conversation is a warm-up
-                runs.append(out)
-        return {"route": route.describe(), "prompt_tokens": len(ids),
-                "ttft_ms": statistics.median(r.ttft_ms for r in runs),
-                "decode_tokens_per_s": statistics.median(r.decode_tokens_per_s for r in runs),
-                "hops": runs[-1].route}
+            for k in [*range(i % len(urls), len(urls)), *range(i % len(urls))]:
+                conv = clients[k].conversation(routes[k], max_tokens_total=len(ids) + max_tokens, speculate=False)
+                out = await conv.generate(ids, max_tokens=max_tokens, eos_ids=())
+                await conv.close()
+                if i:  # the first turn is a warm-up
+                    runs[k].append(out)
+    rates = [[r.decode_tokens_per_s for r in rk] for rk in runs]
+    return [{"route": route.describe(), "prompt_tokens": len(ids),
+             "ttft_ms": statistics.median(r.ttft_ms for r in rk),
+             "decode_tokens_per_s": statistics.median(rate), "decode_tokens_per_s_runs": rate,
+             "vs_first": statistics.median(a / b for a, b in zip(rate, rates[0])), "hops": rk[-1].route}
+            for route, rk, rate in zip(routes, runs, rates)]
 
 
 def _start(model: str, n: int, base_port: int, dtype: str, tmp: str):
@@ -260,12 +271,13 @@ def _markdown(head: str, align: str, rows: list[dict], row: Callable[[dict], str
 
 
 def markdown_table(results: list[dict]) -> str:
-    """The results of :func:`run_bench` as a markdown table, relative to the first setup."""
-    base = results[0]["decode_tokens_per_s"] or 1.0
-    return _markdown("| peers | route | prompt tokens | first token ms | decode tok/s | vs 1 peer |",
+    """The results of :func:`run_bench` as a markdown table, relative to the first setup (the
+    median of the turns' ratios, ``vs_first``)."""
+    first = results[0]["peers"]
+    return _markdown(f"| peers | route | prompt tokens | first token ms | decode tok/s | vs {first} peer(s), turn by turn |",
                      "|---:|---|---:|---:|---:|---:|", results,
                      lambda r: f"| {r['peers']} | {r['route']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | "
-                               f"{r['decode_tokens_per_s']:.2f} | {r['decode_tokens_per_s'] / base:.2f} |")
+                               f"{r['decode_tokens_per_s']:.2f} | {r['vs_first']:.2f} |")
 
 
 def run_bench(*, model: str, splits: list[int], max_tokens: int, repeats: int, dtype: str, base_port: int,
@@ -293,21 +305,24 @@ def run_bench(*, model: str, splits: list[int], max_tokens: int, repeats: int, d
 
     path = resolve_model(model)
     num_layers = open_weights(path).config.num_hidden_layers
-    results = []
-    for n in splits:
-        with tempfile.TemporaryDirectory() as tmp:
-            procs = _start_peers(str(path), even_splits(num_layers, n), base_port, dtype, Path(tmp))
-            try:
-                r = asyncio.run(_measure(f"ws://127.0.0.1:{base_port}", n, max_tokens, repeats))
-            finally:
-                _stop(procs)
+    ports = [base_port + sum(splits[:k]) for k in range(len(splits))]  # each setup its own mesh
+    procs: list = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for n, port in zip(splits, ports):
+                logdir = Path(tmp) / f"{n}-peers-{port}"
+                logdir.mkdir()
+                procs += _start_peers(str(path), even_splits(num_layers, n), port, dtype, logdir)
+            results = asyncio.run(_measure([f"ws://127.0.0.1:{p}" for p in ports], splits, max_tokens, repeats))
+        finally:
+            _stop(procs)
+    for n, r in zip(splits, results):
         r["peers"] = n
-        results.append(r)
         if progress:
             progress(f"{n} peer(s): TTFT {r['ttft_ms']:.0f} ms, {r['decode_tokens_per_s']:.2f} tok/s")
     header = (f"model {path.name} (weights {weights_hash(path)[:12]}), {dtype}, CPU "
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {repeats} runs after a "
-              f"warm-up, {max_tokens} new tokens")
+              f"warm-up, taking turns, {max_tokens} new tokens")
     return header, results
 
 

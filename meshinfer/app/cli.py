@@ -1296,8 +1296,9 @@ def _add_bench(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
     s.add_argument("--out", help="also write the results as JSON here")
     s.add_argument("--single", action="store_true",
                    help="instead: one machine, whole model, each --dtypes precision vs llama.cpp and transformers: "
-                        "decode tok/s (the median of the 8 fidelity chats' decodes; --repeats does not apply) with "
-                        "its ratio to llama.cpp's, fidelity against f32, TTFT, peak RSS")
+                        "decode tok/s (the median of the 8 fidelity chats' decodes, which the engines take turns on; "
+                        "--repeats does not apply), vs llama.cpp as the median of the chats' ratios, fidelity "
+                        "against f32, TTFT, peak RSS")
     s.add_argument("--dtypes", default="f32,q8-bf16,gguf,gguf-a16,gguf-a8", help="with --single: precisions to measure")
     s.add_argument("--threads", type=int, default=2, help="with --single: CPU threads for every engine")
     s.add_argument("--llama-python", default=None,
