@@ -286,7 +286,10 @@ def run_bench(*, model: str, splits: list[int], max_tokens: int, repeats: int, d
 
     Args:
         model: path or known model name.
-        splits: peer counts to measure, e.g. ``[1, 2, 3]``.
+        splits: peer counts to measure, e.g. ``[1, 2, 3]``; every setup runs at once (its own
+            mesh on ports ``base_port`` .. ``base_port + sum(splits) - 1``), so the machine needs
+            the memory of all of them (1, 2 and 3 peers: three copies of the weights, about 8 GB
+            for the default model at f32, from its 2.7 GB single peer).
         max_tokens: tokens generated per conversation.
         repeats: timed conversations per setup (after one warm-up).
         dtype: ``f32``, ``bf16`` or ``f16``.
