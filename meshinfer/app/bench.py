@@ -294,7 +294,7 @@ def run_bench(*, model: str, splits: list[int], max_tokens: int, repeats: int, d
         repeats: timed conversations per setup (after one warm-up).
         dtype: ``f32``, ``bf16`` or ``f16``.
         base_port: first loopback port used by the peers.
-        progress: called with a one-line summary after each setup.
+        progress: called with a one-line summary per setup, after the turns.
 
     Returns:
         ``(header, results)``: a one-line description of the run and one dict per setup.
