@@ -1330,7 +1330,7 @@ def openmp_wait_policy(env: MutableMapping[str, str]) -> None:
     Why: several peers often share one machine (a local mesh, a test, a bench), and a machine
     often runs other work. Threads that spin for long after each region steal the cores another
     process computes on (a user measured generate at 0.6 tok/s with libgomp's default spin,
-    about 20 ms here, against 5.5 tok/s sleeping, on a busy 2-core machine), while threads that
+    about 11 ms here, against 5.5 tok/s sleeping, on a busy 2-core machine), while threads that
     sleep at once wake late for the next region of the same step. A spin of about 0.1 ms
     covers the gaps inside a step and ends long before the next step of a route arrives. Other
     runtimes (LLVM's libomp, as torch's macOS wheels bundle) sleep at once.
