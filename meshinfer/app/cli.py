@@ -1309,9 +1309,9 @@ def _add_bench(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
 
 
 #: libgomp's spin count (``GOMP_SPINCOUNT``: iterations a worker thread polls before it
-#: sleeps) that :func:`openmp_wait_policy` sets: about 0.06-0.15 ms on the 2-core EPYC test
-#: machine (a C program's CPU time per idle gap between parallel regions; 0.11 ms with no spin,
-#: which is the wake itself). Measured there, 2026-12-03 (``tests/benchmarks/decode_step.py
+#: sleeps) that :func:`openmp_wait_policy` sets: about 0.06 ms of polling on the 2-core EPYC
+#: test machine (a C program's CPU time per idle gap between parallel regions: 0.11 ms with no
+#: spin, the wake itself, 0.16 ms at 1000 polls, 0.41 ms at 5000, 1.30 ms at 20000). Measured there, 2026-12-03 (``tests/benchmarks/decode_step.py
 #: --dtype gguf-a8 --threads 2``, runs alternated; docs/troubleshooting.md): on a quiet machine a
 #: gguf-a8 decode step took 33-37 ms against 42-56 ms with no spin, since a decode step makes
 #: about 120 parallel regions and the wake of a sleeping vCPU costs more than the region's work;
@@ -1331,7 +1331,7 @@ def openmp_wait_policy(env: MutableMapping[str, str]) -> None:
     often runs other work. Threads that spin for long after each region steal the cores another
     process computes on (a user measured generate at 0.6 tok/s with libgomp's default spin,
     about 11 ms here, against 5.5 tok/s sleeping, on a busy 2-core machine), while threads that
-    sleep at once wake late for the next region of the same step. A spin of about 0.1 ms
+    sleep at once wake late for the next region of the same step. A spin of about 0.06 ms
     covers the gaps inside a step and ends long before the next step of a route arrives. Other
     runtimes (LLVM's libomp, as torch's macOS wheels bundle) sleep at once.
 
