@@ -72,8 +72,8 @@ PROMPT_TEXT = ("Write a Python function that checks whether a number is prime, t
 WORKER_TIMEOUT_S = 1800
 
 #: The request loop every worker ends in (prepended to each script): it prints its first
-#: results, then answers the parent's requests on stdin, one JSON line each, until EOF or
-#: ``{"quit": true}``: ``{"chat": i}`` greedy-decodes chat prompt i (its tokens, decode rate
+#: results, then answers the parent's requests on stdin, one JSON line each, until EOF (the
+#: parent closes stdin) or a request it does not know: ``{"chat": i}`` greedy-decodes chat prompt i (its tokens, decode rate
 #: and start time), ``{"argmax": refs}`` the teacher-forced argmaxes (the last request: llama.cpp
 #: drops its decode context for one with every position's logits). Answers start with
 #: :data:`ANSWER_MARK`, so a library's stray print on stdout is not taken for one.
@@ -296,7 +296,6 @@ class _Worker:
     requests, so that the engines' chats can take turns (:func:`run_single`)."""
 
     def __init__(self, python: str, script: str, spec: dict) -> None:
-        self.spec = spec
         self._err = tempfile.TemporaryFile(mode="w+")  # a file: a full pipe would stop a chatty worker
         self._proc = subprocess.Popen([python, "-c", SERVE + script, json.dumps(spec)], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=self._err, text=True)
@@ -414,10 +413,10 @@ def _take_turns(live: list[tuple[dict, _Worker]], chats: int) -> None:
             row.setdefault("chat_started", []).append(got["started"])
 
 
-def _first_results(row: dict, worker: _Worker, tmp: Path, join_times: bool, progress) -> None:
+def _first_results(row: dict, worker: _Worker, join: tuple[Path, Path, int] | None, progress) -> None:
     """Wait for ``worker``'s load and speed runs into ``row``; then, for meshinfer with
-    ``join_times``, time a real ``join`` to ready, cold and cached. A worker that fails leaves
-    ``row`` its ``error``."""
+    ``join`` = (model, scratch folder, threads), time a real ``join`` to ready, cold and cached.
+    A worker that fails leaves ``row`` its ``error``."""
     try:
         row.update(worker.answer())
     except WorkerFailed as exc:
@@ -425,12 +424,12 @@ def _first_results(row: dict, worker: _Worker, tmp: Path, join_times: bool, prog
         return
     if progress:
         progress("loaded, speed runs done (chats next): " + _progress_line(row))
-    if join_times and row["engine"] == "meshinfer":
+    if join is not None and row["engine"] == "meshinfer":
+        model, tmp, threads = join
         home = tmp / f"home-{row['precision']}"
         home.mkdir()
-        spec_model, threads = Path(worker.spec["model"]), worker.spec["threads"]
-        row["join_cold_s"] = join_to_ready_s(spec_model, row["precision"], home, threads)
-        row["join_cached_s"] = join_to_ready_s(spec_model, row["precision"], home, threads)
+        row["join_cold_s"] = join_to_ready_s(model, row["precision"], home, threads)
+        row["join_cached_s"] = join_to_ready_s(model, row["precision"], home, threads)
 
 
 def _teacher_forced(live: list[tuple[dict, _Worker]], refs: list[list[int]]) -> None:
@@ -477,7 +476,8 @@ def run_single(*, model: str, dtypes: list[str], tokens: int, threads: int, llam
                 rows.append(row)
                 if python is not None:
                     live.append((row, _Worker(python, script, wspec)))
-                    _first_results(*live[-1], Path(tmp), join_times and row["precision"] in dtypes, progress)
+                    join = (path, Path(tmp), threads) if join_times and row["precision"] in dtypes else None
+                    _first_results(*live[-1], join, progress)
             _take_turns(live, len(spec["chats"]))
             f32 = rows[0]
             refs = f32.get("fidelity_tokens") if "error" not in f32 else None
