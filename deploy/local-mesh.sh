@@ -55,7 +55,7 @@ LAYERS=$(python -c "
 from meshinfer.engine.weights import open_weights
 print(open_weights('$MODEL_PATH').config.num_hidden_layers)")
 OWN_LOG_DIR=0
-if [ -z "${LOG_DIR:-}" ]; then LOG_DIR=$(mktemp -d -t meshinfer-mesh.XXXXXX); OWN_LOG_DIR=1; fi
+if [ -z "${LOG_DIR:-}" ]; then LOG_DIR=$(mktemp -d -t meshinfer-mesh.XXXXXX); OWN_LOG_DIR=1; else mkdir -p "$LOG_DIR"; fi
 PIDS=()
 cleanup() {
   if [ "$KEEP" = 0 ]; then
