@@ -21,6 +21,7 @@ from helpers.convauth import conv_id, name_of
 from helpers.meshkit import file_hash, mesh, split
 from meshinfer.core.config import LayerRange
 from meshinfer.engine.generate import load_shard
+from meshinfer.engine.kernels.step_ops import ATTENTION_MAX_QUERIES
 from meshinfer.peer.scheduler import BATCH_STEP_TOKENS, StepScheduler
 from meshinfer.text.tokenizer import Tokenizer
 from helpers.realmodels import DEFAULT, first_near_tie, load_cases, shard_of
@@ -97,9 +98,11 @@ async def test_a_pass_of_a_conversation_that_ends_stops_at_the_next_layer(tiny):
                 time.sleep(0.5)
                 return _real(*args, **kwargs)
             block.forward = slow
+        prompt = tok.encode("a long prompt " * 16)
+        assert len(prompt) > ATTENTION_MAX_QUERIES  # longer than one call of all layers takes: layer by layer
         async with MeshClient(list(peer.addrs)) as client:
-            conv = client.conversation(await client.plan(), max_tokens_total=64)
-            task = asyncio.create_task(conv.generate(tok.encode("a prompt"), max_tokens=4, eos_ids=()))
+            conv = client.conversation(await client.plan(), max_tokens_total=len(prompt) + 8)
+            task = asyncio.create_task(conv.generate(prompt, max_tokens=4, eos_ids=()))
             while not ran:
                 await asyncio.sleep(0.005)
             task.cancel()

@@ -39,26 +39,55 @@ def steps(shard):
     return outs, cache
 
 
+def counting(monkeypatch, cls) -> list:
+    """Wrap ``cls.__call__`` so that each call appends whether it returned a result."""
+    taken, real = [], cls.__call__
+    monkeypatch.setattr(cls, "__call__", lambda self, *a: (lambda y: taken.append(y is not None) or y)(real(self, *a)))
+    return taken
+
+
+def same_cache(a: KVCache, b: KVCache, layers: int) -> bool:
+    n = a.length
+    return n == b.length and all(torch.equal(x[:, :, :n], y[:, :, :n]) for layer in range(layers)
+                                 for x, y in zip(a.storage(layer, 0), b.storage(layer, 0)))
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("precision", ["gguf", "gguf-a16", "gguf-a8", "f32"])
 def test_one_call_equals_the_layer_operation_by_operation(tmp_path, monkeypatch, arch, precision):
+    """All layers as one call (LayerStack), each layer as one call (LayerStep) and each layer
+    operation by operation: the same logits and KV cache, bit for bit."""
     assert native.library() is not None, "the C kernels did not build"
     shard = load_shard(quantized_tiny(tmp_path, arch), dtype=precision)
-    taken = []
-    real = layer_step.LayerStep.__call__
-    monkeypatch.setattr(layer_step.LayerStep, "__call__",
-                        lambda self, *a: (lambda y: taken.append(y is not None) or y)(real(self, *a)))
+    stacks, layers = counting(monkeypatch, layer_step.LayerStack), counting(monkeypatch, layer_step.LayerStep)
+    stacked, stacked_cache = steps(shard)
+    assert stacks == [True] * 5 and layers == []  # the 4 decode + 1 verification steps, all layers in one call each
+    monkeypatch.setattr(llama, "layers_in_one_call", lambda *a: None)
     fast, fast_cache = steps(shard)
-    assert taken and all(taken) and len(taken) == 5 * len(shard.layers)  # the 4 decode + 1 verification steps
+    assert layers == [True] * (5 * len(shard.layers))
     monkeypatch.setattr(llama.Block, "_one_call", lambda self, *a: None)
     slow, slow_cache = steps(shard)
-    for a, b in zip(fast, slow):
-        assert torch.equal(a, b)
-    for layer in range(4):
-        k1, v1 = fast_cache.storage(layer, 0)
-        k2, v2 = slow_cache.storage(layer, 0)
-        n = fast_cache.length
-        assert torch.equal(k1[:, :, :n], k2[:, :, :n]) and torch.equal(v1[:, :, :n], v2[:, :, :n])
+    for a, b, c in zip(stacked, fast, slow):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    assert same_cache(stacked_cache, slow_cache, 4) and same_cache(fast_cache, slow_cache, 4)
+
+
+@pytest.mark.parametrize("precision", ["gguf-a8", "f32"])
+def test_the_stack_gives_the_same_bits_on_any_thread_count(tmp_path, precision):
+    """Each product row and each query is computed by one thread alone, whichever thread takes
+    it: one, two and three threads give the same logits and KV cache."""
+    shard = load_shard(quantized_tiny(tmp_path, "qwen2"), dtype=precision)
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            runs.append(steps(shard))
+    finally:
+        torch.set_num_threads(before)
+    (want, want_cache), *others = runs
+    for got, got_cache in others:
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and same_cache(got_cache, want_cache, 4)
 
 
 def test_the_input_hidden_states_are_not_changed(tmp_path):
@@ -77,7 +106,8 @@ def test_the_input_hidden_states_are_not_changed(tmp_path):
 def test_the_layer_runs_operation_by_operation_where_one_call_does_not_apply(tmp_path, monkeypatch):
     shard = load_shard(quantized_tiny(tmp_path, "qwen2"), dtype="gguf-a8")
     calls = []
-    monkeypatch.setattr(layer_step.LayerStep, "__call__", lambda self, *a: calls.append(1))
+    for cls in (layer_step.LayerStep, layer_step.LayerStack):
+        monkeypatch.setattr(cls, "__call__", lambda self, *a: calls.append(type(self).__name__))
     cache = new_cache(shard)
     shard(torch.arange(3, 43).unsqueeze(0), 0, cache)  # 40 positions: longer than one call takes
     shard(torch.tensor([[5]]), cache.length, None)  # no cache
@@ -91,7 +121,8 @@ def test_the_layer_runs_operation_by_operation_where_one_call_does_not_apply(tmp
     f32(torch.arange(3, 3 + F32_KERNEL_MAX_ROWS + 1).unsqueeze(0), 0, new_cache(f32))  # past the f32 kernel's rows
     assert calls == []
     f32(torch.arange(3, 3 + F32_KERNEL_MAX_ROWS).unsqueeze(0), 0, new_cache(f32))
-    assert len(calls) == len(f32.layers)
+    # every layer as one call; the patched call gave nothing back, so each layer as one call then
+    assert calls == ["LayerStack"] + ["LayerStep"] * len(f32.layers)
 
 
 def test_cache_storage_is_offered_only_with_room():
@@ -127,6 +158,7 @@ def test_a_changed_weight_or_norm_is_seen(tmp_path, monkeypatch):
     block.self_attn.q_proj.bias = block.self_attn.q_proj.bias + 1
     fast, _ = steps(shard)
     monkeypatch.setattr(llama.Block, "_one_call", lambda self, *a: None)
+    monkeypatch.setattr(llama, "layers_in_one_call", lambda *a: None)
     slow, _ = steps(shard)
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
 
@@ -191,17 +223,36 @@ def test_a_peer_without_avx2_gets_the_same_bits(tmp_path, monkeypatch, precision
         long = shard(torch.arange(100, 164).unsqueeze(0), 0, new_cache(shard), logits="all")  # 64 rows: dense
         return outs + [long], cache
 
-    (want, want_cache), taken = run(), []
+    want, want_cache = run()
     monkeypatch.setattr(native, "library", lambda: portable)
-    real = layer_step.LayerStep.__call__
-    monkeypatch.setattr(layer_step.LayerStep, "__call__",
-                        lambda self, *a: (lambda y: taken.append(y is not None) or y)(real(self, *a)))
+    taken = counting(monkeypatch, layer_step.LayerStack)
     got, got_cache = run()
     if rows == "kernel types":  # (float32 rows keep a layer operation by operation on every build)
-        assert taken and all(taken)  # the one-call layer step ran on the portable build
+        assert taken and all(taken)  # the one-call layer stack ran on the portable build
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     n = got_cache.length
     assert n == want_cache.length
     for layer in range(4):
         assert all(torch.equal(a[:, :, :n], b[:, :, :n])
                    for a, b in zip(got_cache.storage(layer, 0), want_cache.storage(layer, 0)))
+
+
+def test_a_stack_is_not_given_caches_of_other_sizes(tmp_path):
+    """mi_layers_step writes every layer's cache by one capacity: caches of two capacities, a
+    cache too few or of another layout, or inputs of another size get None, and nothing is run."""
+    shard = load_shard(quantized_tiny(tmp_path, "qwen2"), dtype="gguf-a8")
+    stack = layer_step.LayerStack([shard.layers[str(i)]._layer_step() for i in range(4)])
+    x = torch.randn(1, 2, 32)
+    cos, sin = llama.rope_tables(shard.cfg, torch.tensor([4, 5]), 6, torch.float32)
+    kvs = [(torch.zeros(1, 2, 16, 8), torch.zeros(1, 2, 16, 8)) for _ in range(4)]
+    assert stack(x, cos, sin, 4, kvs) is not None
+    assert all(k[:, :, 4:6].abs().sum() > 0 for k, _ in kvs)  # each layer wrote its keys
+    fresh = [(torch.zeros(1, 2, 16, 8), torch.zeros(1, 2, 16, 8)) for _ in range(4)]
+    for bad in (fresh[:3], fresh[:3] + [(torch.zeros(1, 2, 32, 8), torch.zeros(1, 2, 32, 8))],
+                fresh[:3] + [(torch.zeros(1, 2, 16, 16)[..., :8], torch.zeros(1, 2, 16, 8))]):
+        assert stack(x, cos, sin, 4, bad) is None
+    assert stack(torch.randn(1, 2, 16), cos, sin, 4, fresh) is None
+    assert stack(x, cos, sin, 15, fresh) is None  # positions 15, 16: past the capacity of 16
+    assert all(k.abs().sum() == 0 and v.abs().sum() == 0 for k, v in fresh)
+    with pytest.raises(ValueError, match="one hidden width"):
+        layer_step.LayerStack([])

@@ -183,3 +183,20 @@ def test_a_packed_pass_takes_swiglu_in_c_at_any_row_count():
         got = step_ops.swiglu(g, u)
     assert not step_ops.in_packed_pass()
     assert got is not None and torch.equal(got[3:4], step_ops.swiglu(g[3:4], u[3:4]))  # a row's own bits
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [0, 151935, 77777])
+def test_all_finite_finds_one_bad_value_anywhere_in_a_step_of_logits(bad, where):
+    x = torch.randn(1, 1, 151936)
+    assert step_ops.all_finite(x)
+    x[0, 0, where] = bad
+    assert not step_ops.all_finite(x)
+    assert not step_ops.all_finite(x[0, 0, ::7])  # a strided view (each `where` is a multiple of 7)
+
+
+def test_all_finite_takes_the_float32_extremes_and_other_dtypes():
+    assert step_ops.all_finite(torch.tensor([3.4028235e38, -3.4028235e38, 1e-45, -0.0]))
+    assert not step_ops.all_finite(torch.tensor([1.0, float("nan")], dtype=torch.float64))  # torch's path
+    assert step_ops.all_finite(torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
+    assert step_ops.all_finite(torch.empty(0))

@@ -19,6 +19,7 @@ import torch
 from meshinfer.core.errors import (CacheFull, InvalidInput, LyingPeer, MeshError, PositionError, ProtocolError,
     RateLimited, Unauthenticated)
 from meshinfer.core.logs import context
+from meshinfer.engine.kernels.step_ops import all_finite
 from meshinfer.engine.kv_cache import KVCache
 from meshinfer.engine.sampling import pick_token
 from meshinfer.peer import limits
@@ -492,7 +493,7 @@ class Steps:
         Raises:
             InvalidInput: NaN or inf in ``out``; the step's positions are dropped from the cache.
         """
-        if not bool(torch.isfinite(out).all()):
+        if not all_finite(out):
             conv.cache.truncate(start)
             raise InvalidInput(f"layers {conv.run.cli()} produced NaN or inf at positions "
                                f"{start}..{start + tokens - 1}")

@@ -1231,6 +1231,61 @@ int mi_matmul_many(int act_bits, int nt, const int *types, const uint8_t *const 
     return 0;
 }
 
+/* Whether mi_team_matmul_many takes these weights: mi_matmul_many's checks (nt, act_bits, the
+ * types the mode takes, k a multiple of each block size). Returns 0, or -1. */
+int mi_team_check(int act_bits, int nt, const int *types, const int64_t *ns, int64_t k) {
+    int qk, bytes;
+    deq_fn fn;
+    if (nt < 1 || nt > MAX_TENSORS || (act_bits != 8 && act_bits != 16 && act_bits != 32) || k <= 0) return -1;
+    for (int t = 0; t < nt; t++)
+        if (type_info(types[t], &qk, &bytes, &fn) || k % qk || ns[t] < 0 || (act_bits != 32 && !mi_supports_q8(types[t])))
+            return -1;
+    return 0;
+}
+
+/* mi_matmul_many's products (the same bits: each output row computed alone, by the same chunk
+ * functions) for a caller that is already a thread team: every thread of an OpenMP parallel
+ * region calls it with the same arguments, and the chunks are shared out among them by
+ * orphaned work-sharing (outside a parallel region, one thread computes everything). Why: a
+ * decode step's whole stack of layers runs in one parallel region (step_ops.c,
+ * mi_layers_step) instead of starting a team for each of its ~120 products and attentions,
+ * each start waiting for a vCPU that went to sleep (docs/performance.md, "One team per step").
+ * The weights must pass mi_team_check; q (m * k bytes at act_bits 8, twice that at 16), d and
+ * s (m * k / 32 floats each) are scratch shared by the team (unused at act_bits 32). Ends with
+ * the team's barrier. */
+void mi_team_matmul_many(int act_bits, int nt, const int *types, const uint8_t *const *ws, const int64_t *ns,
+                         const float *const *biases, int64_t k, const float *x, int64_t m, float *y, void *q,
+                         float *d, float *s) {
+    int qk[MAX_TENSORS], bytes[MAX_TENSORS];
+    deq_fn fn[MAX_TENSORS];
+    int64_t start[MAX_TENSORS + 1];
+    start[0] = 0;
+    for (int t = 0; t < nt; t++) {
+        type_info(types[t], &qk[t], &bytes[t], &fn[t]);
+        start[t + 1] = start[t] + ns[t];
+    }
+    int64_t total = start[nt], xb = k / 32;
+    if (m <= 0 || total == 0) return;
+    if (act_bits != 32) {
+#pragma omp single
+        quantize_blocks(x, m, k, act_bits == 8 ? 127 : 32767, q, d, s);
+    }
+    product p = {act_bits, nt, 0, types, qk, bytes, fn, ws, ns, start, biases, k, m, 0, total, xb, x, d, s, q, y};
+    int64_t chunks = (total + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
+#ifdef MI_AVX2
+    if (m == 1 && act_bits != 32) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < chunks; c++) decode_chunk(&p, c);
+        return;
+    }
+#endif
+    for (p.i0 = 0; p.i0 < m; p.i0 += MAX_ROWS) {
+        p.mm = (int)(m - p.i0 < MAX_ROWS ? m - p.i0 : MAX_ROWS);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < chunks; c++) rows_chunk(&p, c);
+    }
+}
+
 /* y (m, n) = x (m, k) @ W^T for one weight W (n, k) stored as `type` blocks: mi_matmul_many
  * with float32 activations (mi_matmul), int8 (mi_matmul_q8) or int16 (mi_matmul_q16), and its
  * return codes. */
@@ -1290,6 +1345,52 @@ static inline __attribute__((always_inline)) void rows_f32(const float *w, int64
 }
 #endif
 
+#ifndef MI_AVX2
+/* Row r of W against all m rows of x, into y (m, n): the portable form of rows_f32 (NEON, or
+ * fmaf's in the same lanes and order). */
+static void row_f32_portable(const float *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int64_t r) {
+    const float *wr = w + r * k;
+    for (int64_t i = 0; i < m; i++) {
+        const float *xr = x + i * k;
+#ifdef MI_NEON
+        float32x4_t a0 = vdupq_n_f32(0), a1 = vdupq_n_f32(0);
+        for (int64_t c = 0; c < k; c += 8) {
+            a0 = vfmaq_f32(a0, vld1q_f32(wr + c), vld1q_f32(xr + c));
+            a1 = vfmaq_f32(a1, vld1q_f32(wr + c + 4), vld1q_f32(xr + c + 4));
+        }
+        y[i * n + r] = neon_hsum8(a0, a1);
+#else
+        float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t c = 0; c < k; c += 8)
+            for (int l = 0; l < 8; l++) a[l] = fmaf(wr[c + l], xr[c + l], a[l]);
+        y[i * n + r] = hsum8(a);
+#endif
+    }
+}
+#endif
+
+/* mi_matmul_f32's work for every thread of a team (see mi_team_matmul_many), k a multiple of 8
+ * (the caller checks): the row groups shared out by orphaned work-sharing, the rows left over
+ * by one thread. Ends with the team's barrier. */
+void mi_team_matmul_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t m, float *y) {
+#ifdef MI_AVX2
+    if (m == 1) { /* memory-bound: 8 rows in flight keep more loads outstanding */
+#pragma omp for schedule(dynamic, ROWS_PER_CHUNK / 8) nowait
+        for (int64_t g = 0; g < n / 8; g++) rows_f32(w, n, k, x, 1, y, 8 * g, 8);
+#pragma omp single
+        for (int64_t r = 8 * (n / 8); r < n; r++) rows_f32(w, n, k, x, 1, y, r, 1);
+        return;
+    }
+#pragma omp for schedule(dynamic, ROWS_PER_CHUNK / 4) nowait
+    for (int64_t g = 0; g < n / 4; g++) rows_f32(w, n, k, x, m, y, 4 * g, 4);
+#pragma omp single
+    for (int64_t r = 4 * (n / 4); r < n; r++) rows_f32(w, n, k, x, m, y, r, 1);
+#else
+#pragma omp for schedule(dynamic, ROWS_PER_CHUNK)
+    for (int64_t r = 0; r < n; r++) row_f32_portable(w, n, k, x, m, y, r);
+#endif
+}
+
 /* y (m, n) = x (m, k) @ W^T for float32 W (n, k), x (m, k), y (m, n), all contiguous: the f32
  * precision's decode and verification products (a few rows), and a gguf precision's float32
  * rows. Output rows are split over the threads, so a one-row product (memory-bound) reads the
@@ -1299,42 +1400,9 @@ static inline __attribute__((always_inline)) void rows_f32(const float *w, int64
  * then uses torch). */
 int mi_matmul_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int nthreads) {
     if (k % 8 || k <= 0) return -1;
-#ifdef MI_AVX2
-    if (m == 1) { /* memory-bound: 8 rows in flight keep more loads outstanding */
-        int64_t groups = n / 8;
-#pragma omp parallel for num_threads(n >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK / 8)
-        for (int64_t g = 0; g < groups; g++) rows_f32(w, n, k, x, 1, y, 8 * g, 8);
-        for (int64_t r = 8 * groups; r < n; r++) rows_f32(w, n, k, x, 1, y, r, 1);
-        return 0;
-    }
-    int64_t groups = n / 4;
-#pragma omp parallel for num_threads(n >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK / 4)
-    for (int64_t g = 0; g < groups; g++) rows_f32(w, n, k, x, m, y, 4 * g, 4);
-    for (int64_t r = 4 * groups; r < n; r++) rows_f32(w, n, k, x, m, y, r, 1);
+#pragma omp parallel num_threads(n >= 2 * ROWS_PER_CHUNK ? nthreads : 1)
+    mi_team_matmul_f32(w, n, k, x, m, y);
     return 0;
-#else
-#pragma omp parallel for num_threads(n >= 2 * ROWS_PER_CHUNK ? nthreads : 1) schedule(dynamic, ROWS_PER_CHUNK)
-    for (int64_t r = 0; r < n; r++) {
-        const float *wr = w + r * k;
-        for (int64_t i = 0; i < m; i++) {
-            const float *xr = x + i * k;
-#ifdef MI_NEON
-            float32x4_t a0 = vdupq_n_f32(0), a1 = vdupq_n_f32(0);
-            for (int64_t c = 0; c < k; c += 8) {
-                a0 = vfmaq_f32(a0, vld1q_f32(wr + c), vld1q_f32(xr + c));
-                a1 = vfmaq_f32(a1, vld1q_f32(wr + c + 4), vld1q_f32(xr + c + 4));
-            }
-            y[i * n + r] = neon_hsum8(a0, a1);
-#else
-            float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int64_t c = 0; c < k; c += 8)
-                for (int l = 0; l < 8; l++) a[l] = fmaf(wr[c + l], xr[c + l], a[l]);
-            y[i * n + r] = hsum8(a);
-#endif
-        }
-    }
-    return 0;
-#endif
 }
 
 /* out (m, k) = x rounded as the integer kernels round their activations (round_block, as

@@ -111,6 +111,22 @@ class LayerStep:
                              eps, head_dim ** -0.5, C, heads, kv_heads, head_dim, inter, window)
         self._ref = ctypes.byref(self._layer)
 
+    def inputs_fit(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Whether the kernel takes ``x`` ``(1, T, C)`` and ``cos/sin`` ``(T, R)``, float32, with
+        ``1 <= T <= max_rows``."""
+        T = x.shape[1] if x.dim() == 3 else 0
+        return (1 <= T <= self.max_rows and x.shape == (1, T, self.hidden) and x.dtype == torch.float32
+                and cos.dim() == 2 and cos.shape[0] == T and sin.shape == cos.shape
+                and cos.dtype == torch.float32 and sin.dtype == torch.float32)
+
+    def cache_fits(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """Whether ``k_cache, v_cache`` are this layer's KV storage as the kernel reads and
+        writes it: ``(1, Hkv, capacity, D)`` float32 contiguous."""
+        L = self._layer
+        return (k_cache.dim() == 4 and tuple(k_cache.shape) == (1, L.kv_heads, k_cache.shape[2], L.head_dim)
+                and v_cache.shape == k_cache.shape and k_cache.dtype == torch.float32
+                and v_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous())
+
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
         """The layer over ``x`` ``(1, T, C)`` float32 at positions ``start .. start+T-1``, with
@@ -119,16 +135,52 @@ class LayerStep:
         earlier keys and values; the new ones are written after them. Returns ``(1, T, C)``
         (``x`` itself is not changed), or None for tensors of other sizes, dtypes or layouts, or
         when the kernel refused (the caller then runs the layer operation by operation)."""
-        T, L = x.shape[1], self._layer
-        kv_shape = (1, L.kv_heads, k_cache.shape[2] if k_cache.dim() == 4 else -1, L.head_dim)
-        if (not 1 <= T <= self.max_rows or x.shape != (1, T, self.hidden) or cos.shape != (T, cos.shape[-1])
-                or sin.shape != cos.shape or cos.dtype != torch.float32 or sin.dtype != torch.float32 or tuple(k_cache.shape) != kv_shape
-                or v_cache.shape != k_cache.shape or not k_cache.is_contiguous() or not v_cache.is_contiguous()
-                or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32):
+        if not self.inputs_fit(x, cos, sin) or not self.cache_fits(k_cache, v_cache):
             return None  # the kernel reads and writes by these sizes: anything else goes through torch
         out = x.contiguous().clone()
         cos, sin = cos.contiguous(), sin.contiguous()
-        rc = native.library().mi_layer_step(self._ref, out.data_ptr(), T, cos.data_ptr(), sin.data_ptr(),
+        rc = native.library().mi_layer_step(self._ref, out.data_ptr(), x.shape[1], cos.data_ptr(), sin.data_ptr(),
                                             cos.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
                                             k_cache.shape[2], start, torch.get_num_threads())
+        return None if rc else out
+
+
+class LayerStack:
+    """Consecutive layers' :class:`LayerStep` s as one C call (``mi_layers_step``): a decode or
+    verification step's whole stack of layers runs in one OpenMP parallel region, whose threads
+    share out each product and the attention and meet at a barrier after each operation, instead
+    of one region per product (about 120 a decode step of the default model, each start waiting
+    for a vCPU that had gone to sleep; docs/performance.md, "One team per step"). The result
+    equals calling each :class:`LayerStep` in turn bit for bit (tests/test_layer_step.py).
+
+    Raises:
+        ValueError: no steps, or steps of different hidden widths.
+    """
+
+    def __init__(self, steps: Sequence[LayerStep]) -> None:
+        if not steps or len({s.hidden for s in steps}) != 1:
+            raise ValueError("a layer stack needs layers of one hidden width")
+        self.steps = tuple(steps)
+        self.max_rows = min(s.max_rows for s in steps)
+        self._layers = (ctypes.c_void_p * len(steps))(*(ctypes.addressof(s._layer) for s in steps))
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+                 kvs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """Every layer in turn over ``x`` ``(1, T, C)`` float32 at positions
+        ``start .. start+T-1``, as :meth:`LayerStep.__call__` with ``kvs[i]`` the KV storage of
+        layer ``i`` (all of one capacity). Returns ``(1, T, C)`` (``x`` is not changed), or None
+        where any layer's call would return None; nothing is written then."""
+        n = len(self.steps)
+        if len(kvs) != n or not self.steps[0].inputs_fit(x, cos, sin):
+            return None
+        cap = kvs[0][0].shape[2] if kvs[0][0].dim() == 4 else -1
+        if not all(s.cache_fits(k, v) and k.shape[2] == cap for s, (k, v) in zip(self.steps, kvs)):
+            return None
+        out = x.contiguous().clone()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        ks = (ctypes.c_void_p * n)(*(k.data_ptr() for k, _ in kvs))
+        vs = (ctypes.c_void_p * n)(*(v.data_ptr() for _, v in kvs))
+        rc = native.library().mi_layers_step(self._layers, n, out.data_ptr(), x.shape[1], cos.data_ptr(),
+                                             sin.data_ptr(), cos.shape[1], ks, vs, cap, start,
+                                             torch.get_num_threads())
         return None if rc else out

@@ -144,3 +144,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty_like(gate)
     lib.mi_swiglu(gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr())
     return out
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every value of ``x`` (any shape, any float dtype, any device) is finite: one C
+    pass for float32 on the CPU (``mi_all_finite``; torch's ``isfinite(x).all()`` took 1.7 ms
+    over a step's 151,936 logits at 2 threads here), torch otherwise."""
+    lib = native.library()
+    if lib is None or not _cpu_f32(x):
+        return bool(torch.isfinite(x).all())
+    x = x.contiguous()
+    return bool(lib.mi_all_finite(x.data_ptr(), x.numel()))

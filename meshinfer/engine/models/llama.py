@@ -23,7 +23,7 @@ from meshinfer.core.config import LayerRange, ModelConfig
 from meshinfer.core.errors import InvalidInput, PositionError, StepAbandoned, WeightsError
 from meshinfer.engine.models.common import (LayerCache, Linear, RMSNorm, apply_rope, causal_attention,
                                             rope_tables, swiglu)
-from meshinfer.engine.kernels.layer_step import F32Product, LayerStep
+from meshinfer.engine.kernels.layer_step import F32Product, LayerStack, LayerStep
 from meshinfer.engine.kernels.step_ops import packed_pass
 from meshinfer.engine.models.gguf_linear import GGUFLinear, project_many
 from meshinfer.engine.models.quant import Precision, quantize_modules
@@ -194,6 +194,34 @@ class Block(nn.Module):
                 step = None
         self.__dict__["_kept_step"] = (state, step)
         return step
+
+
+def layers_in_one_call(shard: "Shard", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+                       cache: "LayerCache | None", run: LayerRange) -> torch.Tensor | None:
+    """Layers ``run`` of ``shard`` over ``h`` ``(1, T, C)`` as one C call
+    (``kernels.layer_step.LayerStack``, equal bit for bit to the layers called in turn), where
+    every one of them would take its own one call (``Block._one_call``): a step of one sequence
+    of a few positions, float32 on the CPU, with a KV cache that has room; None otherwise, and
+    nothing is computed. The stack is made once and kept on the shard while its layers' steps
+    stay the same objects."""
+    if (h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32 or h.device.type != "cpu"
+            or cos.dim() != 2 or not hasattr(cache, "storage")):
+        return None
+    blocks = shard.layers._modules
+    steps = []
+    for i in range(run.start, run.stop):
+        block = blocks[str(i)]
+        step = block._layer_step() if type(block) is Block else None
+        if step is None:
+            return None
+        steps.append(step)
+    kept = shard.__dict__.get("_kept_stack")
+    if kept is None or len(kept.steps) != len(steps) or any(a is not b for a, b in zip(kept.steps, steps)):
+        kept = shard.__dict__["_kept_stack"] = LayerStack(steps)
+    if not 1 <= h.shape[1] <= kept.max_rows:
+        return None
+    kvs = [cache.storage(i, h.shape[1]) for i in range(run.start, run.stop)]
+    return None if any(kv is None for kv in kvs) else kept(h, cos, sin, start, kvs)
 
 
 @dataclass(frozen=True)
@@ -370,10 +398,12 @@ class Shard(nn.Module):
         h = self._embed(x) if run.start == 0 else x.to(self.dtype)  # (B, T, C)
         positions = torch.arange(start, start + T, device=h.device)  # (T,)
         cos, sin = rope_tables(self.cfg, positions, start + T, h.dtype)  # (T, R)
-        for i in range(run.start, run.stop):
+        y = layers_in_one_call(self, h, cos, sin, start, cache, run)
+        for i in range(run.start, run.stop) if y is None else ():
             if abandoned is not None and abandoned():
                 raise StepAbandoned(f"the step at positions {start}..{start + T - 1} was abandoned before layer {i}")
             h = self.layers[str(i)](h, cos, sin, start, cache, i)
+        h = h if y is None else y
         if cache is not None:
             cache.commit(T)
         if run.stop < self.cfg.num_hidden_layers:
