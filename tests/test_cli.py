@@ -617,7 +617,7 @@ def test_generate_checks_its_arguments_before_torch_loads(tiny_gguf, no_torch, c
 
 
 def _unset_openmp_env(monkeypatch) -> None:
-    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
         monkeypatch.setenv(name, "x")  # recorded, so whatever main sets is undone after the test
         monkeypatch.delenv(name)
 
@@ -631,25 +631,39 @@ def test_commands_that_compute_choose_a_short_openmp_spin(tiny_gguf, no_torch, m
     monkeypatch.setattr(cli, "_setup_logging", lambda *a: None)
     _unset_openmp_env(monkeypatch)
     assert cli.main(["generate", "--model", str(tiny_gguf), "-p", "hi", "--threads", "0"]) == 2
-    assert (os.environ["OMP_WAIT_POLICY"], os.environ["GOMP_SPINCOUNT"]) == ("PASSIVE", cli.OPENMP_SPIN_COUNT)
+    policy = "PASSIVE" if sys.platform == "darwin" else "ACTIVE"
+    assert (os.environ["OMP_WAIT_POLICY"], os.environ["GOMP_SPINCOUNT"]) == (policy, cli.OPENMP_SPIN_COUNT)
+    assert os.environ["KMP_BLOCKTIME"] == "0"
     _unset_openmp_env(monkeypatch)
     assert cli.main(["pull", "no-such-model"]) == 2
-    assert "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
+    assert not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"} & set(os.environ)
 
 
 @pytest.mark.parametrize("preset", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"},
-                                    {"GOMP_SPINCOUNT": "0"}, {"GOMP_SPINCOUNT": "300000"}])
+                                    {"GOMP_SPINCOUNT": "0"}, {"GOMP_SPINCOUNT": "300000"}, {"KMP_BLOCKTIME": "200"}])
 def test_a_users_openmp_wait_choice_is_kept_whole(preset):
-    """With the policy or the spin count set by the user, openmp_wait_policy adds nothing: a
-    spin count next to OMP_WAIT_POLICY=ACTIVE would override it in libgomp."""
+    """With the policy, the spin count or libomp's block time set by the user,
+    openmp_wait_policy adds nothing: a spin count next to OMP_WAIT_POLICY=ACTIVE would override
+    it in libgomp."""
     from meshinfer.app.cli import openmp_wait_policy
 
     env = dict(preset)
     openmp_wait_policy(env)
     assert env == preset
-    fresh: dict[str, str] = {}
-    openmp_wait_policy(fresh)
-    assert fresh == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
+
+
+def test_the_openmp_policy_spins_briefly_under_each_runtime():
+    """libgomp: ACTIVE (so that its throttled spin, once a process holds more OpenMP threads than
+    CPUs, is 1,000 polls and not 100) capped by GOMP_SPINCOUNT; libomp, for which ACTIVE means
+    spinning for ever: KMP_BLOCKTIME=0, and PASSIVE on macOS, whose torch bundles it."""
+    from meshinfer.app.cli import openmp_wait_policy
+
+    linux: dict[str, str] = {}
+    openmp_wait_policy(linux, platform="linux")
+    assert linux == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "0"}
+    mac: dict[str, str] = {}
+    openmp_wait_policy(mac, platform="darwin")
+    assert mac == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "0"}
 
 
 @pytest.mark.slow

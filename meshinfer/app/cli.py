@@ -1320,27 +1320,36 @@ def _add_bench(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
 OPENMP_SPIN_COUNT = "1000"
 
 
-def openmp_wait_policy(env: MutableMapping[str, str]) -> None:
+def openmp_wait_policy(env: MutableMapping[str, str], platform: str = sys.platform) -> None:
     """How OpenMP worker threads wait between parallel regions, set in ``env`` (the process's
     environment, before torch or the kernels load an OpenMP runtime) unless the user chose:
-    ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once), and for GNU OpenMP (libgomp: torch's Linux
-    wheels, the kernels built by gcc) a short spin first, ``GOMP_SPINCOUNT`` =
-    :data:`OPENMP_SPIN_COUNT`, which libgomp takes over the policy.
+    a short spin, then sleep.
 
-    Why: several peers often share one machine (a local mesh, a test, a bench), and a machine
-    often runs other work. Threads that spin for long after each region steal the cores another
-    process computes on (a user measured generate at 0.6 tok/s with libgomp's default spin,
-    about 11 ms here, against 5.5 tok/s sleeping, on a busy 2-core machine), while threads that
-    sleep at once wake late for the next region of the same step. A spin of about 0.06 ms
-    covers the gaps inside a step and ends long before the next step of a route arrives. Other
-    runtimes (LLVM's libomp, as torch's macOS wheels bundle) sleep at once.
+    - GNU OpenMP (libgomp: torch's Linux wheels, the kernels built by gcc): ``GOMP_SPINCOUNT`` =
+      :data:`OPENMP_SPIN_COUNT` polls (about 0.06 ms here), with ``OMP_WAIT_POLICY=ACTIVE``.
+      The policy matters only for libgomp's *throttled* spin, the one it uses once a process
+      holds more OpenMP threads than CPUs, as a peer does (its event loop's thread and its
+      device thread each keep a team): 100 polls under PASSIVE, 1,000 under ACTIVE, at most
+      ``GOMP_SPINCOUNT`` under both (libgomp's ``env.c``). Under PASSIVE a peer's threads slept
+      at nearly every barrier of a step: layers 12-23 of the default model at gguf-a8 took 30-55 ms a
+      decode step on a device thread against 23-31 ms under ACTIVE, and a 2-peer loopback split
+      decoded at 0.65-0.77x a single peer against 0.84-0.94x (docs/performance.md).
+    - LLVM's libomp (torch's macOS wheels) spins for ever under ACTIVE: ``KMP_BLOCKTIME=0``
+      there (sleep at once), and on macOS ``OMP_WAIT_POLICY=PASSIVE`` instead of ACTIVE.
 
-    Nothing is set when ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is already set: the user's
-    choice (``OMP_WAIT_POLICY=ACTIVE`` on a machine the peer has to itself) is kept whole."""
-    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+    Why not libgomp's default spin (about 11 ms here): several peers often share one machine
+    (a local mesh, a test, a bench), and a machine often runs other work; threads that spin for
+    long after each region steal the cores another process computes on (a user measured
+    generate at 0.6 tok/s with the default spin against 5.5 tok/s sleeping, on a busy 2-core
+    machine), while threads that sleep at once wake late for the next region of the same step.
+
+    Nothing is set when ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` or ``KMP_BLOCKTIME`` is already
+    set: the user's choice is kept whole."""
+    if any(name in env for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")):
         return
-    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    env["OMP_WAIT_POLICY"] = "PASSIVE" if platform == "darwin" else "ACTIVE"
     env["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
+    env["KMP_BLOCKTIME"] = "0"
 
 
 def main(argv: list[str] | None = None) -> int:
