@@ -171,7 +171,7 @@ class LayerStack:
         layer ``i`` (all of one capacity). Returns ``(1, T, C)`` (``x`` is not changed), or None
         where any layer's call would return None; nothing is written then."""
         n = len(self.steps)
-        if len(kvs) != n or not self.steps[0].inputs_fit(x, cos, sin):
+        if len(kvs) != n or x.dim() != 3 or x.shape[1] > self.max_rows or not self.steps[0].inputs_fit(x, cos, sin):
             return None
         cap = kvs[0][0].shape[2] if kvs[0][0].dim() == 4 else -1
         if not all(s.cache_fits(k, v) and k.shape[2] == cap for s, (k, v) in zip(self.steps, kvs)):

@@ -205,7 +205,7 @@ def layers_in_one_call(shard: "Shard", h: torch.Tensor, cos: torch.Tensor, sin: 
     nothing is computed. The stack is made once and kept on the shard while its layers' steps
     stay the same objects."""
     if (h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32 or h.device.type != "cpu"
-            or cos.dim() != 2 or not hasattr(cache, "storage")):
+            or cos.dim() != 2 or not hasattr(cache, "storage") or run.stop <= run.start):
         return None
     blocks = shard.layers._modules
     steps = []
