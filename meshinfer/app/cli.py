@@ -1328,8 +1328,8 @@ def openmp_wait_policy(env: MutableMapping[str, str], platform: str = sys.platfo
     - GNU OpenMP (libgomp: torch's Linux wheels, the kernels built by gcc): ``GOMP_SPINCOUNT`` =
       :data:`OPENMP_SPIN_COUNT` polls (about 0.06 ms here), with ``OMP_WAIT_POLICY=ACTIVE``.
       The policy matters only for libgomp's *throttled* spin, the one it uses once a process
-      holds more OpenMP threads than CPUs, as a peer does (its event loop's thread and its
-      device thread each keep a team): 100 polls under PASSIVE, 1,000 under ACTIVE, at most
+      holds more OpenMP threads than CPUs, as a peer does (its main thread and its device
+      thread each keep a team): 100 polls under PASSIVE, 1,000 under ACTIVE, at most
       ``GOMP_SPINCOUNT`` under both (libgomp's ``env.c``). Under PASSIVE a peer's threads slept
       at nearly every barrier of a step: layers 12-23 of the default model at gguf-a8 took 30-55 ms a
       decode step on a device thread against 23-31 ms under ACTIVE, and a 2-peer loopback split
