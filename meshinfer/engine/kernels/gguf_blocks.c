@@ -1184,16 +1184,28 @@ static void run_chunks(chunk_fn fn, const product *p, int64_t n, int nthreads) {
 #endif
 }
 
+/* Whether mi_matmul_many and mi_team_matmul_many take these weights: nt in 1..MAX_TENSORS,
+ * act_bits 8, 16 or 32, types the mode takes, k a multiple of each block size, no negative
+ * row count. Returns 0, or -1. */
+int mi_team_check(int act_bits, int nt, const int *types, const int64_t *ns, int64_t k) {
+    int qk, bytes;
+    deq_fn fn;
+    if (nt < 1 || nt > MAX_TENSORS || (act_bits != 8 && act_bits != 16 && act_bits != 32)) return -1;
+    for (int t = 0; t < nt; t++)
+        if (type_info(types[t], &qk, &bytes, &fn) || k % qk || ns[t] < 0 || (act_bits != 32 && !mi_supports_q8(types[t])))
+            return -1;
+    return 0;
+}
+
 int mi_matmul_many(int act_bits, int nt, const int *types, const uint8_t *const *ws, const int64_t *ns,
                    const float *const *biases, int64_t k, const float *x, int64_t m, float *y, int nthreads) {
     int qk[MAX_TENSORS], bytes[MAX_TENSORS];
     deq_fn fn[MAX_TENSORS];
     int64_t start[MAX_TENSORS + 1];
-    if (nt < 1 || nt > MAX_TENSORS || (act_bits != 8 && act_bits != 16 && act_bits != 32)) return -1;
+    if (mi_team_check(act_bits, nt, types, ns, k)) return -1;
     start[0] = 0;
     for (int t = 0; t < nt; t++) {
-        if (type_info(types[t], &qk[t], &bytes[t], &fn[t]) || k % qk[t] || ns[t] < 0) return -1;
-        if (act_bits != 32 && !mi_supports_q8(types[t])) return -1;
+        type_info(types[t], &qk[t], &bytes[t], &fn[t]);
         start[t + 1] = start[t] + ns[t];
     }
     int64_t total = start[nt], xb = k / 32;
@@ -1228,18 +1240,6 @@ int mi_matmul_many(int act_bits, int nt, const int *types, const uint8_t *const 
         run_chunks(rows_chunk, &p, chunks, threads);
     }
     free(q), free(d), free(s);
-    return 0;
-}
-
-/* Whether mi_team_matmul_many takes these weights: mi_matmul_many's checks (nt, act_bits, the
- * types the mode takes, k a multiple of each block size). Returns 0, or -1. */
-int mi_team_check(int act_bits, int nt, const int *types, const int64_t *ns, int64_t k) {
-    int qk, bytes;
-    deq_fn fn;
-    if (nt < 1 || nt > MAX_TENSORS || (act_bits != 8 && act_bits != 16 && act_bits != 32) || k <= 0) return -1;
-    for (int t = 0; t < nt; t++)
-        if (type_info(types[t], &qk, &bytes, &fn) || k % qk || ns[t] < 0 || (act_bits != 32 && !mi_supports_q8(types[t])))
-            return -1;
     return 0;
 }
 

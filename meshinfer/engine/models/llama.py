@@ -24,7 +24,7 @@ from meshinfer.core.errors import InvalidInput, PositionError, StepAbandoned, We
 from meshinfer.engine.models.common import (LayerCache, Linear, RMSNorm, apply_rope, causal_attention,
                                             rope_tables, swiglu)
 from meshinfer.engine.kernels.layer_step import F32Product, LayerStack, LayerStep
-from meshinfer.engine.kernels.step_ops import packed_pass
+from meshinfer.engine.kernels.step_ops import ATTENTION_MAX_QUERIES, packed_pass
 from meshinfer.engine.models.gguf_linear import GGUFLinear, project_many
 from meshinfer.engine.models.quant import Precision, quantize_modules
 
@@ -204,9 +204,9 @@ def layers_in_one_call(shard: "Shard", h: torch.Tensor, cos: torch.Tensor, sin: 
     of a few positions, float32 on the CPU, with a KV cache that has room; None otherwise, and
     nothing is computed. The stack is made once and kept on the shard while its layers' steps
     stay the same objects."""
-    if (h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32 or h.device.type != "cpu"
-            or cos.dim() != 2 or not hasattr(cache, "storage") or run.stop <= run.start):
-        return None
+    if (h.dim() != 3 or h.shape[0] != 1 or h.shape[1] > ATTENTION_MAX_QUERIES or h.dtype != torch.float32
+            or h.device.type != "cpu" or cos.dim() != 2 or not hasattr(cache, "storage") or run.stop <= run.start):
+        return None  # (a prefill chunk longer than any step's kernels take: no layer is asked)
     blocks = shard.layers._modules
     steps = []
     for i in range(run.start, run.stop):
