@@ -86,13 +86,16 @@ def test_products_are_within_the_activation_modes_tolerance(lib, type_name, act_
 @pytest.mark.parametrize("act_bits", [32, 16, 8])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(lib, act_bits):
     """A verification step of k + 1 positions must compute each position as a one-position decode
-    step would, or speculative and plain decoding could choose different tokens."""
-    for type_name in ("Q5_0", "Q4_K", "Q6_K"):
-        w = blocks_of(type_name, 64, width(type_name), seed=3)
+    step would, or speculative and plain decoding could choose different tokens. One row runs
+    its own loop for 32-weight blocks (scales formed 64 blocks at a time): 2,272 columns are two
+    such runs, the second 7 blocks long (not a multiple of 8)."""
+    shapes = [(t, width(t)) for t in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")]
+    for type_name, k in shapes + [("Q5_0", 2272), ("Q8_0", 2272), ("Q4_0", 2272)]:
+        w = blocks_of(type_name, 64, k, seed=3)
         x = torch.randn(9, w.in_features, generator=torch.Generator().manual_seed(4))
         together = kb.matmul(x, w, act_bits=act_bits)  # (9, 64)
         for i in (0, 4, 8):
-            assert torch.equal(kb.matmul(x[i:i + 1], w, act_bits=act_bits)[0], together[i])
+            assert torch.equal(kb.matmul(x[i:i + 1], w, act_bits=act_bits)[0], together[i]), (type_name, k, i)
 
 
 @pytest.mark.parametrize("act_bits", [32, 16, 8])

@@ -65,6 +65,16 @@ static inline float rd_half(const uint8_t *p) { return _cvtsh_ss((unsigned short
 static inline float rd_half(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
 #endif
 
+/* How far ahead of the block in use the kernels ask for the weights (bytes): one prefetch per
+ * 64-byte line of each block, this far on, so that the line is in L1 when the loop reaches it.
+ * A prefetch never faults, so one past the end of the weights is harmless. On the 2-core EPYC
+ * it alone made the int8 product of the Q8_0 output head 0.89x the time and the down
+ * projections' 0.91x; 512, 768, 2,048 and 4,096 bytes measured no better (docs/performance.md,
+ * "Prefetch and scale runs"). */
+#define PREFETCH_BYTES 1024
+#define PREFETCH_BLOCK(W, BYTES)                                                                  \
+    for (int pf_ = 0; pf_ < (BYTES); pf_ += 64) __builtin_prefetch((const char *)(W) + PREFETCH_BYTES + pf_, 0, 3)
+
 /* One block -> its weights, float32. Each returns the number of weights (the block size). */
 static int deq_q8_0(const uint8_t *b, float *y) { /* d f16, qs int8[32]: y = q * d */
     float d = rd_half(b);
@@ -324,9 +334,10 @@ static inline w32 scale32(w32 w, __m256 s) {
 
 /* 16 bytes -> 32 bytes: the low nibbles, then the high nibbles (the 32-block order). */
 static inline __m256i nibbles(const uint8_t *p) {
-    __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);
-    __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    /* both halves hold the 16 bytes; the upper half shifted right by 4 (bits from the next byte
+     * land above bit 3 and are masked off) */
+    __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
 /* 32 bits -> 32 bytes, 0xFF where the bit is set (byte i <- bit i). */
@@ -383,6 +394,7 @@ static void row_simd(int type, const uint8_t *w, int64_t nb, const float *x, int
     switch (type) {
     case T_Q8_0:
         for (int64_t b = 0; b < nb; b++, w += 34) {
+            PREFETCH_BLOCK(w, 34);
             w32 v = scale32(i8_to_f32(_mm256_loadu_si256((const __m256i *)(w + 2))), _mm256_set1_ps(rd_half(w)));
             CONSUME(v, b * 32);
         }
@@ -395,6 +407,7 @@ static void row_simd(int type, const uint8_t *w, int64_t nb, const float *x, int
         return;
     case T_Q4_1:
         for (int64_t b = 0; b < nb; b++, w += 20) {
+            PREFETCH_BLOCK(w, 20);
             w32 v = scale32(i8_to_f32(nibbles(w + 4)), _mm256_set1_ps(rd_half(w)));
             __m256 mn = _mm256_set1_ps(rd_half(w + 2));
             for (int j = 0; j < 4; j++) v.v[j] = _mm256_add_ps(v.v[j], mn);
@@ -403,6 +416,7 @@ static void row_simd(int type, const uint8_t *w, int64_t nb, const float *x, int
         return;
     case T_Q4_K:
         for (int64_t b = 0; b < nb; b++, w += 144) {
+            PREFETCH_BLOCK(w, 144);
             float d = rd_half(w), dmin = rd_half(w + 2);
             const uint8_t *s = w + 4;
             for (int j = 0; j < 4; j++) {
@@ -422,6 +436,7 @@ static void row_simd(int type, const uint8_t *w, int64_t nb, const float *x, int
         return;
     case T_Q6_K:
         for (int64_t b = 0; b < nb; b++, w += 210) {
+            PREFETCH_BLOCK(w, 210);
             const int8_t *sc = (const int8_t *)(w + 192);
             float d = rd_half(w + 208);
             const __m256i c32 = _mm256_set1_epi8(32);
@@ -752,6 +767,7 @@ static inline __attribute__((always_inline)) void row_int_t(int act_bits, int ty
     memset(acc, 0, sizeof(acc));
 #endif
     for (int64_t b = 0; b < nb; b++, w += bytes) {
+        PREFETCH_BLOCK(w, bytes);
         for (int g = 0; g < qk / 32; g++) {
             int s2[2];
             float mfac;
@@ -827,6 +843,7 @@ static inline __attribute__((always_inline)) void row_q8(int type, const uint8_t
     switch (type) {
     case T_Q8_0:
         for (int64_t b = 0; b < nb; b++, w += 34) {
+            PREFETCH_BLOCK(w, 34);
             __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2)), qa = _mm256_sign_epi8(q, q);
             float d = rd_half(w);
             FOR_ROWS(__m256i p = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xr + 32 * b)), q));
@@ -837,6 +854,7 @@ static inline __attribute__((always_inline)) void row_q8(int type, const uint8_t
     case T_Q5_0:
     case T_Q4_0:
         for (int64_t b = 0; b < nb; b++, w += (type == T_Q5_0 ? 22 : 18)) {
+            PREFETCH_BLOCK(w, (type == T_Q5_0 ? 22 : 18));
             __m256i q;
             if (type == T_Q5_0) {
                 q = q5_0_bytes(w);
@@ -852,6 +870,7 @@ static inline __attribute__((always_inline)) void row_q8(int type, const uint8_t
         break;
     case T_Q4_1:
         for (int64_t b = 0; b < nb; b++, w += 20) {
+            PREFETCH_BLOCK(w, 20);
             __m256i q = nibbles(w + 4);
             float d = rd_half(w), mn = rd_half(w + 2);
             FOR_ROWS(__m256i dd = dot_u8(q, _mm256_loadu_si256((const __m256i *)(xr + 32 * b)));
@@ -861,6 +880,7 @@ static inline __attribute__((always_inline)) void row_q8(int type, const uint8_t
         break;
     case T_Q4_K:
         for (int64_t b = 0; b < nb; b++, w += 144) {
+            PREFETCH_BLOCK(w, 144);
             float d = rd_half(w), dmin = rd_half(w + 2);
             const uint8_t *s = w + 4;
             for (int j = 0; j < 4; j++) {
@@ -882,6 +902,7 @@ static inline __attribute__((always_inline)) void row_q8(int type, const uint8_t
         break;
     case T_Q6_K:
         for (int64_t b = 0; b < nb; b++, w += 210) {
+            PREFETCH_BLOCK(w, 210);
             const int8_t *sc = (const int8_t *)(w + 192);
             float d = rd_half(w + 208);
             const __m256i c32 = _mm256_set1_epi8(32);
@@ -951,6 +972,7 @@ static inline __attribute__((always_inline)) void row_q16(int type, const uint8_
     case T_Q4_0: {
         int bytes = type == T_Q8_0 ? 34 : (type == T_Q5_0 ? 22 : 18);
         for (int64_t b = 0; b < nb; b++, w += bytes) {
+            PREFETCH_BLOCK(w, bytes);
             __m256i q;
             if (type == T_Q8_0) {
                 q = _mm256_loadu_si256((const __m256i *)(w + 2));
@@ -966,6 +988,7 @@ static inline __attribute__((always_inline)) void row_q16(int type, const uint8_
     }
     case T_Q4_1:
         for (int64_t b = 0; b < nb; b++, w += 20) {
+            PREFETCH_BLOCK(w, 20);
             __m256i q = nibbles(w + 4);
             float d = rd_half(w), mn = rd_half(w + 2);
             ROWS16(acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(q, xr + 32 * b)), _mm256_set1_ps(d * xd[i * xb + b]), acc[i]);
@@ -974,6 +997,7 @@ static inline __attribute__((always_inline)) void row_q16(int type, const uint8_
         break;
     case T_Q4_K:
         for (int64_t b = 0; b < nb; b++, w += 144) {
+            PREFETCH_BLOCK(w, 144);
             float d = rd_half(w), dmin = rd_half(w + 2);
             const uint8_t *s = w + 4;
             for (int j = 0; j < 4; j++) {
@@ -994,6 +1018,7 @@ static inline __attribute__((always_inline)) void row_q16(int type, const uint8_
         break;
     case T_Q6_K:
         for (int64_t b = 0; b < nb; b++, w += 210) {
+            PREFETCH_BLOCK(w, 210);
             const int8_t *sc = (const int8_t *)(w + 192);
             float d = rd_half(w + 208);
             const __m256i c32 = _mm256_set1_epi8(32);
@@ -1017,6 +1042,112 @@ static inline __attribute__((always_inline)) void row_q16(int type, const uint8_
 #endif
 
 #ifdef MI_AVX2
+/* Blocks whose scales row1_q32 forms at a time (a multiple of 8). */
+#define SCALE_RUN 64
+
+/* One row w (nb blocks) of a 32-weight-block type (Q8_0, Q5_0, Q4_0) against one input row
+ * rounded to int8 (act_bits 8) or int16 (16) blocks xq with scales xd: the dot product. The same
+ * operations in the same order as row_q8 / row_q16 with m = 1, so the same bits, except that the
+ * blocks' products of scales d * dx are formed up to SCALE_RUN at a time before the blocks' loop
+ * (F16C converts 8 halves in one instruction) instead of one scalar conversion and
+ * multiplication per block: a decode step spends most of its time in this loop over Q5_0 blocks
+ * (docs/performance.md, "Prefetch and scale runs"). */
+static inline __attribute__((always_inline)) float row1_q32(int act_bits, int type, const uint8_t *w, int64_t nb,
+                                                           const void *xq, const float *xd) {
+    const int bytes = type == T_Q8_0 ? 34 : (type == T_Q5_0 ? 22 : 18);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += SCALE_RUN) {
+        int n = nb - b0 < SCALE_RUN ? (int)(nb - b0) : SCALE_RUN, j = 0;
+        uint16_t h[SCALE_RUN];
+        float sd[SCALE_RUN];
+        for (j = 0; j < n; j++) memcpy(h + j, w + j * bytes, 2);
+        for (j = 0; j + 8 <= n; j += 8)
+            _mm256_storeu_ps(sd + j, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))),
+                                                   _mm256_loadu_ps(xd + b0 + j)));
+        for (; j < n; j++) sd[j] = rd_half(w + j * bytes) * xd[b0 + j];
+        for (j = 0; j < n; j++, w += bytes) {
+            PREFETCH_BLOCK(w, bytes);
+            __m256i q, dot;
+            if (type == T_Q8_0)
+                q = _mm256_loadu_si256((const __m256i *)(w + 2));
+            else if (type == T_Q5_0)
+                q = q5_0_bytes(w);
+            else
+                q = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
+            if (act_bits == 8) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)((const int8_t *)xq + 32 * (b0 + j)));
+                dot = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)),
+                                        _mm256_set1_epi16(1));
+            } else {
+                dot = dot16(q, (const int16_t *)xq + 32 * (b0 + j));
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(sd + j), acc);
+        }
+    }
+    float minus = 0; /* as row_q8 adds its (zero) minimum term: a -0 sum comes out +0 */
+    return hsum8(acc) + minus;
+}
+
+/* One row w (nb blocks) of Q4_K or Q6_K against one input row rounded to int8 (act_bits 8) or
+ * int16 (16) blocks xq with scales xd and sums xs: the dot product. The same operations in the
+ * same order as row_q8 / row_q16 with m = 1 (the same bits), except that each block's eight
+ * products of scales (d * sc * dx, and Q4_K's dmin * mn * sx) are formed as one vector, and
+ * Q6_K's int8 scale pairs are spread by one byte shuffle instead of a 16-lane set. */
+static inline __attribute__((always_inline)) float row1_kquant(int act_bits, int type, const uint8_t *w, int64_t nb,
+                                                              const void *xq, const float *xd, const float *xs) {
+    const int bytes = type == T_Q4_K ? 144 : 210;
+    __m256 acc = _mm256_setzero_ps();
+    float minus = 0, dx[8], mx[8];
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        PREFETCH_BLOCK(w, bytes);
+        const int8_t *x8 = (const int8_t *)xq + 256 * b;
+        const int16_t *x16 = (const int16_t *)xq + 256 * b;
+        if (type == T_Q4_K) {
+            int sc[8], mn[8];
+            for (int g = 0; g < 8; g++) q4k_scale_min(w + 4, g, &sc[g], &mn[g]);
+            __m256 dl = _mm256_mul_ps(_mm256_set1_ps(rd_half(w)), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)sc)));
+            __m256 ml = _mm256_mul_ps(_mm256_set1_ps(rd_half(w + 2)), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)mn)));
+            _mm256_storeu_ps(dx, _mm256_mul_ps(dl, _mm256_loadu_ps(xd + 8 * b)));
+            _mm256_storeu_ps(mx, _mm256_mul_ps(ml, _mm256_loadu_ps(xs + 8 * b)));
+            for (int j = 0; j < 4; j++) {
+                __m256i qb = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+                for (int h = 0; h < 2; h++) {
+                    int g = 2 * j + h;
+                    __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(qb, 4) : qb, _mm256_set1_epi8(0x0F));
+                    __m256i dot = act_bits == 8 ? dot_u8(q, _mm256_loadu_si256((const __m256i *)(x8 + 32 * g)))
+                                                : dot16(q, x16 + 32 * g);
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(dx + g), acc);
+                }
+            }
+            for (int g = 0; g < 8; g++) minus -= mx[g];
+        } else {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            const __m128i sc16 = _mm_loadu_si128((const __m128i *)sc);
+            _mm256_storeu_ps(dx, _mm256_mul_ps(_mm256_set1_ps(rd_half(w + 208)), _mm256_loadu_ps(xd + 8 * b)));
+            for (int half = 0; half < 2; half++) {
+                __m256i q[4];
+                q6k_half(w, half, q);
+                for (int g = 0; g < 4; g++) {
+                    int G = 4 * half + g; /* the block's 32-weight group: scales sc[2G], sc[2G + 1] */
+                    __m256i qs = _mm256_sub_epi8(q[g], _mm256_set1_epi8(32)), dot;
+                    if (act_bits == 8) {
+                        /* 16-bit pairs 0-7 are values 0-15 (scale sc[2G]), 8-15 values 16-31 (sc[2G + 1]) */
+                        __m128i pick = _mm_or_si128(_mm_set1_epi8((char)(2 * G)),
+                                                    _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+                        __m256i scales = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc16, pick));
+                        __m256i x = _mm256_loadu_si256((const __m256i *)(x8 + 32 * G));
+                        dot = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(qs, qs), _mm256_sign_epi8(x, qs)), scales);
+                    } else {
+                        dot = dot16_scaled(qs, sc[2 * G], sc[2 * G + 1], x16 + 32 * G);
+                    }
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(dx + G), acc);
+                }
+            }
+        }
+    }
+    return hsum8(acc) + minus;
+}
+
 /* Rows [r0, r1) of one weight (row_bytes apart, nb blocks each) against one input row rounded
  * to int8 (act_bits 8) or int16 (16) blocks xq with scales xd and sums xs: y[r] = the dot
  * product (+ bias[r]). Each case gives row_q8 / row_q16 a constant type and one row, so the
@@ -1028,14 +1159,24 @@ static inline __attribute__((always_inline)) void row_q16(int type, const uint8_
         FN(T, w + r * row_bytes, nb, k, 1, (const XT *)xq, xd, xs, k / 32, &o);                        \
         y[r] = bias ? o + bias[r] : o;                                                                \
     }
+#define ROWS32(T, XT)                                                                                 \
+    for (int64_t r = r0; r < r1; r++) {                                                               \
+        float o = row1_q32(sizeof(XT) * 8, T, w + r * row_bytes, nb, xq, xd);                         \
+        y[r] = bias ? o + bias[r] : o;                                                                \
+    }
+#define ROWSK(T, XT)                                                                                  \
+    for (int64_t r = r0; r < r1; r++) {                                                               \
+        float o = row1_kquant(sizeof(XT) * 8, T, w + r * row_bytes, nb, xq, xd, xs);                  \
+        y[r] = bias ? o + bias[r] : o;                                                                \
+    }
 #define TYPE_CASES(FN, XT)                                                                            \
     switch (type) {                                                                                   \
-    case T_Q8_0: ROWS_ONE(FN, T_Q8_0, XT) break;                                                      \
-    case T_Q5_0: ROWS_ONE(FN, T_Q5_0, XT) break;                                                      \
-    case T_Q4_0: ROWS_ONE(FN, T_Q4_0, XT) break;                                                      \
+    case T_Q8_0: ROWS32(T_Q8_0, XT) break;                                                            \
+    case T_Q5_0: ROWS32(T_Q5_0, XT) break;                                                            \
+    case T_Q4_0: ROWS32(T_Q4_0, XT) break;                                                            \
     case T_Q4_1: ROWS_ONE(FN, T_Q4_1, XT) break;                                                      \
-    case T_Q4_K: ROWS_ONE(FN, T_Q4_K, XT) break;                                                      \
-    case T_Q6_K: ROWS_ONE(FN, T_Q6_K, XT) break;                                                      \
+    case T_Q4_K: ROWSK(T_Q4_K, XT) break;                                                             \
+    case T_Q6_K: ROWSK(T_Q6_K, XT) break;                                                             \
     }
 static void rows_one(int act_bits, int type, const uint8_t *w, int64_t row_bytes, int64_t nb, int64_t k, int64_t r0,
                      int64_t r1, const void *xq, const float *xd, const float *xs, const float *bias, float *y) {
@@ -1046,6 +1187,8 @@ static void rows_one(int act_bits, int type, const uint8_t *w, int64_t row_bytes
     }
 }
 #undef TYPE_CASES
+#undef ROWS32
+#undef ROWSK
 #undef ROWS_ONE
 #endif
 
