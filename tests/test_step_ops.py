@@ -131,7 +131,8 @@ def test_swiglu_matches_silu_times_up():
 def test_the_portable_build_computes_the_same_bits(tmp_path):
     """Built without ``-march`` (no AVX2: an Arm Mac, or a compiler that refuses the flag), the
     step operations take their scalar paths, which mirror the AVX2 ones (8 lanes of fmaf summed
-    in the same order): RMSNorm, RoPE, attention and SwiGLU give the AVX2 build's bits."""
+    in the same order): RMSNorm, RoPE, attention and SwiGLU give the AVX2 build's bits, and
+    argmax its index."""
     import ctypes
 
     from helpers.portable import portable_library
@@ -166,6 +167,9 @@ def test_the_portable_build_computes_the_same_bits(tmp_path):
         outs.append(torch.empty_like(g))
         kernels.mi_swiglu(g.data_ptr(), u.data_ptr(), g.numel(), outs[-1].data_ptr())
     assert torch.equal(outs[0], outs[1])
+    for values in (torch.randn(1001), torch.tensor([1.0, float("nan"), 2.0]), torch.tensor([3.0, -1.0, 3.0])):
+        want = int(values.argmax())  # argmax: the same index without AVX2 (its scalar tail only)
+        assert lib.mi_argmax(values.data_ptr(), values.numel()) == plib.mi_argmax(values.data_ptr(), values.numel()) == want
 
 
 def test_swiglu_takes_every_pass_below_the_dense_path():
@@ -200,3 +204,31 @@ def test_all_finite_takes_the_float32_extremes_and_other_dtypes():
     assert not step_ops.all_finite(torch.tensor([1.0, float("nan")], dtype=torch.float64))  # torch's path
     assert step_ops.all_finite(torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
     assert step_ops.all_finite(torch.empty(0))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_argmax_equals_torch_argmax_on_a_step_of_logits(seed):
+    x = torch.randn(151936, generator=torch.Generator().manual_seed(seed))
+    assert step_ops.argmax(x) == int(x.argmax())
+    x[[5, 90000, 151935]] = x.max() + 1  # ties: the lowest index
+    assert step_ops.argmax(x) == 5 == int(x.argmax())
+    assert step_ops.argmax(x[::3]) == int(x[::3].argmax())  # a strided view
+
+
+def test_argmax_follows_torch_on_nan_infinities_and_other_dtypes():
+    cases = [
+        [1.0, float("nan"), 3.0, float("nan")],  # the first NaN wins, as torch orders NaN above all
+        [float("-inf"), float("-inf")],
+        [-1.0, float("inf"), float("inf")],
+        [-0.0, 0.0],  # equal: the first
+        [7.0],
+    ]
+    for values in cases:
+        x = torch.tensor(values)
+        assert step_ops.argmax(x) == int(x.argmax()), values
+    for dtype in (torch.bfloat16, torch.float64):  # torch's path
+        x = torch.tensor([1.0, 4.0, 4.0, 2.0], dtype=dtype)
+        assert step_ops.argmax(x) == 1
+    for bad in (torch.empty(0), torch.zeros(2, 3)):
+        with pytest.raises(ValueError):
+            step_ops.argmax(bad)

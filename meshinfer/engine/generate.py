@@ -17,6 +17,7 @@ import torch
 from meshinfer.core.config import LayerRange, ModelConfig, check_cpu_only
 from meshinfer.core.errors import InvalidInput
 from meshinfer.core.generation import Generation, check_context
+from meshinfer.engine.kernels.step_ops import argmax
 from meshinfer.engine.kv_cache import KVCache
 from meshinfer.engine.models.llama import Shard
 from meshinfer.engine.models.quant import (Precision, parse_precision as _parse_precision,
@@ -207,7 +208,7 @@ def greedy_generate(shard: Shard, prompt_ids: Sequence[int], *, max_tokens: int 
         out.ttft_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
         decode_steps = 0
-        while out.accept(int(logits[0, -1].argmax()), budget=budget, eos=eos, on_token=on_token):
+        while out.accept(argmax(logits[0, -1]), budget=budget, eos=eos, on_token=on_token):
             logits = shard(torch.tensor([[out.token_ids[-1]]]), cache.length, cache)  # (1, 1, V)
             decode_steps += 1
         out.set_decode_rate(decode_steps, time.perf_counter() - t1)

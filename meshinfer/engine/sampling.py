@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from meshinfer.core.sampling_params import SamplingParams
+from meshinfer.engine.kernels.step_ops import argmax
 
 #: Odd 64-bit constant (2**64 / golden ratio) that spreads positions across the seed space.
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -29,7 +30,8 @@ def pick_token(logits: torch.Tensor, params: SamplingParams | None, *, position:
 
     Args:
         logits: (V,) logits of the last position, any float dtype, any device.
-        params: None or greedy: ``argmax`` (ties: the lowest id, as ``torch.argmax``).
+        params: None or greedy: ``argmax`` (ties: the lowest id, as ``torch.argmax``;
+            :func:`meshinfer.engine.kernels.step_ops.argmax`).
         position: the position the chosen token will take in the conversation (prompt
             length + tokens generated so far); with ``params.seed`` it seeds the draw.
 
@@ -39,10 +41,10 @@ def pick_token(logits: torch.Tensor, params: SamplingParams | None, *, position:
     kept token whose cumulative probability exceeds ``u`` times the kept total (inverse CDF).
     """
     if params is None or params.greedy:
-        return int(logits.argmax())
+        return argmax(logits.reshape(-1))
     scaled = logits.detach().float().cpu() / params.temperature
     if not bool(torch.isfinite(scaled).all()):  # a tiny temperature overflows float32: its limit is the argmax
-        return int(logits.argmax())
+        return argmax(logits.reshape(-1))
     probs = torch.softmax(scaled, dim=-1)  # (V,)
     order = torch.sort(probs, descending=True, stable=True)
     cdf = torch.cumsum(order.values, dim=0)  # (V,)

@@ -112,6 +112,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mi_layer_step.argtypes = [p, p, i64, p, p, i64, p, p, i64, i64, i32]
     lib.mi_layers_step.argtypes = [p, i64, p, i64, p, p, i64, p, p, i64, i64, i32]
     lib.mi_all_finite.argtypes = [p, i64]
+    lib.mi_argmax.argtypes = [p, i64]
+    lib.mi_argmax.restype = i64
     for f in (lib.mi_rmsnorm, lib.mi_rope, lib.mi_attention, lib.mi_swiglu, lib.mi_layer_step, lib.mi_layers_step,
               lib.mi_all_finite):
         f.restype = i32

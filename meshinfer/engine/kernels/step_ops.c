@@ -177,6 +177,48 @@ int mi_all_finite(const float *x, int64_t n) {
     return !bad;
 }
 
+/* The index of the largest of n floats, the first on ties, as torch.argmax picks it: the first
+ * NaN's when there is a NaN (torch orders NaN above every number); 0 for n <= 1. Why: torch's
+ * argmax over a step's 151,936 logits took 0.22 ms at 2 threads here, against 0.02 ms for its
+ * max (2026-12-04). Two passes: the largest value (and whether there is a NaN), then the first
+ * index holding it, 8 values a compare with AVX2. */
+int64_t mi_argmax(const float *x, int64_t n) {
+    if (n <= 1) return 0;
+    int64_t i = 0;
+    float m = x[0];
+    int nan = 0;
+#ifdef MI_STEP_AVX2
+    __m256 vm = _mm256_set1_ps(x[0]), vnan = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vm = _mm256_max_ps(vm, v);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vm);
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+    for (; i < n; i++) {
+        nan |= x[i] != x[i];
+        m = x[i] > m ? x[i] : m;
+    }
+    i = 0;
+    if (nan) {
+        while (x[i] == x[i]) i++;
+        return i;
+    }
+#ifdef MI_STEP_AVX2
+    const __m256 vm8 = _mm256_set1_ps(m);
+    for (; i + 8 <= n; i += 8) {
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vm8, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz((unsigned)hit);
+    }
+#endif
+    while (x[i] != m) i++;
+    return i;
+}
+
 /* SwiGLU's product (Shazeer 2020, "GLU variants improve transformer"): out = silu(g) * u with
  * silu(g) = g / (1 + exp(-g)), elementwise over n floats, in float32 (libm's expf). out may be
  * g or u. Returns 0. */

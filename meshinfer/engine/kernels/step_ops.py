@@ -146,6 +146,24 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def argmax(x: torch.Tensor) -> int:
+    """The index of the largest value of ``x`` ``(V,)`` (any float dtype, any device), as
+    ``int(torch.argmax(x))`` gives it: the first on ties, the first NaN when there is one. One C
+    pass for float32 on the CPU (``mi_argmax``; torch's took 0.23 ms over a step's 151,936
+    logits at 2 threads here, the C pass about a tenth of that), torch otherwise.
+
+    Raises:
+        ValueError: ``x`` is not one-dimensional or is empty.
+    """
+    if x.dim() != 1 or x.numel() == 0:
+        raise ValueError(f"argmax takes a non-empty (V,) tensor, got shape {tuple(x.shape)}")
+    lib = native.library()
+    if lib is None or not _cpu_f32(x):
+        return int(x.argmax())
+    x = x.contiguous()
+    return int(lib.mi_argmax(x.data_ptr(), x.numel()))
+
+
 def all_finite(x: torch.Tensor) -> bool:
     """Whether every value of ``x`` (any shape, any float dtype, any device) is finite: one C
     pass for float32 on the CPU (``mi_all_finite``; torch's ``isfinite(x).all()`` took 1.7 ms
