@@ -219,6 +219,11 @@ int mi_simd(void) {
 #endif
 }
 
+/* Weights (rows x columns) below which mi_dequantize runs on the calling thread: a decode step's
+ * embedding row (896 weights, a few microseconds) cost more in waking a second thread than in
+ * dequantizing (py-spy put about 1.5% of a gguf-a8 step there, 2026-12-04). */
+#define DEQUANTIZE_PARALLEL_WEIGHTS (1 << 16)
+
 /* Dequantize rows [0, n) of a weight of k columns (k a multiple of the block size) into
  * out (n, k) float32. Returns 0, or -1 for an unknown type or a k that is not a multiple. */
 int mi_dequantize(int type, const uint8_t *w, int64_t n, int64_t k, float *out, int nthreads) {
@@ -226,7 +231,8 @@ int mi_dequantize(int type, const uint8_t *w, int64_t n, int64_t k, float *out, 
     deq_fn fn;
     if (type_info(type, &qk, &bytes, &fn) || k % qk) return -1;
     int64_t nb = k / qk, row_bytes = nb * bytes;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+    if (n * k < DEQUANTIZE_PARALLEL_WEIGHTS) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads > 1 ? nthreads : 1) schedule(static)
     for (int64_t r = 0; r < n; r++)
         for (int64_t b = 0; b < nb; b++) fn(w + r * row_bytes + b * bytes, out + r * k + b * qk);
     return 0;
