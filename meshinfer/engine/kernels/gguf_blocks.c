@@ -1156,9 +1156,11 @@ static inline __attribute__((always_inline)) float row1_kquant(int act_bits, int
 
 /* Rows [r0, r1) of one weight (row_bytes apart, nb blocks each) against one input row rounded
  * to int8 (act_bits 8) or int16 (16) blocks xq with scales xd and sums xs: y[r] = the dot
- * product (+ bias[r]). Each case gives row_q8 / row_q16 a constant type and one row, so the
+ * product (+ bias[r]). Each case gives its row function (row1_q32 for the 32-weight block types,
+ * row1_kquant for Q4_K and Q6_K, row_q8 / row_q16 for Q4_1) a constant type and one row, so the
  * compiler builds one tight loop per type: the per-row work outside the blocks is a few
- * instructions (a 896-wide row is only 28 blocks). */
+ * instructions (a 896-wide row is only 28 blocks). The same bits as row_q8 / row_q16 with m = 1
+ * (tests/test_gguf_kernels.py compares one row with the rows of a verification step). */
 #define ROWS_ONE(FN, T, XT)                                                                           \
     for (int64_t r = r0; r < r1; r++) {                                                               \
         float o;                                                                                      \
