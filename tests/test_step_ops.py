@@ -232,3 +232,16 @@ def test_argmax_follows_torch_on_nan_infinities_and_other_dtypes():
     for bad in (torch.empty(0), torch.zeros(2, 3)):
         with pytest.raises(ValueError):
             step_ops.argmax(bad)
+
+
+def test_swiglu_over_its_gate_gives_the_same_bits():
+    """A prefill's MLP computes SwiGLU in its gate's memory (``overwrite_gate``): the same values
+    as the out-of-place product, in the gate tensor itself; a step of a few rows still takes C."""
+    rows = step_ops.SWIGLU_MAX_ROWS + 40  # torch's path
+    g, u = torch.randn(rows, 4864) * 4, torch.randn(rows, 4864)
+    want = common.swiglu(g, u)
+    gate = g.clone()
+    got = common.swiglu(gate, u, overwrite_gate=True)
+    assert torch.equal(got, want) and got.data_ptr() == gate.data_ptr()
+    few = g[:3].clone()
+    assert torch.equal(common.swiglu(few, u[:3], overwrite_gate=True), common.swiglu(g[:3], u[:3]))

@@ -104,11 +104,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, overwrite_gate: bool = False) -> torch.Tensor:
     """SwiGLU's product (Shazeer 2020): ``silu(gate) * up``, ``(..., N)`` each -> ``(..., N)``.
-    A float32 CPU step of a few rows runs as one C call (``step_ops.swiglu``)."""
+    A float32 CPU step of a few rows runs as one C call (``step_ops.swiglu``).
+
+    ``overwrite_gate``: the caller no longer needs ``gate`` (a projection's fresh output that
+    does not overlap ``up``), so torch's path computes in place in it, the same values without
+    two more ``(..., N)`` tensors: 20 MiB less at the peak of a 512-position prefill chunk of the
+    default model (4,864 wide)."""
     y = step_ops.swiglu(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])) if gate.dim() else None
-    return F.silu(gate) * up if y is None else y.view(gate.shape)
+    if y is not None:
+        return y.view(gate.shape)
+    return F.silu(gate, inplace=True).mul_(up) if overwrite_gate else F.silu(gate) * up
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, *,

@@ -106,7 +106,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project_many(x, (self.gate_proj, self.up_proj))  # one kernel call at gguf*
-        return self.down_proj(swiglu(gate, up))  # (B, T, C)
+        return self.down_proj(swiglu(gate, up, overwrite_gate=True))  # (B, T, C)
 
 
 class Block(nn.Module):
