@@ -1064,12 +1064,14 @@ static inline __attribute__((always_inline)) float row1_q32(int act_bits, int ty
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += SCALE_RUN) {
         int n = nb - b0 < SCALE_RUN ? (int)(nb - b0) : SCALE_RUN, j = 0;
-        uint16_t h[SCALE_RUN];
         float sd[SCALE_RUN];
+#ifdef __F16C__ /* every AVX2 CPU has it; a compiler told otherwise takes the scalar loop below */
+        uint16_t h[SCALE_RUN];
         for (j = 0; j < n; j++) memcpy(h + j, w + j * bytes, 2);
         for (j = 0; j + 8 <= n; j += 8)
             _mm256_storeu_ps(sd + j, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))),
                                                    _mm256_loadu_ps(xd + b0 + j)));
+#endif
         for (; j < n; j++) sd[j] = rd_half(w + j * bytes) * xd[b0 + j];
         for (j = 0; j < n; j++, w += bytes) {
             PREFETCH_BLOCK(w, bytes);
