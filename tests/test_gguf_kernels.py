@@ -200,6 +200,53 @@ def test_a_linear_uses_the_dense_path_from_prefill_sizes_with_the_same_result(li
     assert torch.allclose(lin(x[:, :5]), want[:, :5], rtol=1e-5, atol=1e-5)  # block kernel
 
 
+@pytest.mark.parametrize("bits", [32, 8])
+def test_the_dense_path_in_column_chunks_gives_one_matmuls_bits(lib, monkeypatch, bits):
+    """``dequantize_chunks`` writes each chunk of dequantized rows into its columns of one
+    output: one float32 matmul of the whole dequantized weight up to float32 summation order
+    (torch's GEMM may take another kernel for a narrow chunk), for chunks that do not divide the
+    rows; rounding its input in place (``overwrite_x``) gives the same bits."""
+    monkeypatch.setattr(kb, "DEQUANT_CHUNK_BYTES", 7 * 4 * 896)  # 7 rows, or the least a chunk takes
+    monkeypatch.setattr(kb, "DEQUANT_CHUNK_MIN_ROWS", 7)
+    w = blocks_of("Q5_0", 40, 896, seed=36)
+    x = torch.randn(DENSE_MIN_ROWS + 3, 896, generator=torch.Generator().manual_seed(37))
+    rounded = kb.quantize_activations(x, bits) if bits != 32 else x
+    want = torch.nn.functional.linear(rounded, kb.dequantize(w))
+    assert [(i, j) for i, j, _ in kb.dense_row_chunks(w)][-2:] == [(28, 35), (35, 40)]
+    got = kb.dequantize_chunks(x, w, act_bits=bits)
+    assert torch.allclose(got, want, rtol=0, atol=TOLERANCE[32] * want.abs().max().item())
+    spent = x.clone()
+    assert torch.equal(kb.dequantize_chunks(spent, w, act_bits=bits, overwrite_x=True), got)
+    assert torch.equal(spent, rounded)  # rounded where it lay: no second (M, K) copy
+    assert kb.dequantize_chunks(x[:0], w, act_bits=bits).shape == (0, 40)
+
+
+@pytest.mark.parametrize("bits", [32, 16, 8])
+def test_a_prefill_swiglu_takes_the_up_projection_in_chunks_with_the_same_bits(lib, monkeypatch, bits):
+    """``swiglu_product`` of a prefill-sized pass multiplies each chunk of the up projection
+    into the gate's output as it comes: the bits of ``swiglu(gate(x), up(x))``, and the MLP's
+    down projection, handed that spent product (``project_spent``), gives the bits it gives a
+    product it must not touch."""
+    from meshinfer.engine.models import gguf_linear
+    from meshinfer.engine.models.common import swiglu
+
+    monkeypatch.setattr(kb, "DEQUANT_CHUNK_BYTES", 24 * 4 * 896)  # 24 rows: 3 chunks of the 64
+    monkeypatch.setattr(kb, "DEQUANT_CHUNK_MIN_ROWS", 24)
+    gate, up, down = GGUFLinear(896, 64, bias=False, act_bits=bits), GGUFLinear(896, 64, bias=False, act_bits=bits), \
+        GGUFLinear(64, 896, bias=False, act_bits=bits)
+    gate.set_blocks(blocks_of("Q8_0", 64, 896, seed=38))
+    up.set_blocks(blocks_of("Q5_0", 64, 896, seed=39))
+    down.set_blocks(blocks_of("Q8_0", 896, 64, seed=40))
+    for rows in (DENSE_MIN_ROWS + 5, 3):  # a prefill (chunked), a decode step (one kernel call)
+        x = torch.randn(1, rows, 896, generator=torch.Generator().manual_seed(rows))
+        want = swiglu(gate(x), up(x))
+        got = gguf_linear.swiglu_product(x, gate, up)
+        assert torch.equal(got, want)
+        assert torch.equal(gguf_linear.project_spent(got, down), down(want))
+    plain = torch.nn.Linear(64, 896, bias=False)
+    assert torch.equal(gguf_linear.project_spent(want, plain), plain(want))
+
+
 def test_float_rows_keep_any_weight_exactly():
     lin = GGUFLinear(30, 7, bias=False)  # 30 columns: no whole 32-block
     w = torch.randn(7, 30)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -27,9 +27,16 @@ KERNEL_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, 
 #: ``sizeof(block_*)``).
 BLOCK_SHAPE = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34),
                12: (256, 144), 14: (256, 210)}
-#: Output rows dequantized at a time by :func:`dequantize_chunks` (bounds the float32 copy of
-#: the 151,936-row output head to about 29 MB).
-DEQUANT_CHUNK_ROWS = 8192
+#: Bytes of float32 weights :func:`dense_row_chunks` dequantizes at a time (whole rows, at
+#: least :data:`DEQUANT_CHUNK_MIN_ROWS`): a prefill projection's weight never exists whole in
+#: float32 (the default model's gate, up and down projections would take 17 MiB each, its output
+#: head 519 MiB). 2 MiB chunks multiply as fast as whole weights on the 2-core AVX2 EPYC, and
+#: its prefill of the default model keeps the bits of one matmul per weight
+#: (docs/performance.md, "Prefill memory").
+DEQUANT_CHUNK_BYTES = 2 << 20
+#: Fewest rows in a chunk: torch's GEMM takes other kernels for narrow outputs (on the EPYC
+#: chunks of up to 32 rows summed in another order than one matmul; from 48 rows they agreed).
+DEQUANT_CHUNK_MIN_ROWS = 64
 
 
 @dataclass
@@ -269,10 +276,17 @@ def quantize_activations(x: torch.Tensor, bits: int) -> torch.Tensor:
     result equals the kernel's integer product up to float32 rounding, so a row gets the same
     result whether it runs through the kernel or, packed with other rows, through the dense
     path (a pass's path depends on its total row count, which other conversations set)."""
+    return _round_activations(x, bits, overwrite=False)
+
+
+def _round_activations(x: torch.Tensor, bits: int, *, overwrite: bool) -> torch.Tensor:
+    """:func:`quantize_activations`; with ``overwrite`` (the caller no longer needs ``x``) into
+    ``x``'s own memory where the kernels do it (``mi_round_activations`` reads each 32-block
+    before it writes it)."""
     lib = native.library()
     if lib is not None and x.dtype == torch.float32 and x.device.type == "cpu":
         x = x.contiguous()
-        out = torch.empty_like(x)
+        out = x if overwrite else torch.empty_like(x)
         if not lib.mi_round_activations(x.data_ptr(), x.shape[0], x.shape[1], bits, out.data_ptr(),
                                         torch.get_num_threads()):
             return out
@@ -286,18 +300,40 @@ def quantize_activations(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (q.nan_to_num(0.0) * d).reshape(x.shape)
 
 
-def dequantize_chunks(x: torch.Tensor, w: QuantBlocks, act_bits: int = 32) -> torch.Tensor:
-    """``x @ W.T`` ``(M, N)`` float32 through one dense float32 matmul per
-    :data:`DEQUANT_CHUNK_ROWS` rows of ``W``, dequantized first: the prefill path, where the
-    product is compute-bound and torch's GEMM is the faster one. With ``act_bits`` 8 or 16,
-    where :func:`matmul` would quantize the activations, ``x`` is first rounded the same way
-    (:func:`quantize_activations`)."""
-    if integer_activations(w, act_bits):
-        x = quantize_activations(x, act_bits)
+def dense_row_chunks(w: QuantBlocks) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``W``'s rows dequantized a few at a time: ``(start, stop, W[start:stop])``, each
+    ``(stop - start, K)`` float32 of at most :data:`DEQUANT_CHUNK_BYTES` (but
+    :data:`DEQUANT_CHUNK_MIN_ROWS` rows at least), in order. Each chunk is a fresh tensor the
+    caller may keep or drop."""
     n = w.shape[0]
-    parts = [F.linear(x, dequantize(w, i, min(i + DEQUANT_CHUNK_ROWS, n)))
-             for i in range(0, n, DEQUANT_CHUNK_ROWS)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    rows = max(DEQUANT_CHUNK_MIN_ROWS, DEQUANT_CHUNK_BYTES // (4 * w.in_features))
+    for i in range(0, n, rows):
+        yield i, min(i + rows, n), dequantize(w, i, min(i + rows, n))
+
+
+def dense_input(x: torch.Tensor, w: QuantBlocks, act_bits: int = 32, *, overwrite: bool = False) -> torch.Tensor:
+    """``x`` ``(M, K)`` float32 as :func:`dequantize_chunks` multiplies it: rounded per 32
+    columns as :func:`matmul` would quantize it (:func:`quantize_activations`) where
+    ``act_bits`` is 8 or 16 and the kernels take ``w`` so, else ``x`` itself. ``overwrite``: the
+    caller no longer needs ``x``, which may then be rounded in its own memory (a prefill's SwiGLU
+    product, 10 MiB at a 512-position chunk of the default model)."""
+    if integer_activations(w, act_bits):
+        return _round_activations(x, act_bits, overwrite=overwrite)
+    return x
+
+
+def dequantize_chunks(x: torch.Tensor, w: QuantBlocks, act_bits: int = 32, *,
+                      overwrite_x: bool = False) -> torch.Tensor:
+    """``x @ W.T`` ``(M, N)`` float32 for ``x`` ``(M, K)`` float32 through dense float32
+    matmuls of :func:`dense_row_chunks`' chunks, each written into its columns of the result:
+    the prefill path, where the product is compute-bound and torch's GEMM is the faster one.
+    ``x`` is first rounded as :func:`matmul` would quantize it (:func:`dense_input`; in its own
+    memory with ``overwrite_x``)."""
+    x = dense_input(x, w, act_bits, overwrite=overwrite_x)
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    for i, j, wc in dense_row_chunks(w):
+        torch.mm(x, wc.t(), out=y[:, i:j])
+    return y
 
 
 def blocks_from_file(raw: np.ndarray, type_name: str, in_features: int) -> QuantBlocks | None:

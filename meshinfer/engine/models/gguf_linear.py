@@ -13,10 +13,11 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from meshinfer.engine.kernels import blocks as kb
 from meshinfer.engine.kernels.step_ops import in_packed_pass
-from meshinfer.engine.models.common import linear
+from meshinfer.engine.models.common import linear, swiglu
 
 #: Rows (tokens in one pass) from which a projection dequantizes its weight chunk by chunk and
 #: runs torch's float32 GEMM instead of the block kernel: the kernel dequantizes each block once
@@ -84,7 +85,16 @@ class GGUFLinear(nn.Module):
             cache[key] = entry = (state, made)
         return entry[1]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def dense_for(self, x: torch.Tensor) -> bool:
+        """Whether a pass of ``x`` ``(..., K)`` takes the dense path: one sequence of
+        :data:`DENSE_MIN_ROWS` rows or more (a prefill) over blocks (not float32 rows)."""
+        return (self.qtype != 0 and x.numel() >= DENSE_MIN_ROWS * self.in_features
+                and not in_packed_pass())
+
+    def forward(self, x: torch.Tensor, *, overwrite_input: bool = False) -> torch.Tensor:
+        """``x`` ``(..., K)`` -> ``(..., N)`` float32. ``overwrite_input``: the caller no longer
+        needs ``x`` (a float32 temporary of its own), which the dense path may then round in
+        its own memory (``kb.dequantize_chunks``); the result is the same."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()  # (M, K)
         dense = x2.shape[0] >= DENSE_MIN_ROWS and not in_packed_pass()
@@ -97,11 +107,11 @@ class GGUFLinear(nn.Module):
             y = kb.matmul_f32(x2, wf, every_cpu=True)
             y = linear(x2, wf) if y is None else y
         elif dense:
-            y = kb.dequantize_chunks(x2, w, act_bits=self.act_bits)  # (M, N)
+            y = kb.dequantize_chunks(x2, w, act_bits=self.act_bits, overwrite_x=overwrite_input)  # (M, N)
         else:
             y = kb.matmul(x2, w, act_bits=self.act_bits)  # (M, N)
         if self.bias is not None:
-            y = y + self.bias
+            y.add_(self.bias)  # y is this call's own tensor: no second (M, N)
         return y.reshape(*lead, self.out_features)
 
 
@@ -121,6 +131,37 @@ def project_many(x: torch.Tensor, mods: Sequence[nn.Module]) -> list[torch.Tenso
             lead = x.shape[:-1]
             return [y.reshape(*lead, y.shape[1]) for y in fused(x.reshape(-1, x.shape[-1]).float())]
     return [m(x) for m in mods]
+
+
+def swiglu_product(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module) -> torch.Tensor:
+    """SwiGLU's product (Shazeer 2020) of one input: ``silu(gate_proj(x)) * up_proj(x)``,
+    ``(..., K)`` -> ``(..., I)``.
+
+    In a prefill pass through two bias-free :class:`GGUFLinear` (``GGUFLinear.dense_for``) the
+    up projection runs chunk by chunk (``kb.dense_row_chunks``), each chunk multiplied into its
+    columns of the gate's output at once, so no whole ``(..., I)`` up output exists: 10 MiB less
+    at a 512-position chunk of the default model (I = 4,864). The bits are those of
+    ``swiglu(gate, up)``: each element is the same float32 product. Anything else takes
+    :func:`project_many` and ``common.swiglu``."""
+    if not (isinstance(gate_proj, GGUFLinear) and isinstance(up_proj, GGUFLinear)
+            and gate_proj.bias is None and up_proj.bias is None
+            and gate_proj.dense_for(x) and up_proj.dense_for(x)):
+        gate, up = project_many(x, (gate_proj, up_proj))  # one kernel call at gguf*
+        return swiglu(gate, up, overwrite_gate=True)
+    gate = F.silu(gate_proj(x), inplace=True)  # (..., I), this call's own tensor
+    rows = gate.view(-1, up_proj.out_features)  # (M, I)
+    w = up_proj.weight_blocks
+    xu = kb.dense_input(x.reshape(-1, up_proj.in_features).float(), w, up_proj.act_bits)  # (M, K)
+    for i, j, wc in kb.dense_row_chunks(w):
+        rows[:, i:j].mul_(torch.mm(xu, wc.t()))
+    return gate
+
+
+def project_spent(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
+    """``proj(x)`` where ``x`` is the caller's own temporary, no longer needed after: a
+    :class:`GGUFLinear` may round it in place (``overwrite_input``); any other module is
+    called as it is."""
+    return proj(x, overwrite_input=True) if isinstance(proj, GGUFLinear) else proj(x)
 
 
 class GGUFEmbedding(nn.Module):

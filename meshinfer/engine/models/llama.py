@@ -23,10 +23,10 @@ from torch import nn
 from meshinfer.core.config import LayerRange, ModelConfig
 from meshinfer.core.errors import InvalidInput, PositionError, StepAbandoned, WeightsError
 from meshinfer.engine.models.common import (LayerCache, Linear, RMSNorm, apply_rope, causal_attention,
-                                            rope_tables, swiglu)
+                                            rope_tables)
 from meshinfer.engine.kernels.layer_step import F32Product, LayerStack, LayerStep
 from meshinfer.engine.kernels.step_ops import ATTENTION_MAX_QUERIES, packed_pass
-from meshinfer.engine.models.gguf_linear import GGUFLinear, project_many
+from meshinfer.engine.models.gguf_linear import GGUFLinear, project_many, project_spent, swiglu_product
 from meshinfer.engine.models.quant import Precision, quantize_modules
 
 
@@ -105,8 +105,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project_many(x, (self.gate_proj, self.up_proj))  # one kernel call at gguf*
-        return self.down_proj(swiglu(gate, up, overwrite_gate=True))  # (B, T, C)
+        return project_spent(swiglu_product(x, self.gate_proj, self.up_proj), self.down_proj)  # (B, T, C)
 
 
 class Block(nn.Module):
