@@ -27,16 +27,17 @@ KERNEL_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, 
 #: ``sizeof(block_*)``).
 BLOCK_SHAPE = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34),
                12: (256, 144), 14: (256, 210)}
-#: Bytes of float32 weights :func:`dense_row_chunks` dequantizes at a time (whole rows, at
-#: least :data:`DEQUANT_CHUNK_MIN_ROWS`): a prefill projection's weight never exists whole in
-#: float32 (the default model's gate, up and down projections would take 17 MiB each, its output
-#: head 519 MiB). 2 MiB chunks multiply as fast as whole weights on the 2-core AVX2 EPYC, and
-#: its prefill of the default model keeps the bits of one matmul per weight
-#: (docs/performance.md, "Prefill memory").
-DEQUANT_CHUNK_BYTES = 2 << 20
-#: Fewest rows in a chunk: torch's GEMM takes other kernels for narrow outputs (on the EPYC
-#: chunks of up to 32 rows summed in another order than one matmul; from 48 rows they agreed).
-DEQUANT_CHUNK_MIN_ROWS = 64
+#: Most bytes of float32 weights :func:`dense_row_chunks` dequantizes at a time: a prefill
+#: projection's weight never exists whole in float32 (the default model's gate, up and down
+#: projections take 17 MiB each, its output head 519 MiB), yet each chunk stays wide enough for
+#: torch's GEMM (docs/performance.md, "Prefill memory": on the 2-core AVX2 EPYC, chunks of 107
+#: rows of the 4,864-column down projection multiplied 45% slower than the whole weight, 448 rows
+#: as fast; 585 rows of the 896-column up projection 10% slower, 1,216 as fast).
+DEQUANT_CHUNK_BYTES = 8 << 20
+#: Fewest rows in a chunk (:data:`DEQUANT_CHUNK_BYTES` gives way): narrower outputs take other
+#: GEMM kernels, slower, and they sum in another order than one matmul (on the EPYC chunks of
+#: up to 32 rows did, from 48 rows none).
+DEQUANT_CHUNK_MIN_ROWS = 256
 
 
 @dataclass
@@ -302,11 +303,13 @@ def _round_activations(x: torch.Tensor, bits: int, *, overwrite: bool) -> torch.
 
 def dense_row_chunks(w: QuantBlocks) -> Iterator[tuple[int, int, torch.Tensor]]:
     """``W``'s rows dequantized a few at a time: ``(start, stop, W[start:stop])``, each
-    ``(stop - start, K)`` float32 of at most :data:`DEQUANT_CHUNK_BYTES` (but
-    :data:`DEQUANT_CHUNK_MIN_ROWS` rows at least), in order. Each chunk is a fresh tensor the
-    caller may keep or drop."""
+    ``(stop - start, K)`` float32, in order: as few chunks of equal rows (the last may be
+    shorter) as keep each within :data:`DEQUANT_CHUNK_BYTES`, but never under
+    :data:`DEQUANT_CHUNK_MIN_ROWS` rows unless the weight has fewer. Each chunk is a fresh
+    tensor the caller may keep or drop."""
     n = w.shape[0]
-    rows = max(DEQUANT_CHUNK_MIN_ROWS, DEQUANT_CHUNK_BYTES // (4 * w.in_features))
+    chunks = max(1, -(-n * 4 * w.in_features // DEQUANT_CHUNK_BYTES))  # ceil
+    rows = max(DEQUANT_CHUNK_MIN_ROWS, -(-n // chunks))
     for i in range(0, n, rows):
         yield i, min(i + rows, n), dequantize(w, i, min(i + rows, n))
 
