@@ -29,11 +29,12 @@ BLOCK_SHAPE = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (
                12: (256, 144), 14: (256, 210)}
 #: Most bytes of float32 weights :func:`dense_row_chunks` dequantizes at a time: a prefill
 #: projection's weight never exists whole in float32 (the default model's gate, up and down
-#: projections take 17 MiB each, its output head 519 MiB), yet each chunk stays wide enough for
-#: torch's GEMM (docs/performance.md, "Prefill memory": on the 2-core AVX2 EPYC, chunks of 107
-#: rows of the 4,864-column down projection multiplied 45% slower than the whole weight, 448 rows
-#: as fast; 585 rows of the 896-column up projection 10% slower, 1,216 as fast).
-DEQUANT_CHUNK_BYTES = 8 << 20
+#: projections take 17 MiB each, two chunks here; its output head 519 MiB), yet each chunk stays
+#: wide enough for torch's GEMM (docs/performance.md, "Prefill memory": on the 2-core AVX2 EPYC,
+#: chunks of 107 rows of the 4,864-column down projection multiplied 45% slower than the whole
+#: weight, 448 rows as fast; a 1,000-token prefill with 8 MiB chunks, 299 rows of down, took
+#: 1.05-1.08x the time, with 16 MiB 1.01x).
+DEQUANT_CHUNK_BYTES = 16 << 20
 #: Fewest rows in a chunk (:data:`DEQUANT_CHUNK_BYTES` gives way): narrower outputs take other
 #: GEMM kernels, slower, and they sum in another order than one matmul (on the EPYC chunks of
 #: up to 32 rows did, from 48 rows none).
