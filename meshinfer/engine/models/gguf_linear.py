@@ -86,10 +86,10 @@ class GGUFLinear(nn.Module):
         return entry[1]
 
     def dense_for(self, x: torch.Tensor) -> bool:
-        """Whether a pass of ``x`` ``(..., K)`` takes the dense path: one sequence of
-        :data:`DENSE_MIN_ROWS` rows or more (a prefill) over blocks (not float32 rows)."""
-        return (self.qtype != 0 and x.numel() >= DENSE_MIN_ROWS * self.in_features
-                and not in_packed_pass())
+        """Whether a pass of ``x`` ``(..., K)`` is dense-sized: one sequence of
+        :data:`DENSE_MIN_ROWS` rows or more (a prefill). Weights held as blocks then take the
+        dense path; float32 rows (``qtype`` 0) keep their own kernel."""
+        return x.numel() >= DENSE_MIN_ROWS * self.in_features and not in_packed_pass()
 
     def forward(self, x: torch.Tensor, *, overwrite_input: bool = False) -> torch.Tensor:
         """``x`` ``(..., K)`` -> ``(..., N)`` float32. ``overwrite_input``: the caller no longer
@@ -97,7 +97,7 @@ class GGUFLinear(nn.Module):
         its own memory (``kb.dequantize_chunks``); the result is the same."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()  # (M, K)
-        dense = x2.shape[0] >= DENSE_MIN_ROWS and not in_packed_pass()
+        dense = self.dense_for(x2)
         fused = None if dense else self.fused()
         if fused is not None:  # a decode or verification pass: one prepared kernel call, bias included
             return fused(x2)[0].reshape(*lead, self.out_features)
@@ -137,14 +137,15 @@ def swiglu_product(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module) ->
     """SwiGLU's product (Shazeer 2020) of one input: ``silu(gate_proj(x)) * up_proj(x)``,
     ``(..., K)`` -> ``(..., I)``.
 
-    In a prefill pass through two bias-free :class:`GGUFLinear` (``GGUFLinear.dense_for``) the
-    up projection runs chunk by chunk (``kb.dense_row_chunks``), each chunk multiplied into its
-    columns of the gate's output at once, so no whole ``(..., I)`` up output exists: 10 MiB less
+    In a prefill pass (``GGUFLinear.dense_for``) through two bias-free :class:`GGUFLinear` held
+    as blocks, the up projection runs chunk by chunk (``kb.dense_row_chunks``), each chunk
+    multiplied into its columns of the gate's output at once, so no whole ``(..., I)`` up
+    output exists: 10 MiB less
     at a 512-position chunk of the default model (I = 4,864). The bits are those of
     ``swiglu(gate, up)``: each element is the same float32 product. Anything else takes
     :func:`project_many` and ``common.swiglu``."""
     if not (isinstance(gate_proj, GGUFLinear) and isinstance(up_proj, GGUFLinear)
-            and gate_proj.bias is None and up_proj.bias is None
+            and gate_proj.bias is None and up_proj.bias is None and gate_proj.qtype and up_proj.qtype
             and gate_proj.dense_for(x) and up_proj.dense_for(x)):
         gate, up = project_many(x, (gate_proj, up_proj))  # one kernel call at gguf*
         return swiglu(gate, up, overwrite_gate=True)
