@@ -472,6 +472,55 @@ def test_the_portable_c_path_gives_the_avx2_paths_bits(lib, portable, type_name)
         assert same_bits(y_c, y_avx), f"mi_matmul_f32, {m} rows"
 
 
+@pytest.fixture(scope="module")
+def vnni(tmp_path_factory):
+    """The library built as a CPU with VNNI builds it, its two instructions emulated in C."""
+    from helpers.portable import vnni_library
+
+    return vnni_library(tmp_path_factory.mktemp("vnni"))
+
+
+@pytest.mark.parametrize("type_name", [t for t in TYPES if t != "F16"])
+def test_the_vnni_path_gives_the_avx2_paths_bits(lib, vnni, type_name):
+    """On a CPU with AVX512-VNNI or AVX-VNNI, the int8 and int16 products sum their lanes with
+    vpdpbusd / vpdpwssd instead of maddubs + madd: the same integers in every lane, so every
+    product equals the AVX2 build's bit for bit, for one row (a decode step's loops) and many
+    (a verification step's), with the hostile activations a peer may send and with Q8_0's -128
+    weights (random blocks hold them: the one value whose |w| is 128)."""
+    n, k = 37, width(type_name)
+    raw = random_blocks(type_name, n, k, seed=9)
+    code = kb.KERNEL_TYPES[type_name]
+    assert lib.mi_supports_q8(code)
+    for name in ("mi_matmul_q16", "mi_matmul_q8"):
+        for m in (1, 3, 17):
+            x = hostile_rows(m, k, seed=m)
+            x[-1, -32:] = torch.tensor([-1.0, 1.0] * 16)  # a block of +-127 after rounding
+            y_avx, y_vnni = torch.full((m, n), 7.0), torch.full((m, n), 7.0)
+            assert getattr(lib, name)(code, raw.ctypes.data, n, k, x.data_ptr(), m, y_avx.data_ptr(), 2) == 0
+            assert getattr(vnni, name)(code, raw.ctypes.data, n, k, x.data_ptr(), m, y_vnni.data_ptr(), 2) == 0
+            assert same_bits(y_vnni, y_avx), f"{name}, {m} rows"
+            assert y_avx.isfinite().any()
+
+
+@pytest.mark.parametrize("march", ["icelake-server", "alderlake"])
+def test_a_build_for_a_vnni_cpu_uses_the_vnni_instructions(tmp_path, march):
+    """``-march=native`` on a CPU with AVX512-VNNI (as Ice Lake servers, ``icelake-server``) or
+    AVX-VNNI (``alderlake``) builds the VNNI path: the compiler's assembly of the block kernels
+    holds both instructions (this machine cannot run them; the test above checks their bits)."""
+    import shutil
+    import subprocess
+
+    src = next(p for p in native.SOURCES if p.name == "gguf_blocks.c")
+    flags = [f for f in native.CFLAGS if f not in ("-march=native", "-shared", "-fPIC")]
+    subprocess.run([shutil.which("cc"), *flags, f"-march={march}", "-S", str(src), "-o", str(tmp_path / "k.s")],
+                   check=True, capture_output=True, timeout=native.BUILD_TIMEOUT_S)
+    asm = (tmp_path / "k.s").read_text()
+    assert "vpdpbusd" in asm and "vpdpwssd" in asm
+    subprocess.run([shutil.which("cc"), *flags, "-march=haswell", "-S", str(src), "-o", str(tmp_path / "h.s")],
+                   check=True, capture_output=True, timeout=native.BUILD_TIMEOUT_S)
+    assert "vpdpbusd" not in (tmp_path / "h.s").read_text()  # AVX2 alone: maddubs + madd
+
+
 def test_integer_activation_precisions_are_refused_without_their_kernels(tmp_path, monkeypatch):
     """Without the integer kernels gguf-a16 / gguf-a8 would multiply float32 activations and
     choose other tokens than their other peers: refused with the precision that does run; gguf

@@ -28,6 +28,31 @@
 #define MI_NEON 1
 #endif
 
+/* VNNI (AVX512-VNNI with AVX512VL: Intel Ice Lake and later servers, AMD Zen 4 and later; or
+ * AVX-VNNI: Intel Alder Lake and later): the integer dot products' instructions that sum four
+ * u8 x s8 products (vpdpbusd), or two s16 x s16 products plus an accumulator (vpdpwssd), into
+ * each int32 lane in one instruction, in the AVX2 path's 256-bit registers. They replace AVX2's
+ * maddubs + madd pairs exactly: the int32 lanes hold the same integers (maddubs's int16 pair
+ * sums cannot saturate here: |u8| <= 128 against |s8| <= 127, or nibbles against int8), so every
+ * float32 operation after them, and every result, keeps its bits. llama.cpp's x86 path makes the
+ * same substitution (ggml-cpu's mul_sum_us8_pairs_float). Q6_K's int8 products keep maddubs +
+ * madd, whose madd applies the 16-weight scales (with VNNI that would take a slow 32-bit multiply).
+ * Registers stay 256-bit: two blocks of a row per 512-bit register would add the blocks' products into
+ * the accumulator lanes in another order, and so change the bits. A test build on a CPU without VNNI
+ * defines MI_VNNI_EMULATION and mi_dpbusd / mi_dpwssd itself (-include of an emulation header:
+ * tests/helpers/vnni_emulation.h, tests/benchmarks/vnni_check.sh). */
+#if defined(MI_AVX2) && defined(MI_VNNI_EMULATION)
+#define MI_VNNI 2
+#elif defined(MI_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MI_VNNI 1
+static inline __m256i mi_dpbusd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(acc, a, b); }
+static inline __m256i mi_dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
+#elif defined(MI_AVX2) && defined(__AVXVNNI__)
+#define MI_VNNI 1
+static inline __m256i mi_dpbusd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpbusd_avx_epi32(acc, a, b); }
+static inline __m256i mi_dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
+#endif
+
 /* GGML type ids (ggml.h, enum ggml_type). */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
@@ -214,6 +239,16 @@ int mi_simd(void) {
     return 1;
 #elif defined(MI_NEON)
     return 2;
+#else
+    return 0;
+#endif
+}
+
+/* Whether the AVX2 path's integer dot products use VNNI instructions: 1, 2 for a test build that
+ * emulates them (MI_VNNI_EMULATION), 0 without (then maddubs + madd; the same bits either way). */
+int mi_vnni(void) {
+#ifdef MI_VNNI
+    return MI_VNNI;
 #else
     return 0;
 #endif
@@ -833,9 +868,14 @@ static void row_int(int act_bits, int type, const uint8_t *w, int64_t nb, int qk
 #endif
 
 #ifdef MI_AVX2
-/* Unsigned a (< 128) x signed b. */
+/* Unsigned a (<= 128) x signed b (|b| <= 127) -> 8 int32 lanes: lane l sums the products of
+ * bytes 4l .. 4l + 3 (maddubs's pair sums, at most 2 * 128 * 127, fit int16 unsaturated). */
 static inline __m256i dot_u8(__m256i a, __m256i b) {
+#ifdef MI_VNNI
+    return mi_dpbusd(_mm256_setzero_si256(), a, b);
+#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
 }
 
 /* One weight row against m quantized input rows (the block is decoded once for all rows):
@@ -852,8 +892,8 @@ static inline __attribute__((always_inline)) void row_q8(int type, const uint8_t
             PREFETCH_BLOCK(w, 34);
             __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2)), qa = _mm256_sign_epi8(q, q);
             float d = rd_half(w);
-            FOR_ROWS(__m256i p = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xr + 32 * b)), q));
-                     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1))),
+            FOR_ROWS(__m256i p = dot_u8(qa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xr + 32 * b)), q));
+                     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
                                               _mm256_set1_ps(d * xd[i * xb + b]), acc[i]))
         }
         break;
@@ -869,8 +909,8 @@ static inline __attribute__((always_inline)) void row_q8(int type, const uint8_t
             }
             __m256i qa = _mm256_sign_epi8(q, q);
             float d = rd_half(w);
-            FOR_ROWS(__m256i p = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xr + 32 * b)), q));
-                     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1))),
+            FOR_ROWS(__m256i p = dot_u8(qa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xr + 32 * b)), q));
+                     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
                                               _mm256_set1_ps(d * xd[i * xb + b]), acc[i]))
         }
         break;
@@ -947,12 +987,22 @@ int mi_supports_q8(int type) {
 
 
 #ifdef MI_AVX2
+/* Weights lo (values 0-15) and hi (16-31) as int16 against 32 int16 activations x -> 8 int32
+ * lanes: lane l sums the products of values 2l, 2l + 1 and of 16 + 2l, 17 + 2l. */
+static inline __m256i dot16_pairs(__m256i lo, __m256i hi, const int16_t *x) {
+    __m256i first = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x));
+#ifdef MI_VNNI
+    return mi_dpwssd(first, hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
+#else
+    return _mm256_add_epi32(first, _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+#endif
+}
+
 /* 32 int8 weights (|w| <= 128) times 32 int16 activations -> 8 int32 partial sums. */
 static inline __m256i dot16(__m256i q, const int16_t *x) {
     __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
     __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
-    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
-                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+    return dot16_pairs(lo, hi, x);
 }
 
 /* The same with weights 0-15 scaled by s0 and 16-31 by s1 first (Q6_K's 16-weight scales;
@@ -960,8 +1010,7 @@ static inline __m256i dot16(__m256i q, const int16_t *x) {
 static inline __m256i dot16_scaled(__m256i q, int s0, int s1, const int16_t *x) {
     __m256i lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), _mm256_set1_epi16((short)s0));
     __m256i hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)), _mm256_set1_epi16((short)s1));
-    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
-                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+    return dot16_pairs(lo, hi, x);
 }
 
 /* One weight row against m int16 input rows (see row_q8). */
@@ -1084,8 +1133,7 @@ static inline __attribute__((always_inline)) float row1_q32(int act_bits, int ty
                 q = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
             if (act_bits == 8) {
                 __m256i x = _mm256_loadu_si256((const __m256i *)((const int8_t *)xq + 32 * (b0 + j)));
-                dot = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)),
-                                        _mm256_set1_epi16(1));
+                dot = dot_u8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
             } else {
                 dot = dot16(q, (const int16_t *)xq + 32 * (b0 + j));
             }

@@ -102,7 +102,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mi_matmul_f32.argtypes = [p, i64, i64, p, i64, p, i32]
     lib.mi_round_activations.argtypes = [p, i64, i64, i32, p, i32]
     lib.mi_matmul_many.argtypes = [i32, i32, p, p, p, p, i64, p, i64, p, i32]
-    for f in (lib.mi_matmul_many, lib.mi_round_activations, lib.mi_matmul_f32, lib.mi_matmul, lib.mi_matmul_q8, lib.mi_matmul_q16, lib.mi_dequantize, lib.mi_supports, lib.mi_supports_q8, lib.mi_simd):
+    for f in (lib.mi_matmul_many, lib.mi_round_activations, lib.mi_matmul_f32, lib.mi_matmul, lib.mi_matmul_q8, lib.mi_matmul_q16, lib.mi_dequantize, lib.mi_supports, lib.mi_supports_q8, lib.mi_simd, lib.mi_vnni):
         f.restype = i32
     lib.mi_supports.argtypes = lib.mi_supports_q8.argtypes = [i32]
     lib.mi_rmsnorm.argtypes = [p, i64, i64, p, ctypes.c_float, p]
@@ -211,7 +211,7 @@ def main() -> int:
         print("gguf kernels: not available (see the warning above)", file=sys.stderr)
         return 1
     cc = _compiler()
-    simd = {1: "AVX2+FMA", 2: "NEON"}.get(lib.mi_simd(), "portable C")
+    simd = {1: "AVX2+FMA", 2: "NEON"}.get(lib.mi_simd(), "portable C") + (", VNNI" if lib.mi_vnni() else "")
     dropped = built_without(library_path(cc))
     print(f"gguf kernels: {library_path(cc)} ({simd}{'; built without ' + ' '.join(dropped) if dropped else ''})")
     return 0
