@@ -36,11 +36,11 @@
  * sums cannot saturate here: |u8| <= 128 against |s8| <= 127, or nibbles against int8), so every
  * float32 operation after them, and every result, keeps its bits. llama.cpp's x86 path makes the
  * same substitution (ggml-cpu's mul_sum_us8_pairs_float). Q6_K's int8 products keep maddubs +
- * madd, whose madd applies the 16-weight scales (with VNNI that would take a slow 32-bit multiply).
- * Registers stay 256-bit: two blocks of a row per 512-bit register would add the blocks' products into
- * the accumulator lanes in another order, and so change the bits. A test build on a CPU without VNNI
- * defines MI_VNNI_EMULATION and mi_dpbusd / mi_dpwssd itself (-include of an emulation header:
- * tests/helpers/vnni_emulation.h, tests/benchmarks/vnni_check.sh). */
+ * madd, whose madd applies the 16-weight scales (VNNI would need a slow 32-bit multiply there).
+ * Registers stay 256-bit: two blocks of a row per 512-bit register would add the blocks'
+ * products into the accumulator lanes in another order, and so change the bits. A test build on
+ * a CPU without VNNI defines MI_VNNI_EMULATION and mi_dpbusd / mi_dpwssd itself (-include of an
+ * emulation header: tests/helpers/vnni_emulation.h, tests/benchmarks/vnni_check.sh). */
 #if defined(MI_AVX2) && defined(MI_VNNI_EMULATION)
 #define MI_VNNI 2
 #elif defined(MI_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
