@@ -140,10 +140,9 @@ def swiglu_product(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module) ->
     In a prefill pass (``GGUFLinear.dense_for``) through two bias-free :class:`GGUFLinear` held
     as blocks, the up projection runs chunk by chunk (``kb.dense_row_chunks``), each chunk
     multiplied into its columns of the gate's output at once, so no whole ``(..., I)`` up
-    output exists: 10 MiB less
-    at a 512-position chunk of the default model (I = 4,864). The bits are those of
-    ``swiglu(gate, up)``: each element is the same float32 product. Anything else takes
-    :func:`project_many` and ``common.swiglu``."""
+    output exists: 10 MiB less at a 512-position chunk of the default model (I = 4,864). The
+    bits are those of ``swiglu(gate, up)``: each element is the same float32 product. Anything
+    else takes :func:`project_many` and ``common.swiglu``."""
     if not (isinstance(gate_proj, GGUFLinear) and isinstance(up_proj, GGUFLinear)
             and gate_proj.bias is None and up_proj.bias is None and gate_proj.qtype and up_proj.qtype
             and gate_proj.dense_for(x) and up_proj.dense_for(x)):
