@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from meshinfer.app.bench import GENERAL_PROMPTS
-from meshinfer.app.bench_single import (add_decode_median, add_fidelity, prefix_agreement, prompt_ids,
-                                        single_table, top1_agreement)
+from meshinfer.app.bench_single import (MESH_WORKER, _engines, add_decode_median, add_fidelity,
+                                        prefix_agreement, prompt_ids, single_table, top1_agreement)
 from meshinfer.core.config import PRECISION_NAMES
 from meshinfer.engine.generate import greedy_generate, load_shard
 from meshinfer.text.tokenizer import Tokenizer
@@ -215,3 +215,57 @@ def test_bench_single_engines_take_turns_on_the_chats(tiny_gguf, tmp_path):
     assert llama["fidelity_tokens"] == expected
     refs = rows[1]["fidelity_tokens"]
     assert llama["fidelity_top1"] == sum(map(top1_agreement, refs, [[0] * 4] * n)) / n  # its argmax is token 0
+
+
+def test_on_a_device_every_row_runs_there_and_the_reference_stays_on_the_cpu():
+    spec = {"model": "m.gguf", "threads": 1}
+    rows = _engines(spec, ["f32", "bf16", "gguf"], "/no/such/python", True, device="cuda")
+    found = [(row, python is not None, wspec.get("device"), wspec.get("speed")) for row, python, _, wspec in rows]
+    reference, f32, bf16, gguf, llama, hf = found
+    assert reference == ({"engine": "meshinfer", "precision": "f32", "device": "cpu"}, True, "cpu", False)
+    assert f32 == ({"engine": "meshinfer", "precision": "f32", "device": "cuda"}, True, "cuda", True)
+    assert bf16[0]["device"] == "cuda" and bf16[1:] == (True, "cuda", True)
+    assert gguf[1] is False and "uses CPU kernels" in gguf[0]["error"]  # never started
+    assert llama[1] is False and "error" in llama[0]
+    assert hf[0] == {"engine": "transformers", "precision": "f32", "device": "cuda"} and hf[2] == "cuda"
+    assert all(script == MESH_WORKER for _, _, script, _ in rows[:4])
+
+
+def test_on_the_cpu_the_f32_row_is_the_reference_itself():
+    rows = _engines({"model": "m.gguf"}, ["q8-bf16", "f32"], "/no/such/python", False)
+    assert [(r["precision"], r["device"], w["speed"]) for r, _, _, w in rows if r["engine"] == "meshinfer"] == [
+        ("f32", "cpu", True), ("q8-bf16", "cpu", True)]
+    rows = _engines({"model": "m.gguf"}, ["q8-bf16"], "/no/such/python", False)
+    assert [(r["precision"], w["speed"]) for r, _, _, w in rows if r["engine"] == "meshinfer"] == [
+        ("f32", False), ("q8-bf16", True)]
+
+
+def _measured(precision: str, device: str, **extra) -> dict:
+    return {"engine": "meshinfer", "precision": precision, "device": device, "decode_tok_s": 50.0,
+            "decode_tok_s_median": 51.0, "vs_llama": None, "fidelity_greedy": 1.0, "fidelity_top1": 0.98,
+            "ttft30_ms": 12.0, "ttft1000_ms": 40.0, "peak_rss_mib": 900.0, "load_s": 2.0, **extra}
+
+
+def test_a_device_table_names_each_rows_device_and_its_memory():
+    rows = [_measured("f32", "cuda", peak_device_mib=612.4),
+            {"engine": "meshinfer", "precision": "gguf", "device": "cuda", "error": "uses CPU kernels"},
+            {"engine": "llama.cpp", "precision": "gguf as stored", "error": "not installed"},
+            _measured("f32", "cuda", engine="transformers", peak_device_mib=None)]
+    table = single_table(rows, tokens=64, threads=4)
+    lines = table.splitlines()
+    assert "| precision (device) |" in lines[0] and "| peak device MiB |" in lines[0]
+    assert lines[1].count("|") == lines[0].count("|")
+    assert "| meshinfer | f32 (cuda) | 51.0 | - | 1.00 | 0.98 | 12 | 40 | 900 | 612 | 2.0 | - |" in table
+    assert "| transformers | f32 (cuda) | 51.0 |" in table and "| 900 | - | 2.0 |" in table
+    assert "| meshinfer | gguf (cuda) | not measured: uses CPU kernels |" in table
+    assert all(line.count("|") == lines[0].count("|") for line in lines[2:6])
+    assert "meshinfer f32 on the CPU ran only as the fidelity reference." in table
+    cpu = single_table([_measured("f32", "cpu")], tokens=64, threads=4)
+    assert "(device)" not in cpu and "peak device MiB" not in cpu and "| meshinfer | f32 | 51.0 |" in cpu
+
+
+def test_bench_refuses_an_unknown_device(tmp_path):
+    out = meshinfer("bench", "--single", "--device", "tpu", "--model", "nothing.gguf", home=tmp_path, timeout=120)
+    assert out.returncode != 0 and "device 'tpu' is not one of cpu, cuda, cuda:N, mps" in out.stderr
+    out = meshinfer("bench", "--device", "cuda:x", "--model", "nothing.gguf", home=tmp_path, timeout=120)
+    assert out.returncode != 0 and "device 'cuda:x' is not one of cpu, cuda, cuda:N, mps" in out.stderr

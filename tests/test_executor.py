@@ -39,3 +39,38 @@ def test_cuda_error_advice_names_the_fix():
     assert "nvidia-smi" in old and "driver" in old and "torch build" in old
     arch = cuda_advice("CUDA error: no kernel image is available for execution on the device")
     assert "compute_cap" in arch and "torch build" in arch
+
+
+@pytest.mark.parametrize("spec, index", [("cuda", 0), ("cuda:1", 1)])
+async def test_a_cuda_thread_binds_to_a_device_index(spec, index, monkeypatch):
+    """torch 2.11 raises ValueError for ``torch.cuda.set_device(torch.device("cuda"))`` (no index),
+    which broke every ``--device cuda`` peer on an H200 (docs/benchmarks.md, GPU): the device
+    thread passes an index, the current device's for a bare ``cuda``. torch.cuda is stood in
+    for here (CI has no GPU), keeping that version's rule."""
+    import contextlib
+
+    bound = []
+
+    def set_device(device):
+        if not isinstance(device, int) and getattr(device, "index", None) is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        bound.append(device)
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    ex = DeviceExecutor(spec)
+    try:
+        assert await ex.run(lambda: 42) == 42
+        assert bound == [index]
+    finally:
+        ex.close()

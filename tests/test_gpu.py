@@ -27,7 +27,7 @@ from meshinfer.core.errors import DeviceError
 from meshinfer.engine.executor import parse_device
 from meshinfer.engine.generate import load_shard, new_cache
 from meshinfer.client.mesh import MeshClient
-from helpers.realmodels import DEFAULT, first_near_tie, load_cases, shard_of
+from helpers.realmodels import DEFAULT, SMOL, first_near_tie, full_tensors, load_cases, shard_of
 from helpers.batching import compare_batched_with_single
 
 DEVICE = os.environ.get("MESHINFER_TEST_DEVICE", "cuda")
@@ -112,11 +112,13 @@ async def test_a_route_across_devices_picks_the_cpu_tokens_tiny(tiny, devices):
 
 
 @pytest.mark.realmodel
-def test_reference_cases_on_the_device_default_model():
+@pytest.mark.parametrize("name", [DEFAULT, SMOL])
+def test_reference_cases_on_the_device(name):
     """The independent float32 reference's greedy tokens, up to each case's first near tie."""
-    shard = shard_of(DEFAULT, 0, 24, device=DEVICE)
+    layers = full_tensors(name)[0].num_hidden_layers
+    shard = shard_of(name, 0, layers, device=DEVICE)
     compared = 0
-    for case in load_cases(DEFAULT).values():
+    for case in load_cases(name).values():
         got, _ = greedy_with_gaps(shard, case["prompt_ids"], len(case["greedy_ids"]))
         k = first_near_tie(case)
         assert got[:k] == case["greedy_ids"][:k]
@@ -125,18 +127,20 @@ def test_reference_cases_on_the_device_default_model():
 
 
 @pytest.mark.realmodel
-async def test_a_cpu_and_device_route_gives_the_reference_tokens_default_model():
+@pytest.mark.parametrize("name", [DEFAULT, SMOL])
+async def test_a_cpu_and_device_route_gives_the_reference_tokens(name):
     from helpers.realmodels import model_path
     from meshinfer.text.tokenizer import Tokenizer
 
-    path = model_path(DEFAULT)
-    shards = [shard_of(DEFAULT, 0, 12), shard_of(DEFAULT, 12, 24, device=DEVICE)]
+    path = model_path(name)
+    layers = full_tensors(name)[0].num_hidden_layers
+    shards = [shard_of(name, 0, layers // 2), shard_of(name, layers // 2, layers, device=DEVICE)]
     bundle = Tokenizer.from_gguf(path).to_bundle()
     async with mesh(shards, weights_hash=file_hash(path), bundle=bundle, devices=["cpu", DEVICE]) as peers:
         async with MeshClient(list(peers[0].addrs)) as client:
             route = await client.plan()
             compared = 0
-            for case in load_cases(DEFAULT).values():
+            for case in load_cases(name).values():
                 k = first_near_tie(case)
                 conv = client.conversation(route, max_tokens_total=len(case["prompt_ids"]) + k, speculate=False)
                 try:
@@ -146,3 +150,32 @@ async def test_a_cpu_and_device_route_gives_the_reference_tokens_default_model()
                 assert got == case["greedy_ids"][:k]
                 compared += k
             assert compared >= 20, compared
+
+
+def test_bench_single_runs_the_precisions_on_the_device_against_the_cpu_reference_tiny(tmp_path):
+    """``bench --single --device``: the f32 and bf16 rows ran on the device, their fidelity is
+    against f32 on the CPU, and a CUDA row reports its peak device memory."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers.tiny import random_weights, tiny_config, write_gguf
+
+    cfg = tiny_config("qwen2", context=2048)  # the benchmark's long prompt is 1,000 tokens
+    model = write_gguf(tmp_path / "tiny.gguf", cfg, random_weights(cfg, seed=5))
+    report = tmp_path / "single.json"
+    out = subprocess.run([sys.executable, "-m", "meshinfer", "bench", "--single", "--device", DEVICE,
+                          "--model", str(model), "--dtypes", "f32,bf16", "--threads", "1", "--max-tokens", "6",
+                          "--llama-python", str(tmp_path / "none"), "--no-transformers", "--no-join",
+                          "--out", str(report)], capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, MESHINFER_HOME=str(tmp_path)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    f32, bf16, _llama = json.loads(report.read_text())
+    assert (f32["precision"], f32["device"], bf16["precision"], bf16["device"]) == ("f32", DEVICE, "bf16", DEVICE)
+    assert f32["decode_tok_s"] > 0 and bf16["decode_tok_s"] > 0
+    assert f32["fidelity_top1"] >= 0.9, f32  # the device's f32 kernels move logits by ~1e-5
+    assert 0 <= bf16["fidelity_greedy"] <= 1 and 0 <= bf16["fidelity_top1"] <= 1
+    if torch.device(DEVICE).type == "cuda":
+        assert f32["peak_device_mib"] > 0 and "| f32 (cuda" in out.stdout
+    else:
+        assert f32["peak_device_mib"] is None and f32["fidelity_greedy"] == 1.0  # the reference itself

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshinfer.engine.generate import load_shard
+from meshinfer.engine.generate import load_shard, new_cache
 from meshinfer.engine.kernels import layer_step, native, step_ops
 from meshinfer.engine.kernels import blocks as kb
 from meshinfer.engine.kernels.blocks import F32_KERNEL_MAX_ROWS
@@ -20,12 +20,6 @@ def quantized_tiny(tmp_path, arch: str):
     from helpers.tiny import write_quantized_tiny
 
     return write_quantized_tiny(tmp_path / f"tiny-{arch}.gguf", arch)
-
-
-def new_cache(shard) -> KVCache:
-    cfg = shard.cfg
-    return KVCache(shard.range, cfg.num_key_value_heads, cfg.head_dim, dtype=shard.dtype,
-                   max_tokens=cfg.max_position_embeddings)
 
 
 def steps(shard):

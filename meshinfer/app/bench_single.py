@@ -42,6 +42,11 @@ prompt plus f32's tokens in one pass. The parent then computes:
   that agree with f32 before the first divergence);
 * ``fidelity_top1``: the mean over prompts of :func:`top1_agreement` (teacher-forced top-1),
   ``None`` with ``fidelity_top1_error`` when the engine gave no logits.
+
+``--device cuda`` (or ``cuda:N``, ``mps``) runs meshinfer's ``--dtypes`` and transformers on that
+device, and the f32 reference stays on the CPU: the GPU rows' fidelity is then how far the
+GPU's kernels move the tokens. Their table has a peak device memory column
+(``torch.cuda.max_memory_allocated``). llama.cpp runs where its build runs.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ from pathlib import Path
 from typing import Sequence
 
 from meshinfer.app.bench import GENERAL_PROMPTS
+from meshinfer.core.config import check_cpu_only
+from meshinfer.core.errors import InvalidInput
 
 #: Default interpreter that has ``llama_cpp``: the venv ``deploy/install-llama-cpp.sh`` builds.
 DEFAULT_LLAMA_PYTHON = ".venv-llama/bin/python"
@@ -105,14 +112,17 @@ spec = json.loads(sys.argv[1])
 torch.set_num_threads(spec["threads"])
 from meshinfer.engine.generate import greedy_generate, load_shard
 t0 = time.perf_counter()
-shard = load_shard(spec["model"], dtype=spec["dtype"], cache_dir=spec["cache_dir"])
+shard = load_shard(spec["model"], dtype=spec["dtype"], device=spec["device"], cache_dir=spec["cache_dir"])
 out = {"load_s": time.perf_counter() - t0}
+def peak_device_mib():
+    return torch.cuda.max_memory_allocated(shard.device) / 2**20 if shard.device.type == "cuda" else None
 if spec["speed"]:
     greedy_generate(shard, spec["warm"], max_tokens=3)
     short = greedy_generate(shard, spec["p30"], max_tokens=spec["tokens"])
     long = greedy_generate(shard, spec["p1000"], max_tokens=1)
     out.update(ttft30_ms=short.ttft_ms, decode_tok_s=short.decode_tokens_per_s, ttft1000_ms=long.ttft_ms,
-               token_ids=short.token_ids, peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+               token_ids=short.token_ids, peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               peak_device_mib=peak_device_mib())
 def chat(p):
     r = greedy_generate(shard, p, max_tokens=spec["tokens"])
     return r.token_ids, r.decode_tokens_per_s
@@ -172,36 +182,45 @@ torch.set_num_threads(spec["threads"])
 from transformers import AutoModelForCausalLM
 path = Path(spec["model"])
 t0 = time.perf_counter()
-model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+dev = torch.device(spec["device"])
+model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval().to(dev)
 load_s = time.perf_counter() - t0
+def sync():  # generate() may return before the device is done
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type == "mps":
+        torch.mps.synchronize()
 def run(ids, n):
-    ids = torch.tensor([ids])
+    ids = torch.tensor([ids], device=dev)
     t0 = time.perf_counter()
     model.generate(ids, max_new_tokens=1, do_sample=False)
+    sync()
     ttft = time.perf_counter() - t0
     if n == 1:
         return [], ttft * 1e3, 0.0
     t0 = time.perf_counter()
     out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    sync()
     total = time.perf_counter() - t0
     return out[0, ids.shape[1]:].tolist(), ttft * 1e3, (n - 1) / max(total - ttft, 1e-9)
 def chat(ids):  # argmax at every step, no end-of-turn stop and no EOS suppression
     n = spec["tokens"]
-    step = model(torch.tensor([ids]), use_cache=True)
+    step = model(torch.tensor([ids], device=dev), use_cache=True)
     toks, t0 = [int(step.logits[0, -1].argmax())], time.perf_counter()
     while len(toks) < n:
-        step = model(torch.tensor([toks[-1:]]), past_key_values=step.past_key_values, use_cache=True)
+        step = model(torch.tensor([toks[-1:]], device=dev), past_key_values=step.past_key_values, use_cache=True)
         toks.append(int(step.logits[0, -1].argmax()))
     return toks, (n - 1) / max(time.perf_counter() - t0, 1e-9)
 def argmax(refs):
-    return [model(torch.tensor([p + r])).logits[0, len(p) - 1:len(p) - 1 + len(r)]
+    return [model(torch.tensor([p + r], device=dev)).logits[0, len(p) - 1:len(p) - 1 + len(r)]
             .argmax(-1).tolist() for p, r in zip(spec["chats"], refs)]  # (T, V) -> (len(r),)
 with torch.inference_mode():
     run(spec["warm"], 3)
     toks, ttft30, rate = run(spec["p30"], spec["tokens"])
     _, ttft1000, _ = run(spec["p1000"], 1)
     out = {"load_s": load_s, "ttft30_ms": ttft30, "decode_tok_s": rate, "ttft1000_ms": ttft1000,
-           "token_ids": toks, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+           "token_ids": toks, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "peak_device_mib": torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None}
     serve(out, chat, argmax)
 '''
 
@@ -344,15 +363,16 @@ class _Worker:
         self._err.close()
 
 
-def join_to_ready_s(model: Path, dtype: str, home: Path, threads: int) -> float:
-    """Seconds from starting ``meshinfer join`` to its ``ready:`` line, with ``MESHINFER_HOME=home``.
+def join_to_ready_s(model: Path, dtype: str, home: Path, threads: int, device: str = "cpu") -> float:
+    """Seconds from starting ``meshinfer join`` (on ``device``) to its ``ready:`` line, with
+    ``MESHINFER_HOME=home``.
 
     Raises:
         RuntimeError: the peer exited or took longer than :data:`WORKER_TIMEOUT_S`.
     """
     log_path = home / f"join-{dtype}-{time.monotonic_ns()}.log"
     cmd = [sys.executable, "-m", "meshinfer", "join", "--model", str(model), "--dtype", dtype, "--listen",
-           "127.0.0.1:0", "--key", str(home / "peer.key"), "--threads", str(threads)]
+           "127.0.0.1:0", "--key", str(home / "peer.key"), "--threads", str(threads), "--device", device]
     env = dict(os.environ, MESHINFER_HOME=str(home))
     with open(log_path, "w") as log:
         t0 = time.perf_counter()
@@ -374,14 +394,25 @@ def _progress_line(row: dict) -> str:
                                     "chat_started")})
 
 
-def _engines(spec: dict, dtypes: list[str], llama_python: str | None,
-             transformers: bool) -> list[tuple[dict, str | None, str, dict]]:
+def _engines(spec: dict, dtypes: list[str], llama_python: str | None, transformers: bool,
+             device: str = "cpu") -> list[tuple[dict, str | None, str, dict]]:
     """Every row to measure, as (row, python or None with the reason in ``row["error"]``,
-    worker script, worker spec): meshinfer's f32 first (only the fidelity reference when it is
-    not in ``dtypes``), the other ``dtypes``, llama.cpp, transformers."""
-    out = [({"engine": "meshinfer", "precision": d}, sys.executable, MESH_WORKER,
-            {**spec, "dtype": d, "speed": d in dtypes})
-           for d in dict.fromkeys(["f32", *dtypes])]
+    worker script, worker spec): meshinfer's f32 on the CPU first (only the fidelity reference
+    when it is not in ``dtypes`` or ``device`` is not the CPU), the ``dtypes`` on ``device``,
+    llama.cpp (its own build's device), transformers (on ``device``)."""
+    reference = ({"engine": "meshinfer", "precision": "f32", "device": "cpu"}, sys.executable, MESH_WORKER,
+                 {**spec, "dtype": "f32", "device": "cpu", "speed": device == "cpu" and "f32" in dtypes})
+    out = [reference]
+    for d in dtypes:
+        if device == "cpu" and d == "f32":
+            continue  # the reference row
+        row = {"engine": "meshinfer", "precision": d, "device": device}
+        try:
+            check_cpu_only(d, device)
+        except InvalidInput as exc:
+            row["error"] = str(exc)
+        out.append((row, sys.executable if "error" not in row else None, MESH_WORKER,
+                    {**spec, "dtype": d, "device": device, "speed": True}))
     python = llama_python or os.environ.get("MESHINFER_LLAMA_PYTHON") or DEFAULT_LLAMA_PYTHON
     others = [("llama.cpp", python, LLAMA_WORKER, "gguf as stored")]
     if transformers:
@@ -391,7 +422,9 @@ def _engines(spec: dict, dtypes: list[str], llama_python: str | None,
         if not Path(py).exists():
             row["error"] = (f"{py} does not exist (bash deploy/install-llama-cpp.sh builds it, or pass --llama-python)"
                             if name == "llama.cpp" else f"{py} does not exist")
-        out.append((row, py if "error" not in row else None, script, spec))
+        if name == "transformers":
+            row["device"] = device
+        out.append((row, py if "error" not in row else None, script, {**spec, "device": device}))
     return out
 
 
@@ -426,10 +459,10 @@ def _first_results(row: dict, worker: _Worker, join: tuple[Path, Path, int] | No
         progress("loaded, speed runs done (chats next): " + _progress_line(row))
     if join is not None and row["engine"] == "meshinfer":
         model, tmp, threads = join
-        home = tmp / f"home-{row['precision']}"
+        home = tmp / f"home-{row['precision']}-{row['device']}"
         home.mkdir()
-        row["join_cold_s"] = join_to_ready_s(model, row["precision"], home, threads)
-        row["join_cached_s"] = join_to_ready_s(model, row["precision"], home, threads)
+        row["join_cold_s"] = join_to_ready_s(model, row["precision"], home, threads, row["device"])
+        row["join_cached_s"] = join_to_ready_s(model, row["precision"], home, threads, row["device"])
 
 
 def _teacher_forced(live: list[tuple[dict, _Worker]], refs: list[list[int]]) -> None:
@@ -443,9 +476,14 @@ def _teacher_forced(live: list[tuple[dict, _Worker]], refs: list[list[int]]) -> 
 
 
 def run_single(*, model: str, dtypes: list[str], tokens: int, threads: int, llama_python: str | None,
-               transformers: bool = True, join_times: bool = True, progress=None) -> list[dict]:
+               transformers: bool = True, join_times: bool = True, device: str = "cpu",
+               progress=None) -> list[dict]:
     """Run every engine (see the module docstring); one result dict per row, in ``dtypes`` order,
     then llama.cpp and transformers.
+
+    ``device`` (cpu, cuda, cuda:N, mps) is where meshinfer's ``dtypes`` and transformers run;
+    the fidelity reference is meshinfer f32 on the CPU (module docstring). A CPU-only precision
+    on another device gets a row with its error.
 
     Each engine's worker loads its model and times its speed runs while the workers before it
     wait idle; then the engines **take turns** on the fidelity chats (:func:`_take_turns`), so
@@ -458,10 +496,11 @@ def run_single(*, model: str, dtypes: list[str], tokens: int, threads: int, llam
     ``chat_decode_tok_s`` it comes from, ``vs_llama``, ``ttft1000_ms``, ``peak_rss_mib``, for
     meshinfer ``join_cold_s`` / ``join_cached_s``, and the fidelity (:func:`add_fidelity`) with
     the lists it comes from: ``fidelity_tokens`` (greedy ids per chat prompt) and
-    ``fidelity_argmax`` (teacher-forced argmaxes per chat prompt). ``tokens`` is the number of
-    greedy tokens of both the speed run and each fidelity prompt. Every engine is loaded at
-    once during the chats: the sum of their memory (about 11 GB for the default model with
-    every precision, llama.cpp and transformers).
+    ``fidelity_argmax`` (teacher-forced argmaxes per chat prompt); ``device`` for meshinfer and
+    transformers, and ``peak_device_mib`` (``torch.cuda.max_memory_allocated``; None off CUDA).
+    ``tokens`` is the number of greedy tokens of both the speed run and each fidelity prompt.
+    Every engine is loaded at once during the chats: the sum of their memory (about 11 GB for
+    the default model with every precision, llama.cpp and transformers).
     """
     from meshinfer.engine.weights.registry import resolve_model
 
@@ -472,11 +511,11 @@ def run_single(*, model: str, dtypes: list[str], tokens: int, threads: int, llam
     with tempfile.TemporaryDirectory(prefix="meshinfer-bench-") as tmp:
         spec["cache_dir"] = f"{tmp}/converted"
         try:
-            for row, python, script, wspec in _engines(spec, dtypes, llama_python, transformers):
+            for row, python, script, wspec in _engines(spec, dtypes, llama_python, transformers, device):
                 rows.append(row)
                 if python is not None:
                     live.append((row, _Worker(python, script, wspec)))
-                    join = (path, Path(tmp), threads) if join_times and row["precision"] in dtypes else None
+                    join = (path, Path(tmp), threads) if join_times and wspec.get("speed") else None
                     _first_results(*live[-1], join, progress)
             _take_turns(live, len(spec["chats"]))
             f32 = rows[0]
@@ -487,17 +526,25 @@ def run_single(*, model: str, dtypes: list[str], tokens: int, threads: int, llam
         finally:
             for _, worker in live:
                 worker.close()
+    rows = _summarize(rows, refs, why, dtypes, device)
+    if progress:
+        for row in rows:
+            progress(_progress_line(row))
+    return rows
+
+
+def _summarize(rows: list[dict], refs: list[list[int]] | None, why: str, dtypes: list[str],
+               device: str) -> list[dict]:
+    """Each row's fidelity, decode median and ratio to llama.cpp; returns the rows to report:
+    meshinfer's ``dtypes`` on ``device`` in that order (not the CPU f32 reference, unless it is
+    one of them), then the other engines."""
     llama = next((r for r in rows if r["engine"] == "llama.cpp"), None)
     for row in rows:
         add_fidelity(row, refs, why)
         add_decode_median(row)
         add_paired_ratio(row, llama)
-    mesh = {r["precision"]: r for r in rows if r["engine"] == "meshinfer"}
-    rows = [mesh[d] for d in dtypes] + [r for r in rows if r["engine"] != "meshinfer"]
-    if progress:
-        for row in rows:
-            progress(_progress_line(row))
-    return rows
+    mesh = {r["precision"]: r for r in rows if r["engine"] == "meshinfer" and r["device"] == device}
+    return [mesh[d] for d in dtypes] + [r for r in rows if r["engine"] != "meshinfer"]
 
 
 def add_paired_ratio(row: dict, llama: dict | None) -> None:
@@ -529,28 +576,35 @@ def _fidelity_cell(row: dict, key: str) -> str:
 def single_table(rows: list[dict], *, tokens: int, threads: int) -> str:
     """:func:`run_single`'s rows as a markdown table, with a note on how fidelity was measured."""
     llama = next((r.get("decode_tok_s_median") for r in rows if r["engine"] == "llama.cpp" and "error" not in r), None)
-    lines = [f"| engine | precision | decode tok/s (median of {len(GENERAL_PROMPTS)} chats x {tokens} tokens) | "
+    on_device = any(r.get("device", "cpu") != "cpu" for r in rows)
+    lines = [f"| engine | precision{' (device)' if on_device else ''} | decode tok/s (median of {len(GENERAL_PROMPTS)} chats x {tokens} tokens) | "
              f"vs llama.cpp | greedy agreement with f32 | "
              f"teacher-forced top-1 | TTFT ms, 30-token prompt | TTFT ms, 1000-token prompt | peak RSS MiB | "
-             f"load s | join→ready s cold / cached |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{'peak device MiB | ' if on_device else ''}load s | join→ready s cold / cached |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if on_device else "")]
     for r in rows:
+        precision = f"{r['precision']} ({r['device']})" if on_device and "device" in r else r["precision"]
         if "error" in r:
-            lines.append(f"| {r['engine']} | {r['precision']} | not measured: {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['engine']} | {precision} | not measured: {r['error']} | | | | | | | | |"
+                         + (" |" if on_device else ""))
             continue
         rate = r.get("decode_tok_s_median", r["decode_tok_s"])
         paired = r.get("vs_llama")
         ratio = f"{paired:.2f}" if paired is not None else (f"{rate / llama:.2f}" if llama else "-")
         join = f"{r['join_cold_s']:.1f} / {r['join_cached_s']:.1f}" if "join_cold_s" in r else "-"
-        lines.append(f"| {r['engine']} | {r['precision']} | {rate:.1f} | {ratio} | "
+        device_mib = r.get("peak_device_mib")
+        device_cell = (f"{device_mib:.0f} | " if device_mib is not None else "- | ") if on_device else ""
+        lines.append(f"| {r['engine']} | {precision} | {rate:.1f} | {ratio} | "
                      f"{_fidelity_cell(r, 'fidelity_greedy')} | {_fidelity_cell(r, 'fidelity_top1')} | "
-                     f"{r['ttft30_ms']:.0f} | {r['ttft1000_ms']:.0f} | {r['peak_rss_mib']:.0f} | {r['load_s']:.1f} | "
-                     f"{join} |")
+                     f"{r['ttft30_ms']:.0f} | {r['ttft1000_ms']:.0f} | {r['peak_rss_mib']:.0f} | {device_cell}"
+                     f"{r['load_s']:.1f} | {join} |")
     note = (f"\n\n{threads} thread{'s' if threads != 1 else ''} per engine, one process each after a warm-up; decode speed is the median "
             f"of the fidelity chats' decodes, which the engines took turns on; vs llama.cpp is the median over "
             f"chats of the two engines' rates on the same chat. Fidelity: {len(GENERAL_PROMPTS)} "
-            f"built-in chat prompts x {tokens} greedy tokens against meshinfer f32 (greedy: mean share of "
+            f"built-in chat prompts x {tokens} greedy tokens against meshinfer f32 on the CPU (greedy: mean share of "
             f"positions before the first divergence; teacher-forced: share of top-1 equal to f32's tokens).")
-    if not any(r["engine"] == "meshinfer" and r["precision"] == "f32" for r in rows):
+    if on_device:
+        note += " meshinfer f32 on the CPU ran only as the fidelity reference."
+    elif not any(r["engine"] == "meshinfer" and r["precision"] == "f32" for r in rows):
         note += " f32 is not in --dtypes: it ran only as the fidelity reference."
     return "\n".join(lines) + note

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 from pathlib import Path
 
-from meshinfer.core.config import PRECISION_NAMES, LayerRange, check_device_args
+from meshinfer.core.config import PRECISION_NAMES, LayerRange, check_device_args, check_device_spec
 from meshinfer.core.errors import ContextOverflow, MeshError
 from meshinfer.client.speculative import DEFAULT_DRAFT_TOKENS
 from meshinfer.engine.weights.registry import DEFAULT_MODEL
@@ -950,7 +950,8 @@ def _bench_single(args) -> int:
             raise ValueError(f"precision {d!r} is not one of {', '.join(PRECISION_NAMES)}")
     rows = run_single(model=args.model, dtypes=dtypes, tokens=args.max_tokens, threads=args.threads,
                       llama_python=args.llama_python, transformers=not args.no_transformers,
-                      join_times=not args.no_join, progress=lambda line: print(line, file=sys.stderr))
+                      join_times=not args.no_join, device=args.device,
+                      progress=lambda line: print(line, file=sys.stderr))
     print(single_table(rows, tokens=args.max_tokens, threads=args.threads))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
@@ -968,8 +969,10 @@ def cmd_bench(args) -> int:
     if args.max_tokens is None:
         # --single measures fidelity on 8 prompts x 64 greedy tokens (issue 13) with the same count.
         args.max_tokens = 64 if args.single else 32
+    check_device_spec(args.device)
     if args.single:
         return _bench_single(args)
+    os.environ["MESHINFER_DEVICE"] = args.device  # the peers' `join --device` default
 
     splits = [int(x) for x in args.splits.split(",")]
     if args.concurrency:
@@ -1304,6 +1307,10 @@ def _add_bench(sub, flags: dict[str, argparse.ArgumentParser]) -> None:
     s.add_argument("--llama-python", default=None,
                    help="with --single: python with llama_cpp [$MESHINFER_LLAMA_PYTHON, else .venv-llama/bin/python from deploy/install-llama-cpp.sh]")
     s.add_argument("--no-transformers", action="store_true", help="with --single: skip transformers")
+    s.add_argument("--device", default=_env("MESHINFER_DEVICE", "cpu"),
+                   help="cpu, cuda, cuda:N or mps: the device of the peers the suites start, and with --single of "
+                        "meshinfer's --dtypes and transformers (fidelity is always against f32 on the CPU) "
+                        "[$MESHINFER_DEVICE]")
     s.add_argument("--no-join", action="store_true", help="with --single: skip the join-to-ready timings")
     s.set_defaults(func=cmd_bench)
 

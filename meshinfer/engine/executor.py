@@ -96,7 +96,8 @@ class DeviceExecutor:
         if self._threads:
             torch.set_num_threads(self._threads)
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            # torch 2.11 refuses set_device(torch.device("cuda")) without an index (seen on an H200)
+            torch.cuda.set_device(self.device.index if self.device.index is not None else torch.cuda.current_device())
             self._stream = torch.cuda.Stream(self.device)
 
     def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

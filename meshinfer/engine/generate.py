@@ -205,11 +205,13 @@ def greedy_generate(shard: Shard, prompt_ids: Sequence[int], *, max_tokens: int 
         ids = torch.tensor([list(prompt_ids)], dtype=torch.int64)  # (1, P)
         for s in range(0, ids.shape[1], PREFILL_CHUNK):
             logits = shard(ids[:, s:s + PREFILL_CHUNK], s, cache)  # (1, 1, V) on the last chunk
+        token = argmax(logits[0, -1])  # an int: on a GPU this waits for the prefill's kernels
         out.ttft_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
         decode_steps = 0
-        while out.accept(argmax(logits[0, -1]), budget=budget, eos=eos, on_token=on_token):
+        while out.accept(token, budget=budget, eos=eos, on_token=on_token):
             logits = shard(torch.tensor([[out.token_ids[-1]]]), cache.length, cache)  # (1, 1, V)
+            token = argmax(logits[0, -1])
             decode_steps += 1
         out.set_decode_rate(decode_steps, time.perf_counter() - t1)
     finally:

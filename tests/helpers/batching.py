@@ -10,8 +10,7 @@ import threading
 import torch
 
 from helpers.meshkit import generate_through
-from meshinfer.core.config import LayerRange
-from meshinfer.engine.kv_cache import KVCache
+from meshinfer.engine.generate import new_cache  # on the shard's device (a CUDA test once made them on the CPU)
 from meshinfer.peer.node import ClientLimits
 
 #: Largest relative difference (max |a - b| / max |b|) allowed between batched and single
@@ -33,12 +32,6 @@ CONCURRENT_DEADLINE_FLOOR_S = 300.0
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
-
-
-def new_cache(shard, run: LayerRange) -> KVCache:
-    cfg = shard.cfg
-    return KVCache(run, cfg.num_key_value_heads, cfg.head_dim, dtype=shard.dtype,
-                   max_tokens=cfg.max_position_embeddings)
 
 
 def compare_batched_with_single(shards: list, prompts: list[list[int]], steps: int, *, step_tokens=None) -> int:
