@@ -16,7 +16,10 @@ may fairly go either way), and each test checks that enough positions were compa
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -29,6 +32,7 @@ from meshinfer.engine.generate import load_shard, new_cache
 from meshinfer.client.mesh import MeshClient
 from helpers.realmodels import DEFAULT, SMOL, first_near_tie, full_tensors, load_cases, shard_of
 from helpers.batching import compare_batched_with_single
+from helpers.tiny import random_weights, tiny_config, write_gguf
 
 DEVICE = os.environ.get("MESHINFER_TEST_DEVICE", "cuda")
 #: Top-1 minus top-2 logit below which a position counts as a near tie: another kernel moves
@@ -155,12 +159,6 @@ async def test_a_cpu_and_device_route_gives_the_reference_tokens(name):
 def test_bench_single_runs_the_precisions_on_the_device_against_the_cpu_reference_tiny(tmp_path):
     """``bench --single --device``: the f32 and bf16 rows ran on the device, their fidelity is
     against f32 on the CPU, and a CUDA row reports its peak device memory."""
-    import json
-    import subprocess
-    import sys
-
-    from helpers.tiny import random_weights, tiny_config, write_gguf
-
     cfg = tiny_config("qwen2", context=2048)  # the benchmark's long prompt is 1,000 tokens
     model = write_gguf(tmp_path / "tiny.gguf", cfg, random_weights(cfg, seed=5))
     report = tmp_path / "single.json"
