@@ -269,3 +269,6 @@ def test_bench_refuses_an_unknown_device(tmp_path):
     assert out.returncode != 0 and "device 'tpu' is not one of cpu, cuda, cuda:N, mps" in out.stderr
     out = meshinfer("bench", "--device", "cuda:x", "--model", "nothing.gguf", home=tmp_path, timeout=120)
     assert out.returncode != 0 and "device 'cuda:x' is not one of cpu, cuda, cuda:N, mps" in out.stderr
+    out = meshinfer("bench", "--device", "cuda", "--dtype", "gguf-a8", "--model", "nothing.gguf", home=tmp_path,
+                    timeout=120)
+    assert out.returncode != 0 and "precision gguf-a8 uses CPU kernels" in out.stderr

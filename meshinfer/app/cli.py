@@ -972,6 +972,7 @@ def cmd_bench(args) -> int:
     check_device_spec(args.device)
     if args.single:
         return _bench_single(args)
+    check_device_args(args.dtype, args.device)  # before any peer starts: a CPU-only precision on a GPU
     os.environ["MESHINFER_DEVICE"] = args.device  # the peers' `join --device` default
 
     splits = [int(x) for x in args.splits.split(",")]
