@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -47,8 +48,6 @@ async def test_a_cuda_thread_binds_to_a_device_index(spec, index, monkeypatch):
     which broke every ``--device cuda`` peer on an H200 (docs/benchmarks.md, GPU): the device
     thread passes an index, the current device's for a bare ``cuda``. torch.cuda is stood in
     for here (CI has no GPU), keeping that version's rule."""
-    import contextlib
-
     bound = []
 
     def set_device(device):
@@ -58,6 +57,7 @@ async def test_a_cuda_thread_binds_to_a_device_index(spec, index, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
     class Stream:
         def __init__(self, device):
             self.device = device
