@@ -29,9 +29,16 @@ def test_malformed_device_is_refused(spec):
         parse_device(spec)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the advice of a machine without CUDA")
-def test_cuda_on_a_cpu_build_gives_advice():
-    with pytest.raises(DeviceError, match="nvidia-smi"):
+def test_cuda_on_a_cpu_build_gives_advice(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build, on any machine (a GPU one too)
+    with pytest.raises(DeviceError, match="it is a CPU build.*nvidia-smi"):
+        parse_device("cuda")
+
+
+def test_cuda_without_a_visible_device_gives_advice(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(DeviceError, match="no CUDA device is visible.*nvidia-smi"):
         parse_device("cuda")
 
 
