@@ -36,8 +36,15 @@ PROMPT_TOKENS = 40
 
 
 def two_libraries(directory: Path) -> tuple[ctypes.CDLL, ctypes.CDLL]:
-    """(the VNNI build, the AVX2 build) of the kernels, compiled here with :data:`native.CFLAGS`."""
-    cc = os.environ.get("CC") or "cc"
+    """(the VNNI build, the AVX2 build) of the kernels, compiled here with :data:`native.CFLAGS`.
+
+    Raises:
+        OSError: no C compiler (``$CC``, else ``cc``), or ``directory`` cannot be written.
+        subprocess.CalledProcessError: the compiler refused the flags.
+    """
+    cc = native._compiler()
+    if cc is None:
+        raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc'} not found)")
     libs = []
     for name, extra in (("vnni", []), ("avx2", ["-mno-avx512vnni", "-mno-avxvnni"])):
         out = directory / f"{name}.so"
