@@ -93,10 +93,12 @@ static inline float rd_half(const uint8_t *p) { return half_to_float((uint16_t)(
 /* How far ahead of the block in use the kernels ask for the weights (bytes): one prefetch per
  * 64-byte line of each block, this far on, so that the line is in L1 when the loop reaches it.
  * A prefetch never faults, so one past the end of the weights is harmless. On the 2-core EPYC
- * it alone made the int8 product of the Q8_0 output head 0.89x the time and the down
- * projections' 0.91x; 512, 768, 2,048 and 4,096 bytes measured no better (docs/performance.md,
- * "Prefetch and scale runs"). */
-#define PREFETCH_BYTES 1024
+ * 1,024 bytes first made the int8 product of the Q8_0 output head 0.89x the time and the down
+ * projections' 0.91x; on 2026-12-04, whole gguf-a8 decode steps on one thread took 0.95x the time
+ * at 2,048 and 0.92x at 3,072 (with the scales formed in the loop, row1_q32) against 1,024, the
+ * lowest of 80 steps in six alternated runs each; 4,096 and 8,192 measured no better on two
+ * threads (docs/performance.md, "Prefetch and scale runs"). */
+#define PREFETCH_BYTES 3072
 #define PREFETCH_BLOCK(W, BYTES)                                                                  \
     for (int pf_ = 0; pf_ < (BYTES); pf_ += 64) __builtin_prefetch((const char *)(W) + PREFETCH_BYTES + pf_, 0, 3)
 
@@ -1097,48 +1099,42 @@ static inline __attribute__((always_inline)) void row_q16(int type, const uint8_
 #endif
 
 #ifdef MI_AVX2
-/* Blocks whose scales row1_q32 forms at a time (a multiple of 8). */
-#define SCALE_RUN 64
-
 /* One row w (nb blocks) of a 32-weight-block type (Q8_0, Q5_0, Q4_0) against one input row
  * rounded to int8 (act_bits 8) or int16 (16) blocks xq with scales xd: the dot product. The same
- * operations in the same order as row_q8 / row_q16 with m = 1, so the same bits, except that the
- * blocks' products of scales d * dx are formed up to SCALE_RUN at a time before the blocks' loop
- * (F16C converts 8 halves in one instruction) instead of one scalar conversion and
- * multiplication per block: a decode step spends most of its time in this loop over Q5_0 blocks
- * (docs/performance.md, "Prefetch and scale runs"). */
+ * operations in the same order as row_q8 / row_q16 with m = 1, so the same bits; each block's
+ * product of scales d * dx is formed in the loop, as a vector (F16C's conversion of the half; a
+ * scalar product without F16C). A decode step spends most of its time in this loop over Q5_0
+ * blocks.
+ * Until 2026-12-04 the products of scales were formed up to 64 blocks at a time before the
+ * blocks' loop; forming them in the loop measured no slower, with less code (docs/performance.md,
+ * "Prefetch and scale runs"). */
 static inline __attribute__((always_inline)) float row1_q32(int act_bits, int type, const uint8_t *w, int64_t nb,
                                                            const void *xq, const float *xd) {
     const int bytes = type == T_Q8_0 ? 34 : (type == T_Q5_0 ? 22 : 18);
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t b0 = 0; b0 < nb; b0 += SCALE_RUN) {
-        int n = nb - b0 < SCALE_RUN ? (int)(nb - b0) : SCALE_RUN, j = 0;
-        float sd[SCALE_RUN];
-#ifdef __F16C__ /* every AVX2 CPU has it; a compiler told otherwise takes the scalar loop below */
-        uint16_t h[SCALE_RUN];
-        for (j = 0; j < n; j++) memcpy(h + j, w + j * bytes, 2);
-        for (j = 0; j + 8 <= n; j += 8)
-            _mm256_storeu_ps(sd + j, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))),
-                                                   _mm256_loadu_ps(xd + b0 + j)));
-#endif
-        for (; j < n; j++) sd[j] = rd_half(w + j * bytes) * xd[b0 + j];
-        for (j = 0; j < n; j++, w += bytes) {
-            PREFETCH_BLOCK(w, bytes);
-            __m256i q, dot;
-            if (type == T_Q8_0)
-                q = _mm256_loadu_si256((const __m256i *)(w + 2));
-            else if (type == T_Q5_0)
-                q = q5_0_bytes(w);
-            else
-                q = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
-            if (act_bits == 8) {
-                __m256i x = _mm256_loadu_si256((const __m256i *)((const int8_t *)xq + 32 * (b0 + j)));
-                dot = dot_u8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-            } else {
-                dot = dot16(q, (const int16_t *)xq + 32 * (b0 + j));
-            }
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(sd + j), acc);
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        PREFETCH_BLOCK(w, bytes);
+        __m256i q, dot;
+        if (type == T_Q8_0)
+            q = _mm256_loadu_si256((const __m256i *)(w + 2));
+        else if (type == T_Q5_0)
+            q = q5_0_bytes(w);
+        else
+            q = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
+        if (act_bits == 8) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)((const int8_t *)xq + 32 * b));
+            dot = dot_u8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+        } else {
+            dot = dot16(q, (const int16_t *)xq + 32 * b);
         }
+#ifdef __F16C__ /* every AVX2 CPU has it; a compiler told otherwise takes the scalar product */
+        uint16_t h;
+        memcpy(&h, w, 2);
+        const __m256 sd = _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16((short)h)), _mm256_broadcast_ss(xd + b));
+#else
+        const __m256 sd = _mm256_set1_ps(rd_half(w) * xd[b]);
+#endif
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sd, acc);
     }
     float minus = 0; /* as row_q8 adds its (zero) minimum term: a -0 sum comes out +0 */
     return hsum8(acc) + minus;
@@ -1349,33 +1345,48 @@ typedef void (*chunk_fn)(const product *, int64_t);
  * head gets every thread and its layer products one. */
 #define POSIX_MIN_WEIGHTS (1LL << 25)
 
-/* A chunk loop shared by the threads: each takes the next chunk until none is left. */
+/* A chunk loop shared by the threads: each takes the next run of ceil(left / threads) chunks
+ * (see run_chunks) until none is left. */
 typedef struct {
     chunk_fn fn;
     const product *p;
     int64_t n, next;
+    int threads;
 } chunk_loop;
 
 static void *chunk_worker(void *arg) {
     chunk_loop *l = (chunk_loop *)arg;
-    for (int64_t c; (c = __atomic_fetch_add(&l->next, 1, __ATOMIC_RELAXED)) < l->n;) l->fn(l->p, c);
-    return NULL;
+    int64_t c = __atomic_load_n(&l->next, __ATOMIC_RELAXED), run;
+    for (;;) {
+        if (c >= l->n) return NULL;
+        run = (l->n - c + l->threads - 1) / l->threads;
+        if (__atomic_compare_exchange_n(&l->next, &c, c + run, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            for (int64_t i = c; i < c + run; i++) l->fn(l->p, i);
+            c = __atomic_load_n(&l->next, __ATOMIC_RELAXED);
+        } /* else c now holds the value another thread left: try again from there */
+    }
 }
 #endif
 
-/* fn(p, c) for each chunk c in [0, n), on up to nthreads threads taking chunks as they come
- * (dynamic: a thread the OS deschedules, other processes on the core, holds up only its
- * current chunk). OpenMP's threads where the compiler has OpenMP; else POSIX threads started
- * for the call (Apple's clang has no OpenMP: without them a Mac peer's output head used one
- * core; see POSIX_MIN_WEIGHTS). Each output row is computed by one thread alone, so the thread
- * count changes no result. */
+/* fn(p, c) for each chunk c in [0, n), on up to nthreads threads taking runs of consecutive
+ * chunks, each run ceil(left / nthreads) of the chunks not yet taken (OpenMP's guided
+ * schedule): on two threads the first run is half the product, the next a quarter, and so on.
+ * So each thread reads the weights as one long stream, which the hardware prefetchers follow,
+ * and the runs shrink toward the end so that the threads finish together. Taking one chunk at a
+ * time (the schedule until 2026-12-04) interleaved the threads' chunks: on the 2-core EPYC the
+ * whole model's int8 products took 1.09x the time, and whole gguf-a8 decode steps 1.07x
+ * (docs/performance.md, "Long streams"). A thread the OS deschedules holds up only its run.
+ * OpenMP's threads where the compiler has OpenMP; else POSIX threads started for the call
+ * (Apple's clang has no OpenMP: without them a Mac peer's output head used one core; see
+ * POSIX_MIN_WEIGHTS), taking runs the same way. Each output row is computed by one thread
+ * alone, so neither the thread count nor the runs change a result. */
 static void run_chunks(chunk_fn fn, const product *p, int64_t n, int nthreads) {
     if (nthreads > n) nthreads = (int)n;
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(nthreads > 1 ? nthreads : 1) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(nthreads > 1 ? nthreads : 1) schedule(guided, 1)
     for (int64_t c = 0; c < n; c++) fn(p, c);
 #else
-    chunk_loop loop = {fn, p, n, 0};
+    chunk_loop loop = {fn, p, n, 0, nthreads > 1 ? nthreads : 1};
     pthread_t threads[63];
     int started = 0;
     for (int t = 1; t < nthreads && started < 63; t++)
@@ -1475,14 +1486,14 @@ void mi_team_matmul_many(int act_bits, int nt, const int *types, const uint8_t *
     int64_t chunks = (total + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
 #ifdef MI_AVX2
     if (m == 1 && act_bits != 32) {
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(guided, 1)
         for (int64_t c = 0; c < chunks; c++) decode_chunk(&p, c);
         return;
     }
 #endif
     for (p.i0 = 0; p.i0 < m; p.i0 += MAX_ROWS) {
         p.mm = (int)(m - p.i0 < MAX_ROWS ? m - p.i0 : MAX_ROWS);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(guided, 1)
         for (int64_t c = 0; c < chunks; c++) rows_chunk(&p, c);
     }
 }
