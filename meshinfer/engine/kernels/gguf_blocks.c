@@ -97,7 +97,7 @@ static inline float rd_half(const uint8_t *p) { return half_to_float((uint16_t)(
  * projections' 0.91x; on 2026-12-04, whole gguf-a8 decode steps on one thread took 0.95x the time
  * at 2,048 and 0.92x at 3,072 (with the scales formed in the loop, row1_q32) against 1,024, the
  * lowest of 80 steps in six alternated runs each; 4,096 and 8,192 measured no better on two
- * threads (docs/performance.md, "Prefetch and scale runs"). */
+ * threads (docs/performance.md, "Prefetch and scale runs" and "Long streams"). */
 #define PREFETCH_BYTES 3072
 #define PREFETCH_BLOCK(W, BYTES)                                                                  \
     for (int pf_ = 0; pf_ < (BYTES); pf_ += 64) __builtin_prefetch((const char *)(W) + PREFETCH_BYTES + pf_, 0, 3)
@@ -1107,7 +1107,7 @@ static inline __attribute__((always_inline)) void row_q16(int type, const uint8_
  * blocks.
  * Until 2026-12-04 the products of scales were formed up to 64 blocks at a time before the
  * blocks' loop; forming them in the loop measured no slower, with less code (docs/performance.md,
- * "Prefetch and scale runs"). */
+ * "Long streams"). */
 static inline __attribute__((always_inline)) float row1_q32(int act_bits, int type, const uint8_t *w, int64_t nb,
                                                            const void *xq, const float *xd) {
     const int bytes = type == T_Q8_0 ? 34 : (type == T_Q5_0 ? 22 : 18);
