@@ -1374,8 +1374,10 @@ static void *chunk_worker(void *arg) {
  * So each thread reads the weights as one long stream, which the hardware prefetchers follow,
  * and the runs shrink toward the end so that the threads finish together. Taking one chunk at a
  * time (the schedule until 2026-12-04) interleaved the threads' chunks: on the 2-core EPYC the
- * whole model's int8 products took 1.09x the time, and whole gguf-a8 decode steps 1.07x
- * (docs/performance.md, "Long streams"). A thread the OS deschedules holds up only its run.
+ * whole model's int8 products took 1.09-1.13x the time, and whole gguf-a8 decode steps
+ * 1.07-1.17x (docs/performance.md, "Long streams"). A thread the OS deschedules holds up the
+ * run it took (up to half of a two-thread product; with one chunk at a time the other thread
+ * took every chunk left).
  * OpenMP's threads where the compiler has OpenMP; else POSIX threads started for the call
  * (Apple's clang has no OpenMP: without them a Mac peer's output head used one core; see
  * POSIX_MIN_WEIGHTS), taking runs the same way. Each output row is computed by one thread
